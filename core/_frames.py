@@ -1,0 +1,72 @@
+"""The chunk frames that carry tensor bytes, written and read without protobuf.
+
+A chunk frame is the protobuf encoding of a frame message whose oneof holds
+`bytes chunk = 2`: the tag byte 0x12, the payload length as a varint, then
+the payload. Writing that prefix by hand costs one copy of the payload where
+protobuf's `bytes` field costs one per construction, serialisation and parse,
+and lets the server keep the frames it received and send them back verbatim.
+"""
+
+from __future__ import annotations
+
+from ._errors import InvalidArgumentError
+
+__all__ = [
+    "CHUNK_TAG",
+    "DEFAULT_CHUNK_BYTES",
+    "HEADER_TAG",
+    "MAX_CHUNK_BYTES",
+    "MAX_MESSAGE_BYTES",
+    "MIN_CHUNK_BYTES",
+    "chunk_payload_offset",
+    "chunk_prefix",
+]
+
+HEADER_TAG = 0x0A  # field 1, length-delimited: the header member of the oneof
+CHUNK_TAG = 0x12  # field 2, length-delimited: the chunk member
+
+MIN_CHUNK_BYTES = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+# Large enough for a full chunk frame and for a batch header, and far below
+# any item's size: items of any size move as many messages.
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+def chunk_prefix(n: int) -> bytes:
+    """The tag and varint length that precede a chunk of `n` bytes."""
+    out = bytearray((CHUNK_TAG,))
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def chunk_payload_offset(frame: bytes) -> int:
+    """Where the payload of a chunk frame starts, checking the frame is one.
+
+    Raises InvalidArgumentError when the frame is not a single chunk member
+    whose declared length is exactly the rest of the frame.
+    """
+    if not frame or frame[0] != CHUNK_TAG:
+        raise InvalidArgumentError(
+            "expected a chunk frame (field 2); got "
+            + ("an empty frame" if not frame else f"a frame starting with tag byte {frame[0]:#04x}")
+        )
+    n = 0
+    shift = 0
+    pos = 1
+    end = min(len(frame), 11)
+    while pos < end:
+        byte = frame[pos]
+        n |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            break
+        shift += 7
+    else:
+        raise InvalidArgumentError("chunk frame has a truncated length")
+    if n != len(frame) - pos:
+        raise InvalidArgumentError(f"chunk frame declares {n} bytes but carries {len(frame) - pos}")
+    return pos

@@ -1,0 +1,180 @@
+"""A byte-bounded LRU, and the batch rule that both sides of mmcache apply.
+
+The server's item store and the client's key-only mirror are the same class
+with different values (the item's bytes on the server, nothing on the
+client), so for a single client the two make the same decision for every
+item by construction: a mirror that agrees with the server is not a second
+implementation kept in step by hand.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+__all__ = ["BatchEntry", "ByteLRU", "Outcome"]
+
+V = TypeVar("V")
+
+
+class Outcome(enum.IntEnum):
+    """What happened to one entry of a batch. Values match `mmcache.v1.Outcome`."""
+
+    HIT = 1  # hash only, and the cache held it
+    MISSING = 2  # hash only, and the cache did not hold it
+    STORED = 3  # data sent and stored; the hash was not held before
+    REPLACED = 4  # data sent and stored over an entry under the same hash
+    UNCACHED = 5  # data sent but not storable: larger than the room beside the batch
+
+
+@dataclass(frozen=True, slots=True)
+class BatchEntry(Generic[V]):
+    """One item of a batch: its key, and its size and value when data is sent."""
+
+    key: str
+    size: int | None = None  # None: hash only
+    value: V | None = None
+
+
+class ByteLRU(Generic[V]):
+    """Least-recently-used map bounded by the sum of its entries' sizes.
+
+    Every operation is O(1) (eviction O(1) per entry evicted); the order
+    lives in an `OrderedDict`, whose move-to-end and pop-first are O(1).
+    """
+
+    __slots__ = ("_capacity", "_data", "_on_evict", "_used")
+
+    def __init__(
+        self,
+        capacity: int,
+        on_evict: Callable[[str, V, int], None] | None = None,
+    ) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self._capacity = capacity
+        self._used = 0
+        self._data: OrderedDict[str, tuple[V, int]] = OrderedDict()
+        self._on_evict = on_evict
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        """Sum of the sizes of the entries held."""
+        return self._used
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def keys(self) -> Iterator[str]:
+        """Keys from least to most recently used."""
+        return iter(self._data)
+
+    def peek(self, key: str) -> V | None:
+        """The value under `key`, without changing the eviction order."""
+        entry = self._data.get(key)
+        return None if entry is None else entry[0]
+
+    def size_of(self, key: str) -> int | None:
+        entry = self._data.get(key)
+        return None if entry is None else entry[1]
+
+    def touch(self, key: str) -> bool:
+        """Mark `key` most recently used. A missing key is left missing."""
+        if key in self._data:
+            self._data.move_to_end(key)
+            return True
+        return False
+
+    def pop(self, key: str) -> V | None:
+        """Remove `key` (not counted as an eviction) and return its value."""
+        entry = self._data.pop(key, None)
+        if entry is None:
+            return None
+        self._used -= entry[1]
+        return entry[0]
+
+    def clear(self) -> int:
+        """Remove everything; returns how many entries there were."""
+        n = len(self._data)
+        self._data.clear()
+        self._used = 0
+        return n
+
+    def resize(self, capacity: int) -> None:
+        """Change the capacity, evicting the oldest entries that no longer fit."""
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self._capacity = capacity
+        self._evict_until(0)
+
+    def put(self, key: str, value: V, size: int) -> Outcome:
+        """Store `value` under `key` (replacing any entry), evicting as needed."""
+        return self.apply_batch([BatchEntry(key, size, value)], replace_present=True)[0]
+
+    def apply_batch(
+        self, entries: Sequence[BatchEntry[V]], *, replace_present: bool
+    ) -> list[Outcome]:
+        """Apply one `get_and_update` batch and say what happened to each entry.
+
+        Every key of the batch is touched first, then the entries run in
+        order. An entry with data is stored; if its key is held, the server
+        replaces it (`replace_present=True`: sent data wins) while the
+        mirror calls it a hit (it would not have sent the data). An insert
+        evicts only entries the batch does not refer to: an item that would
+        need more room than that is UNCACHED, and an entry it was meant to
+        replace is dropped rather than left serving old data.
+        """
+        data = self._data
+        batch_keys = {e.key for e in entries}
+        for key in batch_keys:
+            if key in data:
+                data.move_to_end(key)
+        # The batch's own entries now sit at the most-recent end, so eviction
+        # from the other end reaches every other entry before any of them.
+        pinned = sum(data[k][1] for k in batch_keys if k in data)
+        outcomes: list[Outcome] = []
+        for entry in entries:
+            key = entry.key
+            held = data.get(key)
+            if entry.size is None or (held is not None and not replace_present):
+                if held is None:
+                    outcomes.append(Outcome.MISSING)
+                else:
+                    data.move_to_end(key)
+                    outcomes.append(Outcome.HIT)
+                continue
+            old_size = 0 if held is None else held[1]
+            if entry.size > self._capacity - (pinned - old_size):
+                if held is not None:
+                    del data[key]
+                    self._used -= old_size
+                    pinned -= old_size
+                outcomes.append(Outcome.UNCACHED)
+                continue
+            if held is not None:
+                del data[key]
+                self._used -= old_size
+            self._evict_until(entry.size)
+            data[key] = (entry.value, entry.size)  # type: ignore[assignment]
+            self._used += entry.size
+            pinned += entry.size - old_size
+            outcomes.append(Outcome.STORED if held is None else Outcome.REPLACED)
+        return outcomes
+
+    def _evict_until(self, incoming: int) -> None:
+        data = self._data
+        while data and self._used + incoming > self._capacity:
+            key, (value, size) = data.popitem(last=False)
+            self._used -= size
+            if self._on_evict is not None:
+                self._on_evict(key, value, size)

@@ -1,0 +1,83 @@
+"""Validation and size of an item's wire description (`mmcache.v1.ItemSpec`).
+
+`item_size` is the one size function of mmcache: the client charges its
+mirror with it and the server charges its store with it, both from the same
+spec, so the two agree byte for byte. Size = the bytes of every tensor leaf
+plus `sys.getsizeof` of every scalar leaf, as vLLM counts an item.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from mmcache.v1 import cache_pb2 as pb
+
+from ._dtypes import nbytes_of
+from ._errors import InvalidArgumentError
+
+__all__ = ["MAX_DEPTH", "MAX_NAME_CHARS", "SpecSize", "check_name", "item_size"]
+
+MAX_DEPTH = 32  # nesting of lists/tuples in one field's data
+MAX_NAME_CHARS = 256  # keys, modalities and hashes
+
+
+@dataclass(frozen=True, slots=True)
+class SpecSize:
+    payload: int  # tensor bytes that travel as chunks
+    charged: int  # what the LRU charges: payload + getsizeof of scalar leaves
+    leaves: int  # tensor leaves, in payload order
+
+
+def check_name(what: str, value: str, *, allow_empty: bool = False) -> None:
+    """Reject empty (unless allowed) or overlong identifiers with a clear message."""
+    if not value and not allow_empty:
+        raise InvalidArgumentError(f"{what} must not be empty")
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidArgumentError(
+            f"{what} is {len(value)} characters long; the limit is {MAX_NAME_CHARS}"
+        )
+
+
+def item_size(spec: pb.ItemSpec) -> SpecSize:
+    """Validate `spec` and return its payload and charged sizes.
+
+    Raises InvalidArgumentError naming the field at fault.
+    """
+    if spec.form not in (pb.ItemSpec.FORM_ITEM, pb.ItemSpec.FORM_MAPPING):
+        raise InvalidArgumentError(f"item form must be FORM_ITEM or FORM_MAPPING, got {spec.form}")
+    payload = 0
+    scalars = 0
+    leaves = 0
+    seen: set[str] = set()
+    for elem in spec.fields:
+        check_name("field key", elem.key)
+        if elem.key in seen:
+            raise InvalidArgumentError(f"field key {elem.key!r} appears twice")
+        seen.add(elem.key)
+        check_name(f"modality of field {elem.key!r}", elem.modality, allow_empty=True)
+        if spec.form == pb.ItemSpec.FORM_ITEM and elem.WhichOneof("field") is None:
+            raise InvalidArgumentError(f"field {elem.key!r} has no field kind")
+        stack: list[tuple[pb.Node, int]] = [(elem.data, 0)]
+        while stack:
+            node, depth = stack.pop()
+            kind = node.WhichOneof("kind")
+            if kind == "tensor":
+                payload += nbytes_of(node.tensor.dtype, node.tensor.shape)
+                leaves += 1
+            elif kind == "int_value":
+                scalars += sys.getsizeof(int(node.int_value))
+            elif kind == "float_value":
+                scalars += sys.getsizeof(float(node.float_value))
+            elif kind == "bool_value":
+                scalars += sys.getsizeof(bool(node.bool_value))
+            elif kind in ("list", "tuple"):
+                if depth >= MAX_DEPTH:
+                    raise InvalidArgumentError(
+                        f"field {elem.key!r} nests deeper than {MAX_DEPTH} levels"
+                    )
+                children = node.list.items if kind == "list" else node.tuple.items
+                stack.extend((child, depth + 1) for child in children)
+            else:
+                raise InvalidArgumentError(f"field {elem.key!r} has a data node with no value")
+    return SpecSize(payload=payload, charged=payload + scalars, leaves=leaves)

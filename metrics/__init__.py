@@ -1,0 +1,14 @@
+"""Prometheus metrics of mmcache. Every collector takes the registry it
+registers on, so a server (and every test) builds its own."""
+
+from ._cache import CacheMetrics, StoreGauges
+from ._exposition import MetricsEndpoint, register_build_info
+from ._grpc import GrpcServerMetrics
+
+__all__ = [
+    "CacheMetrics",
+    "GrpcServerMetrics",
+    "MetricsEndpoint",
+    "StoreGauges",
+    "register_build_info",
+]

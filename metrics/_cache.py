@@ -1,0 +1,95 @@
+"""Prometheus metrics of the item cache, on a registry the caller injects.
+
+Queries and hits count items as vLLM counts them: one query per item of a
+get_and_update (or inject), a hit when the server already held the item.
+Gauges of what is stored are read from the store at scrape time, so they can
+never disagree with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["CacheMetrics", "StoreGauges"]
+
+
+class CacheMetrics:
+    """The counters of the item cache."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queries = Counter(
+            "mmcache_queries",
+            "Items asked for by get_and_update or inject (one query per item).",
+            ["modality"],
+            registry=registry,
+        )
+        self.hits = Counter(
+            "mmcache_hits",
+            "Queried items the server already held.",
+            ["modality"],
+            registry=registry,
+        )
+        self.resends = Counter(
+            "mmcache_resends",
+            "Items re-sent because a client's mirror thought the server held them (drift).",
+            ["modality"],
+            registry=registry,
+        )
+        self.uncached = Counter(
+            "mmcache_uncached",
+            "Items not stored because they are larger than the room the batch left.",
+            ["modality"],
+            registry=registry,
+        )
+        self.evictions = Counter(
+            "mmcache_evictions", "Items evicted to make room.", registry=registry
+        )
+        self.evicted_bytes = Counter(
+            "mmcache_evicted_bytes", "Bytes of the items evicted.", registry=registry
+        )
+        self.received_bytes = Counter(
+            "mmcache_received_bytes", "Tensor payload bytes received.", registry=registry
+        )
+        self.sent_bytes = Counter(
+            "mmcache_sent_bytes", "Tensor payload bytes sent by Fetch.", registry=registry
+        )
+
+    def evicted(self, size: int) -> None:
+        self.evictions.inc()
+        self.evicted_bytes.inc(size)
+
+    def queried(self, modality: str, *, hit: bool) -> None:
+        label = modality or "unknown"
+        self.queries.labels(label).inc()
+        # inc(0) too, so that the hits series exists from the first query on.
+        self.hits.labels(label).inc(1 if hit else 0)
+
+
+class StoreGauges(Collector):
+    """Gauges read from the live store at each scrape."""
+
+    def __init__(
+        self,
+        items: Callable[[], int],
+        stored_bytes: Callable[[], int],
+        capacity_bytes: Callable[[], int],
+        inflight_bytes: Callable[[], int],
+    ) -> None:
+        self._reads = (
+            ("mmcache_items", "Items held.", items),
+            ("mmcache_stored_bytes", "Bytes charged for the items held.", stored_bytes),
+            ("mmcache_capacity_bytes", "The cache's capacity in bytes.", capacity_bytes),
+            (
+                "mmcache_inflight_bytes",
+                "Payload bytes of uploads being received (beside the cache).",
+                inflight_bytes,
+            ),
+        )
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, doc, read in self._reads:
+            yield GaugeMetricFamily(name, doc, value=read())

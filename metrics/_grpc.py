@@ -1,0 +1,143 @@
+"""gRPC server metrics in the grpc-ecosystem naming (go-grpc-prometheus).
+
+`grpc_server_started_total`, `grpc_server_handled_total` (with `grpc_code`)
+and the `grpc_server_handling_seconds` histogram, labelled by service, method
+and type, for every handler the server runs: ours, health and reflection.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+__all__ = ["GrpcServerMetrics"]
+
+# The names go-grpc-prometheus gives codes (Go's `codes.Code.String()`).
+_CODE_NAMES = {
+    grpc.StatusCode.OK: "OK",
+    grpc.StatusCode.CANCELLED: "Canceled",
+    grpc.StatusCode.UNKNOWN: "Unknown",
+    grpc.StatusCode.INVALID_ARGUMENT: "InvalidArgument",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "DeadlineExceeded",
+    grpc.StatusCode.NOT_FOUND: "NotFound",
+    grpc.StatusCode.ALREADY_EXISTS: "AlreadyExists",
+    grpc.StatusCode.PERMISSION_DENIED: "PermissionDenied",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "ResourceExhausted",
+    grpc.StatusCode.FAILED_PRECONDITION: "FailedPrecondition",
+    grpc.StatusCode.ABORTED: "Aborted",
+    grpc.StatusCode.OUT_OF_RANGE: "OutOfRange",
+    grpc.StatusCode.UNIMPLEMENTED: "Unimplemented",
+    grpc.StatusCode.INTERNAL: "Internal",
+    grpc.StatusCode.UNAVAILABLE: "Unavailable",
+    grpc.StatusCode.DATA_LOSS: "DataLoss",
+    grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
+}
+
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GrpcServerMetrics(grpc.aio.ServerInterceptor):
+    """An aio server interceptor that counts and times every call."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["grpc_type", "grpc_service", "grpc_method"]
+        self._started = Counter(
+            "grpc_server_started", "RPCs started on the server.", labels, registry=registry
+        )
+        self._handled = Counter(
+            "grpc_server_handled",
+            "RPCs completed on the server, whatever their status.",
+            [*labels, "grpc_code"],
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from the start of an RPC to its completion on the server.",
+            labels,
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        kind = {
+            (False, False): "unary",
+            (True, False): "client_stream",
+            (False, True): "server_stream",
+            (True, True): "bidi_stream",
+        }[(handler.request_streaming, handler.response_streaming)]
+        labels = (kind, service, method)
+        factory, behavior = _behavior(handler)
+        wrapped = self._wrap(behavior, labels)
+        return factory(  # type: ignore[no-any-return]
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _wrap(self, behavior: Callable[..., Any], labels: tuple[str, str, str]) -> Any:
+        started, handled, seconds = self._started, self._handled, self._seconds
+
+        def finish(context: grpc.aio.ServicerContext[Any, Any], t0: float, error: bool) -> None:
+            code = context.code()
+            if isinstance(code, int) and not isinstance(code, grpc.StatusCode):
+                code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+            if code is None:
+                code = grpc.StatusCode.UNKNOWN if error else grpc.StatusCode.OK
+            handled.labels(*labels, _CODE_NAMES.get(code, "Unknown")).inc()
+            seconds.labels(*labels).observe(time.perf_counter() - t0)
+
+        if inspect.isasyncgenfunction(behavior):
+
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                started.labels(*labels).inc()
+                t0 = time.perf_counter()
+                error = True
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                    error = False
+                finally:
+                    finish(context, t0, error)
+
+            return stream
+
+        async def call(request: Any, context: Any) -> Any:
+            started.labels(*labels).inc()
+            t0 = time.perf_counter()
+            error = True
+            try:
+                result = await behavior(request, context)
+                error = False
+                return result
+            finally:
+                finish(context, t0, error)
+
+        return call
+
+
+def _behavior(
+    handler: grpc.RpcMethodHandler[Any, Any],
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    # Exactly one behaviour of a handler is set; the factory rebuilds its kind.
+    pairs: tuple[tuple[Callable[..., Any], Any], ...] = (
+        (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
+        (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
+        (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
+        (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
+    )
+    return next((factory, fn) for factory, fn in pairs if fn is not None)

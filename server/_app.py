@@ -1,0 +1,163 @@
+"""The server process: gRPC (cache, health, reflection), /metrics, shutdown.
+
+Lifecycle, as grpc's own aio examples do it: health turns SERVING once every
+service is registered and the port is bound; on SIGTERM or SIGINT it turns
+NOT_SERVING, the server stops taking calls, calls in flight get `grace_s` to
+finish, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from mmcache import __version__
+from mmcache._frames import MAX_MESSAGE_BYTES
+from mmcache.metrics import (
+    CacheMetrics,
+    GrpcServerMetrics,
+    MetricsEndpoint,
+    StoreGauges,
+    register_build_info,
+)
+from prometheus_client import CollectorRegistry
+
+from ._config import ServerConfig
+from ._inflight import InflightBudget
+from ._servicer import SERVICE_NAME, CacheServicer
+from ._store import ItemStore
+
+__all__ = ["MMCacheServer", "serve"]
+
+_LOGGER = logging.getLogger(__name__)
+
+GRPC_OPTIONS = (
+    # A second server on the same port must fail to bind, not share it.
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+class MMCacheServer:
+    """An mmcache server; `async with MMCacheServer(config) as server:` runs one.
+
+    Ports given as 0 are chosen free; `port` and `metrics_port` tell which.
+    """
+
+    def __init__(self, config: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.instance_id = uuid.uuid4().hex
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.metrics = CacheMetrics(self.registry)
+        self.store = ItemStore(config.capacity_bytes, on_evict=self.metrics.evicted)
+        self.inflight = InflightBudget(config.max_inflight_bytes)
+        self.registry.register(
+            StoreGauges(
+                items=lambda: len(self.store),
+                stored_bytes=lambda: self.store.used,
+                capacity_bytes=lambda: self.store.capacity,
+                inflight_bytes=lambda: self.inflight.used,
+            )
+        )
+        register_build_info(self.registry, __version__)
+        self.health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._endpoint: MetricsEndpoint | None = None
+        self.port = 0
+        self.metrics_port = 0
+
+    @property
+    def service_names(self) -> list[str]:
+        return [SERVICE_NAME]
+
+    async def start(self) -> None:
+        server = grpc.aio.server(
+            interceptors=[GrpcServerMetrics(self.registry)], options=GRPC_OPTIONS
+        )
+        cache = CacheServicer(
+            self.store, self.inflight, self.metrics, self.instance_id, __version__
+        )
+        server.add_generic_rpc_handlers((cache.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        if self.config.reflection:
+            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
+        if self.port == 0:
+            raise OSError(f"cannot serve gRPC on {address}: the port is taken or unusable")
+        metrics_host = self.config.metrics_host or self.config.host
+        try:
+            self._endpoint = MetricsEndpoint(self.registry, metrics_host, self.config.metrics_port)
+        except OSError as exc:
+            raise OSError(
+                f"cannot serve /metrics on {metrics_host}:{self.config.metrics_port}: {exc}"
+            ) from None
+        self.metrics_port = self._endpoint.port
+        await server.start()
+        self._server = server
+        for name in ("", *names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        _LOGGER.info(
+            "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes; "
+            "instance %s",
+            __version__,
+            self.config.host,
+            self.port,
+            metrics_host,
+            self.metrics_port,
+            self.store.capacity,
+            self.instance_id,
+        )
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING, then stop taking calls and give those in flight `grace` seconds."""
+        if self._server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self._server.stop(self.config.grace_s if grace is None else grace)
+            self._server = None
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+
+    async def __aenter__(self) -> MMCacheServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop(grace=0)
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM or SIGINT; the process's exit status."""
+    server = MMCacheServer(config)
+    try:
+        await server.start()
+    except OSError as exc:
+        _LOGGER.error("%s", exc)
+        await server.stop(grace=0)
+        return 2
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    _LOGGER.info("shutting down: NOT_SERVING, %.1fs for calls in flight", config.grace_s)
+    await server.stop()
+    _LOGGER.info("stopped")
+    return 0

@@ -1,0 +1,54 @@
+"""The `mmcache` command: `mmcache serve` runs the server, `mmcache health`
+probes one (the container's health check)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from mmcache import __version__
+
+from ._config import add_serve_arguments, config_from_args
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmcache", description="Remote cache of preprocessed multimodal inputs."
+    )
+    parser.add_argument("--version", action="version", version=f"mmcache {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the cache server")
+    add_serve_arguments(serve)
+    probe = commands.add_parser(
+        "health", help="exit 0 when the server at TARGET reports SERVING (a health check)"
+    )
+    probe.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port")
+    probe.add_argument("--service", default="", help="service name; empty: the whole server")
+    probe.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "health":
+        from ._health import check
+
+        return asyncio.run(check(args.target, args.service, args.timeout))
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from ._app import serve
+
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

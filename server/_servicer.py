@@ -1,0 +1,249 @@
+"""The gRPC face of the item cache (`mmcache.v1.MMCache`).
+
+GetAndUpdate and Fetch move tensor bytes, so their messages are handled as
+raw `bytes`: protobuf parses only the header frame, and chunk frames are
+checked by hand and kept as they came (see mmcache._frames). The other
+methods are ordinary protobuf.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from mmcache._errors import InvalidArgumentError
+from mmcache._frames import HEADER_TAG, MAX_CHUNK_BYTES, chunk_payload_offset
+from mmcache._lru import Outcome
+from mmcache._spec import check_name, item_size
+from mmcache.metrics import CacheMetrics
+from mmcache.v1 import cache_pb2 as pb
+
+from ._inflight import InflightBudget
+from ._status import guard
+from ._store import ItemStore, StoredItem, UpdateItem
+
+__all__ = ["SERVICE_NAME", "CacheServicer"]
+
+_LOGGER = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MMCache"].full_name
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class CacheServicer:
+    """Handlers of `mmcache.v1.MMCache` over an `ItemStore`."""
+
+    def __init__(
+        self,
+        store: ItemStore,
+        inflight: InflightBudget,
+        metrics: CacheMetrics,
+        instance_id: str,
+        version: str,
+    ) -> None:
+        self._store = store
+        self._inflight = inflight
+        self._metrics = metrics
+        self._instance_id = instance_id
+        self._version = version
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        g = guard(self._instance_id)
+        methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Info": grpc.unary_unary_rpc_method_handler(
+                g(self.info),
+                request_deserializer=pb.InfoRequest.FromString,
+                response_serializer=pb.InfoReply.SerializeToString,
+            ),
+            # Raw bytes in and out: see the module docstring.
+            "GetAndUpdate": grpc.stream_unary_rpc_method_handler(g(self.get_and_update)),
+            "Fetch": grpc.unary_stream_rpc_method_handler(g(self.fetch)),
+            "Touch": grpc.unary_unary_rpc_method_handler(
+                g(self.touch),
+                request_deserializer=pb.TouchRequest.FromString,
+                response_serializer=pb.TouchReply.SerializeToString,
+            ),
+            "Clear": grpc.unary_unary_rpc_method_handler(
+                g(self.clear),
+                request_deserializer=pb.ClearRequest.FromString,
+                response_serializer=pb.ClearReply.SerializeToString,
+            ),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
+
+    async def info(self, request: pb.InfoRequest, context: Context) -> pb.InfoReply:
+        return pb.InfoReply(
+            instance_id=self._instance_id,
+            capacity_bytes=self._store.capacity,
+            version=self._version,
+            max_chunk_bytes=MAX_CHUNK_BYTES,
+            items=len(self._store),
+            used_bytes=self._store.used,
+        )
+
+    async def touch(self, request: pb.TouchRequest, context: Context) -> pb.TouchReply:
+        for h in request.mm_hashes:
+            check_name("mm_hash", h)
+        return pb.TouchReply(
+            instance_id=self._instance_id, touched=self._store.touch(request.mm_hashes)
+        )
+
+    async def clear(self, request: pb.ClearRequest, context: Context) -> pb.ClearReply:
+        removed = self._store.clear()
+        _LOGGER.info("cache cleared: %d items removed", removed)
+        return pb.ClearReply(instance_id=self._instance_id, removed=removed)
+
+    async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
+        stream = aiter(frames)
+        request = _parse_header(await anext(stream, None))
+        plan = [_plan_entry(i, entry) for i, entry in enumerate(request.entries)]
+        for h in request.touches:
+            check_name("touched mm_hash", h)
+        payload = sum(p.payload for p in plan if p.chunks is not None)
+        # Nothing is stored until every byte has arrived and been checked, so
+        # a cancelled or malformed upload leaves the cache as it was.
+        async with self._inflight.reserve(payload):
+            for i, p in enumerate(plan):
+                if p.chunks is not None:
+                    p.frames = await _read_chunks(stream, i, request.entries[i], p)
+            if await anext(stream, None) is not None:
+                raise InvalidArgumentError(
+                    "more chunk frames arrived than the header's num_chunks declare"
+                )
+            self._metrics.received_bytes.inc(payload)
+            items = [p.to_update_item(request.entries[i]) for i, p in enumerate(plan)]
+            outcomes = self._store.update(request.touches, items)
+        reply = pb.UpdateReply(instance_id=self._instance_id, capacity_bytes=self._store.capacity)
+        for entry, outcome in zip(request.entries, outcomes, strict=True):
+            self._count(entry, outcome)
+            reply.outcomes.append(outcome.value)  # type: ignore[arg-type]
+            stored = outcome != Outcome.UNCACHED
+            reply.sizes.append(self._store.size_of(entry.mm_hash) if stored else 0)
+        return reply.SerializeToString()
+
+    async def fetch(self, request_bytes: bytes, context: Context) -> None:
+        try:
+            request = pb.FetchRequest.FromString(request_bytes)
+        except DecodeError as exc:
+            raise InvalidArgumentError(f"FetchRequest does not parse: {exc}") from None
+        for h in request.mm_hashes:
+            check_name("mm_hash", h)
+        items = self._store.fetch(request.mm_hashes)
+        header = pb.FetchFrame()
+        header.header.instance_id = self._instance_id
+        for mm_hash, item in zip(request.mm_hashes, items, strict=True):
+            header.header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
+        await context.write(header.SerializeToString())
+        # The frames are the very objects that arrived: held references keep
+        # them alive even if the items are evicted meanwhile.
+        for item in items:
+            for frame in item.frames:
+                await context.write(frame)
+            self._metrics.sent_bytes.inc(item.payload)
+
+    def _count(self, entry: pb.UpdateEntry, outcome: Outcome) -> None:
+        if entry.resend:
+            self._metrics.resends.labels(entry.modality or "unknown").inc()
+        else:
+            self._metrics.queried(entry.modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
+        if outcome == Outcome.UNCACHED:
+            self._metrics.uncached.labels(entry.modality or "unknown").inc()
+
+
+class _EntryPlan:
+    """What the header says one entry brings, checked before any byte is read."""
+
+    __slots__ = ("charged", "chunks", "frames", "payload", "spec_present", "withheld")
+
+    def __init__(self, entry: pb.UpdateEntry, index: int) -> None:
+        self.spec_present = entry.HasField("item")
+        self.withheld = entry.withheld
+        self.payload = 0
+        self.charged = 0
+        self.chunks: int | None = None  # chunk frames to read; None: no data follows
+        self.frames: tuple[bytes, ...] = ()
+        where = f"entry {index} ({entry.mm_hash!r})"
+        if not self.spec_present:
+            if entry.withheld or entry.num_chunks or entry.resend:
+                raise InvalidArgumentError(
+                    f"{where} has no item spec, so withheld, num_chunks and resend must be unset"
+                )
+            return
+        try:
+            size = item_size(entry.item)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+        self.payload, self.charged = size.payload, size.charged
+        if entry.withheld:
+            if entry.num_chunks:
+                raise InvalidArgumentError(f"{where} is withheld but declares chunks")
+            return
+        least = -(-size.payload // MAX_CHUNK_BYTES)
+        if not least <= entry.num_chunks <= size.payload:
+            raise InvalidArgumentError(
+                f"{where}: {size.payload} payload bytes cannot travel in {entry.num_chunks} "
+                f"chunks of 1 to {MAX_CHUNK_BYTES} bytes (need {least} to {size.payload})"
+            )
+        self.chunks = entry.num_chunks
+
+    def to_update_item(self, entry: pb.UpdateEntry) -> UpdateItem:
+        if not self.spec_present:
+            return UpdateItem(entry.mm_hash)
+        if self.withheld:
+            return UpdateItem(entry.mm_hash, withheld_size=self.charged)
+        return UpdateItem(
+            entry.mm_hash, StoredItem(entry.item, self.frames, self.payload, self.charged)
+        )
+
+
+def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:
+    check_name(f"mm_hash of entry {index}", entry.mm_hash)
+    check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
+    return _EntryPlan(entry, index)
+
+
+def _parse_header(frame: bytes | None) -> pb.UpdateRequest:
+    if frame is None:
+        raise InvalidArgumentError("GetAndUpdate got no frames: the first must be the header")
+    if not frame or frame[0] != HEADER_TAG:
+        raise InvalidArgumentError("the first GetAndUpdate frame must be the header (field 1)")
+    try:
+        parsed = pb.UpdateFrame.FromString(frame)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the header frame does not parse: {exc}") from None
+    if parsed.WhichOneof("frame") != "header":
+        raise InvalidArgumentError("the first GetAndUpdate frame must be the header (field 1)")
+    return parsed.header
+
+
+async def _read_chunks(
+    stream: AsyncIterator[bytes], index: int, entry: pb.UpdateEntry, plan: _EntryPlan
+) -> tuple[bytes, ...]:
+    assert plan.chunks is not None
+    frames: list[bytes] = []
+    received = 0
+    for n in range(plan.chunks):
+        frame = await anext(stream, None)
+        if frame is None:
+            raise InvalidArgumentError(
+                f"the upload ended after {n} of the {plan.chunks} chunks of entry {index} "
+                f"({entry.mm_hash!r})"
+            )
+        length = len(frame) - chunk_payload_offset(frame)
+        if not 0 < length <= MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"chunk {n} of entry {index} carries {length} bytes; chunks carry 1 to "
+                f"{MAX_CHUNK_BYTES}"
+            )
+        received += length
+        frames.append(frame)
+    if received != plan.payload:
+        raise InvalidArgumentError(
+            f"entry {index} ({entry.mm_hash!r}) declares {plan.payload} payload bytes "
+            f"(from its dtypes and shapes) but its {plan.chunks} chunks carry {received}"
+        )
+    return tuple(frames)

@@ -1,0 +1,83 @@
+"""The one place where exceptions become gRPC statuses on the server.
+
+Every handler runs inside `guard`: mmcache's own errors become their status
+code with the message a person can act on (and, for a cache miss, the missing
+hashes as structured details); anything else is logged and answered INTERNAL.
+Every error reply carries the instance id, as every success reply does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.rpc import code_pb2, status_pb2
+from grpc_status import rpc_status
+from mmcache import _errors as errors
+from mmcache.v1 import cache_pb2 as pb
+
+__all__ = ["INSTANCE_ID_KEY", "guard", "status_code_of"]
+
+_LOGGER = logging.getLogger(__name__)
+
+INSTANCE_ID_KEY = "mmcache-instance-id"
+
+_CODES: tuple[tuple[type[errors.MMCacheError], grpc.StatusCode], ...] = (
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (errors.AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (errors.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_code_of(exc: errors.MMCacheError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _status_of(exc: errors.MMCacheError) -> grpc.Status:
+    code = status_code_of(exc)
+    status = status_pb2.Status(code=getattr(code_pb2, code.name), message=str(exc))
+    if isinstance(exc, errors.CacheMissError):
+        status.details.add().Pack(pb.MissingItems(mm_hashes=exc.missing_hashes))
+    return rpc_status.to_status(status)
+
+
+H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
+
+
+def guard(instance_id: str) -> Callable[[H], H]:
+    """Decorate a handler `(request, context)` so that errors map to statuses."""
+
+    def decorate(handler: H) -> H:
+        @functools.wraps(handler)
+        async def guarded(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                return await handler(request, context)
+            except errors.MMCacheError as exc:
+                status = _status_of(exc)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception:
+                _LOGGER.exception("handler %s failed", handler.__qualname__)
+                status = rpc_status.to_status(
+                    status_pb2.Status(
+                        code=code_pb2.INTERNAL,
+                        message="internal error in the mmcache server; its log has the traceback",
+                    )
+                )
+            metadata = (*status.trailing_metadata, (INSTANCE_ID_KEY, instance_id))
+            await context.abort(status.code, status.details, metadata)
+
+        return guarded  # type: ignore[return-value]
+
+    return decorate
