@@ -1,0 +1,58 @@
+"""The one place where gRPC errors become mmcache's typed errors on the client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+from google.rpc import status_pb2
+
+from mmcache import _errors as errors
+from mmcache.v1 import cache_pb2 as pb
+
+__all__ = ["error_from_rpc", "translate_errors"]
+
+_DETAILS_KEY = "grpc-status-details-bin"
+
+_CLASSES: dict[grpc.StatusCode, type[errors.MMCacheError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
+    grpc.StatusCode.CANCELLED: errors.UnavailableError,  # the server went away mid-call
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+}
+
+
+def _status_details(exc: grpc.aio.AioRpcError) -> status_pb2.Status | None:
+    for key, value in exc.trailing_metadata() or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            return status_pb2.Status.FromString(value)
+    return None
+
+
+def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.MMCacheError:
+    """The typed error for a failed call, with the server's message."""
+    code = exc.code()
+    message = exc.details() or code.name
+    if code == grpc.StatusCode.NOT_FOUND:
+        status = _status_details(exc)
+        for detail in status.details if status is not None else ():
+            missing = pb.MissingItems()
+            if detail.Unpack(missing):
+                return errors.CacheMissError(missing.mm_hashes, message)
+    cls = _CLASSES.get(code, errors.InternalError)
+    return cls(f"{code.name}: {message}" if cls is errors.InternalError else message)
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Raise mmcache's typed error in place of a gRPC one."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        raise error_from_rpc(exc) from exc

@@ -1,0 +1,98 @@
+"""The calls of `mmcache.v1.MMCache` on one channel: the client's only tie to gRPC.
+
+GetAndUpdate and Fetch are raw-bytes calls (the frames are built and read by
+mmcache._frames and the codec); the rest are ordinary protobuf calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import grpc
+
+from mmcache._frames import MAX_MESSAGE_BYTES
+from mmcache.v1 import cache_pb2 as pb
+
+from ._status import translate_errors
+
+__all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
+
+_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
+
+CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+class CacheTransport:
+    """Typed callables for each method; every failure is a typed mmcache error."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+        self._timeout = timeout
+        self._info = channel.unary_unary(
+            f"{_SERVICE}/Info",
+            request_serializer=pb.InfoRequest.SerializeToString,
+            response_deserializer=pb.InfoReply.FromString,
+        )
+        self._touch = channel.unary_unary(
+            f"{_SERVICE}/Touch",
+            request_serializer=pb.TouchRequest.SerializeToString,
+            response_deserializer=pb.TouchReply.FromString,
+        )
+        self._clear = channel.unary_unary(
+            f"{_SERVICE}/Clear",
+            request_serializer=pb.ClearRequest.SerializeToString,
+            response_deserializer=pb.ClearReply.FromString,
+        )
+        self._update = channel.stream_unary(f"{_SERVICE}/GetAndUpdate")
+        self._fetch = channel.unary_stream(f"{_SERVICE}/Fetch")
+
+    async def info(self, timeout: float | None = None) -> pb.InfoReply:
+        with translate_errors():
+            reply: pb.InfoReply = await self._info(
+                pb.InfoRequest(), timeout=timeout or self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def touch(self, mm_hashes: Sequence[str]) -> pb.TouchReply:
+        with translate_errors():
+            reply: pb.TouchReply = await self._touch(
+                pb.TouchRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def clear(self) -> pb.ClearReply:
+        with translate_errors():
+            reply: pb.ClearReply = await self._clear(
+                pb.ClearRequest(), timeout=self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def get_and_update(self, frames: Iterable[bytes]) -> pb.UpdateReply:
+        """Send the header frame and chunk frames; the server's reply."""
+        call = self._update(timeout=self._timeout, wait_for_ready=True)
+        with translate_errors():
+            try:
+                for frame in frames:
+                    await call.write(frame)
+                await call.done_writing()
+            except asyncio.InvalidStateError:
+                pass  # the server answered early (an error): awaiting the call raises it
+            except BaseException:
+                call.cancel()
+                raise
+            reply_bytes: bytes = await call
+        return pb.UpdateReply.FromString(reply_bytes)
+
+    async def fetch(self, request: pb.FetchRequest) -> AsyncIterator[bytes]:
+        """The frames of a Fetch: the header first, then the chunks."""
+        call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=True)
+        try:
+            with translate_errors():
+                async for frame in call:
+                    yield frame
+        finally:
+            call.cancel()

@@ -1,0 +1,69 @@
+"""Fixtures: a real server on free loopback ports, real gRPC, real /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmcache.server import MMCacheServer, ServerConfig
+
+if TYPE_CHECKING:
+    from mmcache.client import MMCacheClient
+
+MIB = 1 << 20
+
+
+def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> ServerConfig:
+    return ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        capacity_bytes=capacity_bytes,
+        grace_s=0,
+        **overrides,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[MMCacheServer]:
+    async with MMCacheServer(server_config()) as running:
+        yield running
+
+
+@pytest.fixture
+async def client(server: MMCacheServer) -> AsyncIterator[MMCacheClient]:
+    from mmcache.client import MMCacheClient
+
+    async with MMCacheClient(f"127.0.0.1:{server.port}") as connected:
+        yield connected
+
+
+def scrape_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text: str = response.read().decode()
+    return text
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(port: int) -> Samples:
+    """Every sample of the /metrics endpoint: (name, sorted labels) -> value."""
+    return parse_samples(await asyncio.to_thread(scrape_text, port))
+
+
+def parse_samples(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))

@@ -1,0 +1,50 @@
+"""Hand-built requests for the server tests: real gRPC, no mmcache client.
+
+They let the tests send what a buggy or hostile client could send.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from mmcache._frames import chunk_prefix
+from mmcache.v1 import cache_pb2 as pb
+
+SERVICE = "/mmcache.v1.MMCache"
+
+
+def tensor_spec(dtype: str, shape: Sequence[int], key: str = "pixel_values") -> pb.ItemSpec:
+    spec = pb.ItemSpec(form=pb.ItemSpec.FORM_MAPPING)
+    spec.fields.add(key=key).data.tensor.CopyFrom(pb.TensorSpec(dtype=dtype, shape=shape))
+    return spec
+
+
+def chunk(data: bytes) -> bytes:
+    return chunk_prefix(len(data)) + data
+
+
+def header(*entries: pb.UpdateEntry, touches: Sequence[str] = ()) -> bytes:
+    return pb.UpdateFrame(
+        header=pb.UpdateRequest(entries=entries, touches=touches)
+    ).SerializeToString()
+
+
+def data_entry(mm_hash: str, spec: pb.ItemSpec, num_chunks: int, **kw: object) -> pb.UpdateEntry:
+    return pb.UpdateEntry(mm_hash=mm_hash, item=spec, num_chunks=num_chunks, **kw)  # type: ignore[arg-type]
+
+
+async def update(channel: grpc.aio.Channel, frames: Sequence[bytes]) -> pb.UpdateReply:
+    call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")
+
+    async def gen():  # type: ignore[no-untyped-def]
+        for frame in frames:
+            yield frame
+
+    return pb.UpdateReply.FromString(await call(gen(), timeout=30))
+
+
+async def fetch(channel: grpc.aio.Channel, hashes: Sequence[str]) -> list[bytes]:
+    call = channel.unary_stream(f"{SERVICE}/Fetch")
+    return [frame async for frame in call(pb.FetchRequest(mm_hashes=hashes).SerializeToString())]

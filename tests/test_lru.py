@@ -1,0 +1,150 @@
+"""The byte-bounded LRU and the batch rule shared by server and mirror."""
+
+from __future__ import annotations
+
+import random
+
+import cachetools
+import pytest
+
+from mmcache._lru import BatchEntry, ByteLRU, Outcome
+
+
+def test_put_evicts_least_recently_used_first() -> None:
+    evicted: list[str] = []
+    lru: ByteLRU[str] = ByteLRU(10, on_evict=lambda k, _v, _s: evicted.append(k))
+    for key in "abc":
+        lru.put(key, key, 3)
+    lru.touch("a")
+    lru.put("d", "d", 3)  # 12 > 10: evicts b, the least recently used
+    assert evicted == ["b"]
+    assert list(lru.keys()) == ["c", "a", "d"]
+    assert lru.used == 9
+
+
+def test_touch_of_missing_key_does_nothing() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    assert lru.touch("ghost") is False
+    assert len(lru) == 0 and lru.used == 0
+    lru.put("a", None, 10)  # still fills to the brim: no phantom entry takes room
+    assert list(lru.keys()) == ["a"]
+
+
+def test_peek_does_not_change_order() -> None:
+    lru: ByteLRU[int] = ByteLRU(6)
+    lru.put("a", 1, 3)
+    lru.put("b", 2, 3)
+    assert lru.peek("a") == 1
+    lru.put("c", 3, 3)
+    assert "a" not in lru and "b" in lru
+
+
+def test_item_larger_than_capacity_is_uncached_and_cache_survives() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    lru.put("a", None, 4)
+    assert lru.put("huge", None, 11) == Outcome.UNCACHED
+    assert list(lru.keys()) == ["a"] and lru.used == 4
+
+
+def test_sent_data_wins_and_counts_as_replaced() -> None:
+    lru: ByteLRU[str] = ByteLRU(10)
+    lru.put("a", "old", 4)
+    outcomes = lru.apply_batch([BatchEntry("a", 5, "new")], replace_present=True)
+    assert outcomes == [Outcome.REPLACED]
+    assert lru.peek("a") == "new" and lru.used == 5
+
+
+def test_replacement_that_cannot_fit_drops_the_stale_entry() -> None:
+    lru: ByteLRU[str] = ByteLRU(10)
+    lru.put("a", "old", 4)
+    outcomes = lru.apply_batch([BatchEntry("a", 11, "new")], replace_present=True)
+    assert outcomes == [Outcome.UNCACHED]
+    assert "a" not in lru  # never keep serving old data under a hash that got new data
+
+
+def test_mirror_mode_calls_a_held_key_a_hit() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    lru.put("a", None, 4)
+    outcomes = lru.apply_batch(
+        [BatchEntry("a", 4), BatchEntry("b", 3), BatchEntry("b", 3), BatchEntry("c")],
+        replace_present=False,
+    )
+    assert outcomes == [Outcome.HIT, Outcome.STORED, Outcome.HIT, Outcome.MISSING]
+
+
+def test_batch_never_evicts_an_item_it_refers_to() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    lru.put("old", None, 3)
+    lru.put("a", None, 3)
+    lru.put("b", None, 3)
+    # a is the oldest batch reference; inserting c (4) may only evict "old".
+    outcomes = lru.apply_batch(
+        [BatchEntry("a"), BatchEntry("c", 4, None), BatchEntry("b")], replace_present=True
+    )
+    assert outcomes == [Outcome.HIT, Outcome.STORED, Outcome.HIT]
+    assert set(lru.keys()) == {"a", "b", "c"}
+    # d (5) would need room held by a, b or c, all in this batch: not stored.
+    outcomes = lru.apply_batch(
+        [BatchEntry("a"), BatchEntry("b"), BatchEntry("c"), BatchEntry("d", 5, None)],
+        replace_present=True,
+    )
+    assert outcomes == [Outcome.HIT, Outcome.HIT, Outcome.HIT, Outcome.UNCACHED]
+    assert set(lru.keys()) == {"a", "b", "c"}
+
+
+def test_touch_first_protects_batch_items_from_its_inserts() -> None:
+    lru: ByteLRU[None] = ByteLRU(9)
+    for key in "abc":
+        lru.put(key, None, 3)
+    # "a" is least recently used, but the batch refers to it: d evicts b.
+    outcomes = lru.apply_batch([BatchEntry("d", 3, None), BatchEntry("a")], replace_present=True)
+    assert outcomes == [Outcome.STORED, Outcome.HIT]
+    assert set(lru.keys()) == {"a", "c", "d"}
+
+
+def test_resize_evicts_to_fit() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    for key in "abc":
+        lru.put(key, None, 3)
+    lru.resize(5)
+    assert list(lru.keys()) == ["c"] and lru.used == 3
+
+
+def test_negative_capacity_is_refused() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        ByteLRU(-1)
+
+
+def oracle_batch(cache: cachetools.LRUCache[str, int], batch: list[tuple[str, int]]) -> list[bool]:
+    """vLLM's rule on cachetools: touch every held key, then hit or insert in order."""
+    for key, _ in batch:
+        if key in cache:
+            cache[key]  # noqa: B018 - a read is cachetools' touch
+    hits = []
+    for key, size in batch:
+        if key in cache:
+            cache[key]  # noqa: B018
+            hits.append(True)
+        else:
+            hits.append(False)
+            if size <= cache.maxsize:
+                cache[key] = size
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mirror_rule_agrees_with_cachetools_over_long_random_sequences(seed: int) -> None:
+    rng = random.Random(seed)
+    capacity = 1000
+    oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(capacity, getsizeof=lambda v: v)
+    lru: ByteLRU[None] = ByteLRU(capacity)
+    sizes = {f"h{i}": rng.randint(1, 120) for i in range(60)}
+    sizes["too-big"] = capacity + 1
+    for _ in range(3000):
+        keys = rng.choices(list(sizes), k=rng.randint(1, 4))
+        batch = [(k, sizes[k]) for k in keys]
+        expected = oracle_batch(oracle, batch)
+        got = lru.apply_batch([BatchEntry(k, s) for k, s in batch], replace_present=False)
+        assert [o == Outcome.HIT for o in got] == expected
+        assert set(lru.keys()) == set(oracle.keys())
+        assert lru.used == oracle.currsize

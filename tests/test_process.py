@@ -1,0 +1,183 @@
+"""The server as a process: CLI, environment, health, reflection, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
+
+from .conftest import parse_samples, sample, scrape_text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_serving(port: int, proc: subprocess.Popen[str], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited early: {proc.communicate()}")
+        if health(port) == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("server did not become SERVING")
+
+
+def health(port: int) -> int:
+    return subprocess.run(
+        [sys.executable, "-m", "mmcache.server._cli", "health", f"127.0.0.1:{port}",
+         "--timeout", "1"],
+        capture_output=True, text=True, check=False,
+    ).returncode
+
+
+@pytest.fixture
+def ports() -> tuple[int, int]:
+    return free_port(), free_port()
+
+
+def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        args, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.fixture
+def proc_env(ports: tuple[int, int]) -> Iterator[subprocess.Popen[str]]:
+    port, metrics_port = ports
+    proc = start(
+        ["mmcache", "serve"],
+        env={
+            "MMCACHE_HOST": "127.0.0.1",
+            "MMCACHE_PORT": str(port),
+            "MMCACHE_METRICS_PORT": str(metrics_port),
+            "MMCACHE_CAPACITY_GB": "0.25",
+            "MMCACHE_GRACE_S": "5",
+        },
+    )
+    try:
+        wait_serving(port, proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_serve_reads_environment_and_exports_metrics(
+    proc_env: subprocess.Popen[str], ports: tuple[int, int]
+) -> None:
+    samples = parse_samples(scrape_text(ports[1]))
+    assert sample(samples, "mmcache_capacity_bytes") == int(0.25 * 2**30)
+    assert any(name == "mmcache_build_info" for name, _ in samples)
+
+
+def test_flags_override_and_python_m_works(ports: tuple[int, int]) -> None:
+    port, metrics_port = ports
+    proc = start(
+        [sys.executable, "-m", "mmcache.server", "--host", "127.0.0.1", "--port", str(port),
+         "--metrics-port", str(metrics_port), "--capacity-gb", "0.5"],
+        env={"MMCACHE_CAPACITY_GB": "3"},
+    )
+    try:
+        wait_serving(port, proc)
+        samples = parse_samples(scrape_text(metrics_port))
+        assert sample(samples, "mmcache_capacity_bytes") == 2**29
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+
+
+def test_sigterm_goes_not_serving_lets_calls_finish_and_exits_zero(
+    proc_env: subprocess.Popen[str], ports: tuple[int, int]
+) -> None:
+    port = ports[0]
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    # An upload left open: SIGTERM must wait for it (up to the grace) ...
+    upload = channel.stream_unary("/mmcache.v1.MMCache/GetAndUpdate")
+    from .raw import chunk, data_entry, header, tensor_spec
+
+    release = __import__("threading").Event()
+
+    def frames() -> Iterator[bytes]:
+        yield header(data_entry("slow", tensor_spec("uint8", [4]), 1))
+        release.wait(10)
+        yield chunk(b"1234")
+
+    future = upload.future(frames(), timeout=20)
+    time.sleep(0.3)
+    proc_env.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    assert proc_env.poll() is None  # still draining
+    # ... and new calls are refused meanwhile.
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError):
+        check(health_pb2.HealthCheckRequest(), timeout=2)
+    release.set()
+    reply = future.result(timeout=10)
+    assert reply  # the in-flight upload completed
+    assert proc_env.wait(timeout=10) == 0
+    _, err = proc_env.communicate()
+    assert "shutting down" in err
+    channel.close()
+
+
+def test_health_fails_when_nothing_listens() -> None:
+    assert health(free_port()) == 1
+
+
+def test_port_in_use_fails_with_a_clear_message(
+    proc_env: subprocess.Popen[str], ports: tuple[int, int]
+) -> None:
+    port, _ = ports
+    second = subprocess.run(
+        ["mmcache", "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=20, check=False,
+    )
+    assert second.returncode == 2
+    assert f"cannot serve gRPC on 127.0.0.1:{port}" in second.stderr
+
+
+def test_bad_flag_values_are_refused_with_reasons() -> None:
+    result = subprocess.run(
+        ["mmcache", "serve", "--capacity-gb", "-1"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2 and "GiB >= 0" in result.stderr
+    result = subprocess.run(
+        ["mmcache", "serve"], env={**os.environ, "MMCACHE_PORT": "http"},
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode != 0 and "MMCACHE_PORT" in result.stderr
+
+
+def test_reflection_lists_the_services(
+    proc_env: subprocess.Popen[str], ports: tuple[int, int]
+) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{ports[0]}") as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        replies = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                            timeout=5))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"mmcache.v1.MMCache", "grpc.health.v1.Health"} <= names
