@@ -21,7 +21,8 @@ from mmcache._lru import Outcome
 from mmcache._spec import check_name
 from mmcache.v1 import cache_pb2 as pb
 
-from ._codec import EncodedItem, decode_item, encode_item, iter_chunk_frames, num_chunks
+from ._codec import EncodedItem, ItemDecoder, encode_item, iter_chunk_frames, num_chunks
+from ._encoder import EncoderCache, request_encoder_budget
 from ._mirror import Mirror
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
@@ -155,6 +156,32 @@ class MMCacheClient:
         if delta:
             info, self._last_delta = info - self._last_delta, info
         return info
+
+    # -- encoder books -----------------------------------------------------
+
+    def encoder_cache(self, engine_id: str) -> EncoderCache:
+        """The server's encoder-cache book of one engine (see `EncoderCache`)."""
+        return EncoderCache(self.channel, engine_id, timeout=self._timeout)
+
+    async def compute_encoder_budget(
+        self,
+        max_tokens_per_item_by_modality: Mapping[str, int],
+        *,
+        max_num_encoder_input_tokens: int,
+        encoder_cache_size: int,
+        max_num_batched_tokens: int,
+        disable_chunked_mm_input: bool = False,
+    ) -> tuple[int, int]:
+        """(compute budget, cache size) in encoder tokens, computed by the server."""
+        return await request_encoder_budget(
+            self.channel,
+            self._timeout,
+            max_tokens_per_item_by_modality,
+            max_num_encoder_input_tokens=max_num_encoder_input_tokens,
+            encoder_cache_size=encoder_cache_size,
+            max_num_batched_tokens=max_num_batched_tokens,
+            disable_chunked_mm_input=disable_chunked_mm_input,
+        )
 
     # -- calls -------------------------------------------------------------
 
@@ -313,9 +340,7 @@ class MMCacheClient:
             for i in with_data:
                 enc = encoded[i]
                 assert enc is not None
-                entry = request.entries.add(
-                    mm_hash=mm_hashes[i], modality=labels[i], resend=True
-                )
+                entry = request.entries.add(mm_hash=mm_hashes[i], modality=labels[i], resend=True)
                 entry.item.CopyFrom(enc.spec)
                 if enc.size.charged > self._mirror.capacity:
                     entry.withheld = True
@@ -352,6 +377,9 @@ async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]
         raise InvalidArgumentError("the Fetch reply names a different number of items")
     items: list[Item] = []
     for fetched in header.items:
-        chunks = [await anext(frames) for _ in range(fetched.num_chunks)]
-        items.append(decode_item(fetched.item, chunks))
+        # Each frame is copied into the item's tensors as it arrives and dropped.
+        decoder = ItemDecoder(fetched.item)
+        for _ in range(fetched.num_chunks):
+            decoder.feed(await anext(frames))
+        items.append(decoder.finish())
     return items

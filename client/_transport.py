@@ -7,7 +7,7 @@ mmcache._frames and the codec); the rest are ordinary protobuf calls.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -47,8 +47,13 @@ class CacheTransport:
             request_serializer=pb.ClearRequest.SerializeToString,
             response_deserializer=pb.ClearReply.FromString,
         )
-        self._update = channel.stream_unary(f"{_SERVICE}/GetAndUpdate")
-        self._fetch = channel.unary_stream(f"{_SERVICE}/Fetch")
+        # No serializers: these move raw frames (bytes in, bytes out).
+        self._update: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(
+            f"{_SERVICE}/GetAndUpdate"
+        )
+        self._fetch: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
+            f"{_SERVICE}/Fetch"
+        )
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         with translate_errors():
@@ -87,7 +92,7 @@ class CacheTransport:
             reply_bytes: bytes = await call
         return pb.UpdateReply.FromString(reply_bytes)
 
-    async def fetch(self, request: pb.FetchRequest) -> AsyncIterator[bytes]:
+    async def fetch(self, request: pb.FetchRequest) -> AsyncGenerator[bytes, None]:
         """The frames of a Fetch: the header first, then the chunks."""
         call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=True)
         try:

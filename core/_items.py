@@ -44,6 +44,13 @@ class FlatField:
     slices: Sequence[slice] | Sequence[Sequence[slice]] = field(default_factory=tuple)
     dim: int = 0
 
+    def __post_init__(self) -> None:
+        # A list and a tuple of the same slices are the same field.
+        # Anything else is left as given, for the codec to reject by name.
+        if isinstance(self.slices, list | tuple):
+            slices = tuple(tuple(s) if isinstance(s, list | tuple) else s for s in self.slices)
+            object.__setattr__(self, "slices", slices)
+
 
 @dataclass(frozen=True)
 class SharedField:
@@ -65,8 +72,8 @@ class FieldElem:
     field: Field
 
     def __eq__(self, other: object) -> bool:
-        # Tensors compare elementwise; equality here means same kind, same
-        # field, and bit-identical data (see mmcache.client for the helper).
+        # Tensors compare elementwise; equality here means the same key,
+        # modality and field, and bit-identical data (mmcache._equal).
         if not isinstance(other, FieldElem):
             return NotImplemented
         from mmcache._equal import nested_equal

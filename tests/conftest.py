@@ -19,14 +19,14 @@ MIB = 1 << 20
 
 
 def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> ServerConfig:
-    return ServerConfig(
-        host="127.0.0.1",
-        port=0,
-        metrics_port=0,
-        capacity_bytes=capacity_bytes,
-        grace_s=0,
-        **overrides,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "metrics_port": 0,
+        "capacity_bytes": capacity_bytes,
+        "grace_s": 0,
+    }
+    return ServerConfig(**{**settings, **overrides})  # type: ignore[arg-type]
 
 
 @pytest.fixture

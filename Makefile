@@ -1,0 +1,42 @@
+# Set-up is two commands on a fresh machine:
+#   make serve   installs into .venv and runs the server with its defaults
+#   make test    installs the test tools (and Debian's prometheus, kubectl,
+#                docker-compose when missing) and runs every check CI runs
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+
+.PHONY: serve test lint typecheck unit bench clean
+
+$(VENV)/.server: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.server
+	$(PIP) -e ".[test]"
+	touch $@
+
+serve: $(VENV)/.server
+	$(VENV)/bin/mmcache serve
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/gen_proto.sh --check
+
+typecheck: $(VENV)/.test
+	PATH="$(abspath $(VENV))/bin:$$PATH" scripts/typecheck.sh
+
+unit: $(VENV)/.test
+	scripts/install-system-deps.sh
+	$(PY) -m pytest
+
+test: lint typecheck unit
+
+bench: $(VENV)/.test
+	$(PY) -m bench.transfer
+	$(PY) -m bench.encoder
+
+clean:
+	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,319 @@
+"""The client against a real server: mirror, drift, restart, inject, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+
+import cachetools
+import pytest
+import torch
+
+from mmcache import FieldElem, MMItem, SharedField
+from mmcache._dtypes import ITEMSIZE
+from mmcache._equal import nested_equal
+from mmcache.client import (
+    CacheMissError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    MMCacheClient,
+)
+from mmcache.client._codec import encode_item
+from mmcache.server import MMCacheServer
+
+from .conftest import MIB, sample, scrape, server_config
+from .items import image_item
+
+
+def size_of(item: MMItem) -> int:
+    return encode_item(item).size.charged
+
+
+def random_bits(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    itemsize = ITEMSIZE[str(dtype).removeprefix("torch.")]
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * itemsize,), dtype=torch.uint8, generator=gen)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype_name", sorted(ITEMSIZE))
+async def test_every_dtype_and_shape_round_trips_bit_exact(
+    client: MMCacheClient, dtype_name: str
+) -> None:
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(len(dtype_name))
+    data = [
+        random_bits(dtype, (5, 7), gen),
+        random_bits(dtype, (), gen),  # 0-d
+        random_bits(dtype, (0, 3), gen),  # empty
+        random_bits(dtype, (6, 4), gen).t(),  # non-contiguous
+        (random_bits(dtype, (3,), gen), [random_bits(dtype, (2, 2), gen), 7, 2.5, True]),
+    ]
+    item = MMItem.from_elems(
+        [FieldElem("image", f"k{i}", d, SharedField(batch_size=2)) for i, d in enumerate(data)]
+    )
+    mapping = {f"k{i}": d for i, d in enumerate(data)}
+    sent = await client.get_and_update([item, mapping], [f"{dtype_name}-item", f"{dtype_name}-map"])
+    assert sent[0] is item and sent[1] is mapping
+    fetched = await client.fetch([f"{dtype_name}-item", f"{dtype_name}-map"])
+    assert isinstance(fetched[0], MMItem) and fetched[0] == item
+    assert type(fetched[1]) is dict and fetched[1].keys() == mapping.keys()
+    assert all(nested_equal(fetched[1][k], mapping[k]) for k in mapping)
+    assert fetched[0]["k3"].data.shape == (4, 6)
+
+
+async def test_hits_return_none_in_one_round_trip(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    items = [image_item(i) for i in range(3)]
+    hashes = [f"img-{i}" for i in range(3)]
+    assert await client.get_and_update(items, hashes) == items
+    assert client.is_cached(hashes) == [True, True, True]
+    before = await scrape(server.metrics_port)
+    assert await client.get_and_update(items, hashes) == [None, None, None]
+    after = await scrape(server.metrics_port)
+    labels = {"grpc_method": "GetAndUpdate", "grpc_service": "mmcache.v1.MMCache",
+              "grpc_type": "client_stream"}
+    started = "grpc_server_started_total"
+    assert sample(after, started, **labels) == (sample(before, started, **labels) or 0) + 1
+    assert client.make_stats().hits == 3 and client.make_stats().total == 6
+
+
+def oracle_batch(cache: cachetools.LRUCache[str, int], batch: list[tuple[str, int]]) -> list[bool]:
+    for key, _ in batch:
+        if key in cache:
+            cache[key]  # noqa: B018 - a read touches
+    hits = []
+    for key, size in batch:
+        hits.append(key in cache)
+        if key in cache:
+            cache[key]  # noqa: B018
+        elif size <= cache.maxsize:
+            cache[key] = size
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(3))
+async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed: int) -> None:
+    rng = random.Random(seed)
+    pool = {f"h{i}": image_item(i, numel=rng.randint(1, 2000)) for i in range(40)}
+    capacity = sum(size_of(item) for item in pool.values()) // 3
+    oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(capacity, getsizeof=lambda v: v)
+    async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+            for _ in range(300):
+                keys = rng.sample(list(pool), k=rng.randint(1, 4))
+                expected = oracle_batch(oracle, [(k, size_of(pool[k])) for k in keys])
+                results = await client.get_and_update([pool[k] for k in keys], keys)
+                assert [r is None for r in results] == expected
+                assert set(client._mirror.keys()) == set(oracle.keys())
+            assert set(client._mirror.keys()) == set(server.store._lru.keys())
+            assert client._mirror.keys() == list(server.store._lru.keys())  # same order too
+            samples = await scrape(server.metrics_port)
+            assert sample(samples, "mmcache_resends_total", modality="image") is None
+
+
+async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
+    items = {f"h{i}": image_item(i, numel=1000) for i in range(6)}
+    capacity = 3 * size_of(items["h0"]) + 10
+    async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
+        target = f"127.0.0.1:{server.port}"
+        async with MMCacheClient(target) as a, MMCacheClient(target) as b:
+            await b.get_and_update([items["h0"]], ["h0"])
+            # a fills the cache: h0 is evicted, but b's mirror still holds it.
+            for key in ("h1", "h2", "h3"):
+                await a.get_and_update([items[key]], [key])
+            assert b.is_cached(["h0"]) == [True] and "h0" not in server.store
+            result = await b.get_and_update([items["h0"]], ["h0"])
+            assert result == [items["h0"]]  # re-sent, not claimed as cached
+            assert "h0" in server.store
+            assert (await b.fetch(["h0"]))[0] == items["h0"]
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_resends_total", modality="image") == 1
+    # the re-send is not a second query: 5 items were asked for in all
+    assert sample(samples, "mmcache_queries_total", modality="image") == 5
+
+
+async def test_missing_item_without_data_raises_cache_miss_naming_it(
+    client: MMCacheClient,
+) -> None:
+    await client.get_and_update([image_item(1)], ["present"])
+    with pytest.raises(CacheMissError) as info:
+        await client.get_and_update([None, None], ["present", "never-sent"])
+    assert info.value.missing_hashes == ["never-sent"]
+
+
+async def test_server_restart_resets_the_mirror_and_resends(caplog: pytest.LogCaptureFixture) -> None:
+    item = image_item(3)
+    first = MMCacheServer(server_config())
+    await first.start()
+    port = first.port
+    async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as client:
+        await client.get_and_update([item], ["h"])
+        old_instance = client.instance_id
+        await first.stop(grace=0)
+        async with MMCacheServer(server_config(port=port)) as second:
+            assert client.is_cached(["h"]) == [True]  # the mirror cannot know yet
+            result = await client.get_and_update([item], ["h"])
+            assert result == [item]  # re-sent: the new process did not hold it
+            assert client.instance_id == second.instance_id != old_instance
+            assert "h" in second.store
+            assert (await client.fetch(["h"]))[0] == item
+
+
+async def test_item_larger_than_the_cache_is_served_uncached() -> None:
+    small, big = image_item(1, numel=10), image_item(2, numel=100_000)
+    async with MMCacheServer(server_config(capacity_bytes=size_of(small) * 4)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+            await client.get_and_update([small], ["small"])
+            assert await client.get_and_update([big], ["big"]) == [big]
+            assert await client.get_and_update([big], ["big"]) == [big]  # never a hit
+            assert client.is_cached(["small", "big"]) == [True, False]
+            with pytest.raises(CacheMissError):
+                await client.fetch(["big"])
+            samples = await scrape(server.metrics_port)
+    # withheld by the client: its bytes never crossed the wire
+    assert sample(samples, "mmcache_received_bytes_total") == 40 + 24
+    assert sample(samples, "mmcache_uncached_total", modality="image") == 2
+
+
+async def test_inject_counts_like_vllm_and_replaces_entries_in_place(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    image = image_item(5)
+    kwargs: dict[str, list[object]] = {"image": [image]}
+    await client.inject_into_mm_cache({"image": ["cat"]}, kwargs)
+    samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") == 1
+    assert sample(samples, "mmcache_hits_total", modality="image") == 0
+    assert kwargs["image"] == [image]
+    kwargs = {"image": [image_item(5)]}
+    await client.inject_into_mm_cache({"image": ["cat"]}, kwargs)
+    samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") == 2
+    assert sample(samples, "mmcache_hits_total", modality="image") == 1
+    assert kwargs["image"] == [None]
+    assert (client.make_stats().hits, client.make_stats().total) == (1, 2)
+
+
+async def test_inject_covers_modalities_and_skips_absent_entries(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    video = image_item(9, modality="video")
+    kwargs: dict[str, list[object]] = {"image": [None, image_item(1)], "video": [video]}
+    await client.inject_into_mm_cache({"image": ["i0", "i1"], "video": ["v0", "v-extra"]}, kwargs)
+    assert kwargs["video"] == [video] and kwargs["image"][0] is None
+    samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") == 1
+    assert sample(samples, "mmcache_queries_total", modality="video") == 1
+    assert set(server.store._lru.keys()) == {"i1", "v0"}
+
+
+async def test_inject_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    server = MMCacheServer(server_config())
+    await server.start()
+    async with MMCacheClient(f"127.0.0.1:{server.port}", timeout=1) as client:
+        await server.stop(grace=0)
+        kwargs: dict[str, list[object]] = {"image": [image_item(1)]}
+        with caplog.at_level(logging.WARNING):
+            await client.inject_into_mm_cache({"image": ["x"]}, kwargs)
+        assert "could not inject" in caplog.text
+        assert isinstance(kwargs["image"][0], MMItem)
+
+
+async def test_inject_with_caching_disabled_returns_at_once_and_counts_nothing() -> None:
+    async with MMCacheServer(server_config(capacity_bytes=0)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+            item = image_item(1)
+            kwargs: dict[str, list[object]] = {"image": [item]}
+            await client.inject_into_mm_cache({"image": ["x"]}, kwargs)
+            assert kwargs["image"] == [item]
+            assert client.make_stats().total == 0
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") is None
+
+
+async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> None:
+    a, b, c = image_item(1), image_item(2), image_item(3)
+    async with MMCacheServer(server_config(capacity_bytes=2 * size_of(a) + 10)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+            await client.get_and_update([a, b], ["a", "b"])
+            client.touch("a")
+            client.touch("ghost")  # not held: nothing happens
+            await client.get_and_update([c], ["c"])
+            assert client.is_cached(["a", "b", "c"]) == [True, False, True]
+            assert set(server.store._lru.keys()) == {"a", "c"}
+
+
+async def test_make_stats_delta(client: MMCacheClient) -> None:
+    item = image_item(1)
+    await client.get_and_update([item], ["x"])
+    assert client.make_stats(delta=True).total == 1
+    await client.get_and_update([item, item], ["x", "x"])
+    delta = client.make_stats(delta=True)
+    assert (delta.hits, delta.total) == (2, 2) and delta.hit_ratio == 1.0
+    assert client.make_stats().total == 3
+
+
+async def test_clear_cache_empties_server_and_mirror(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    await client.get_and_update([image_item(1)], ["x"])
+    await client.clear_cache()
+    assert client.is_cached(["x"]) == [False] and len(server.store) == 0
+
+
+async def test_fetch_of_missing_hashes_raises_typed_error(client: MMCacheClient) -> None:
+    await client.get_and_update([image_item(1)], ["x"])
+    with pytest.raises(CacheMissError) as info:
+        await client.fetch(["a", "x", "b"])
+    assert info.value.missing_hashes == ["a", "b"]
+
+
+async def test_server_errors_arrive_as_typed_errors(client: MMCacheClient) -> None:
+    with pytest.raises(InvalidArgumentError, match="modality of entry 0 is 300 characters"):
+        await client.get_and_update([{"k": torch.ones(2)}], ["x"], modality="m" * 300)
+    with pytest.raises(InvalidArgumentError, match="mm_hash must not be empty"):
+        await client.get_and_update([image_item(1)], [""])
+
+
+async def test_unreachable_server_is_a_typed_error() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(DeadlineExceededError):
+        async with MMCacheClient(f"127.0.0.1:{port}", connect_timeout=0.5):
+            pass
+
+
+async def test_concurrent_calls_from_one_client_stay_correct(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    items = {f"h{i}": image_item(i, numel=5000) for i in range(20)}
+
+    async def use(keys: list[str]) -> None:
+        results = await client.get_and_update([items[k] for k in keys], keys)
+        for key, result in zip(keys, results, strict=True):
+            assert result is None or result is items[key]
+
+    rng = random.Random(7)
+    await asyncio.gather(*(use(rng.sample(list(items), 3)) for _ in range(40)))
+    fetched = await client.fetch(list(items))
+    assert all(f == items[k] for k, f in zip(items, fetched, strict=True))
+
+
+@pytest.mark.slow
+async def test_an_item_of_256_mib_moves_both_ways() -> None:
+    big = {"pixel_values": torch.arange(64 * MIB, dtype=torch.float32)}  # 256 MiB
+    async with MMCacheServer(server_config(capacity_bytes=300 * MIB)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}", chunk_bytes=4 * MIB) as client:
+            assert await client.get_and_update([big], ["big"]) == [big]
+            assert server.store.used == 256 * MIB
+            (fetched,) = await client.fetch(["big"])
+            assert torch.equal(fetched["pixel_values"], big["pixel_values"])
