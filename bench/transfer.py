@@ -8,7 +8,8 @@ all on loopback. "put" is `get_and_update` of an item the server lacks (a
 float32 tensor of the given size: encode, upload, commit); "fetch" is the
 engine's read (download, rebuild the tensor). The ceiling moves the same
 number of bytes through a bare generic handler in raw chunks of the same
-size, measured in the same run. Prints a table.
+size, measured in the same run. All three processes call
+`mmcache.keep_freed_memory()`. Prints a table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import torch
 
+from mmcache import keep_freed_memory
 from mmcache._frames import MAX_MESSAGE_BYTES
 from mmcache.client import MMCacheClient
 
@@ -109,6 +111,9 @@ async def run(sizes: list[int], seconds: float, chunk: int) -> None:
 
 
 def main() -> None:
+    # Both servers and this client process (which runs the ceiling's client
+    # and ours) reuse freed memory, as `mmcache serve` does by default.
+    keep_freed_memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 64], help="MiB")
     parser.add_argument("--seconds", type=float, default=3.0)

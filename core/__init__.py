@@ -18,6 +18,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
+from ._memory import keep_freed_memory
 
 __version__ = "0.1.0"
 
@@ -38,4 +39,5 @@ __all__ = [
     "SharedField",
     "UnavailableError",
     "__version__",
+    "keep_freed_memory",
 ]
