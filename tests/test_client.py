@@ -25,6 +25,7 @@ from mmcache.server import MMCacheServer
 
 from .conftest import MIB, sample, scrape, server_config
 from .items import image_item
+from .oracle import oracle_batch
 
 
 def size_of(item: MMItem) -> int:
@@ -78,25 +79,14 @@ async def test_hits_return_none_in_one_round_trip(
     before = await scrape(server.metrics_port)
     assert await client.get_and_update(items, hashes) == [None, None, None]
     after = await scrape(server.metrics_port)
-    labels = {"grpc_method": "GetAndUpdate", "grpc_service": "mmcache.v1.MMCache",
-              "grpc_type": "client_stream"}
+    labels = {
+        "grpc_method": "GetAndUpdate",
+        "grpc_service": "mmcache.v1.MMCache",
+        "grpc_type": "client_stream",
+    }
     started = "grpc_server_started_total"
     assert sample(after, started, **labels) == (sample(before, started, **labels) or 0) + 1
     assert client.make_stats().hits == 3 and client.make_stats().total == 6
-
-
-def oracle_batch(cache: cachetools.LRUCache[str, int], batch: list[tuple[str, int]]) -> list[bool]:
-    for key, _ in batch:
-        if key in cache:
-            cache[key]  # noqa: B018 - a read touches
-    hits = []
-    for key, size in batch:
-        hits.append(key in cache)
-        if key in cache:
-            cache[key]  # noqa: B018
-        elif size <= cache.maxsize:
-            cache[key] = size
-    return hits
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -149,7 +139,9 @@ async def test_missing_item_without_data_raises_cache_miss_naming_it(
     assert info.value.missing_hashes == ["never-sent"]
 
 
-async def test_server_restart_resets_the_mirror_and_resends(caplog: pytest.LogCaptureFixture) -> None:
+async def test_server_restart_resets_the_mirror_and_resends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     item = image_item(3)
     first = MMCacheServer(server_config())
     await first.start()

@@ -9,6 +9,8 @@ import pytest
 
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
 
+from .oracle import oracle_batch
+
 
 def test_put_evicts_least_recently_used_first() -> None:
     evicted: list[str] = []
@@ -113,23 +115,6 @@ def test_resize_evicts_to_fit() -> None:
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity"):
         ByteLRU(-1)
-
-
-def oracle_batch(cache: cachetools.LRUCache[str, int], batch: list[tuple[str, int]]) -> list[bool]:
-    """vLLM's rule on cachetools: touch every held key, then hit or insert in order."""
-    for key, _ in batch:
-        if key in cache:
-            cache[key]  # noqa: B018 - a read is cachetools' touch
-    hits = []
-    for key, size in batch:
-        if key in cache:
-            cache[key]  # noqa: B018
-            hits.append(True)
-        else:
-            hits.append(False)
-            if size <= cache.maxsize:
-                cache[key] = size
-    return hits
 
 
 @pytest.mark.parametrize("seed", range(5))
