@@ -22,7 +22,13 @@ from mmcache._spec import check_name
 from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, ItemDecoder, encode_item, iter_chunk_frames, num_chunks
-from ._encoder import EncoderCache, request_encoder_budget
+from ._encoder import (
+    EncoderBudget,
+    EncoderCache,
+    EncoderCacheStats,
+    request_encoder_budget,
+    request_encoder_cache_stats,
+)
 from ._mirror import Mirror
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
@@ -171,7 +177,7 @@ class MMCacheClient:
         encoder_cache_size: int,
         max_num_batched_tokens: int,
         disable_chunked_mm_input: bool = False,
-    ) -> tuple[int, int]:
+    ) -> EncoderBudget:
         """(compute budget, cache size) in encoder tokens, computed by the server."""
         return await request_encoder_budget(
             self.channel,
@@ -182,6 +188,10 @@ class MMCacheClient:
             max_num_batched_tokens=max_num_batched_tokens,
             disable_chunked_mm_input=disable_chunked_mm_input,
         )
+
+    async def encoder_cache_stats(self) -> dict[str, EncoderCacheStats]:
+        """Every engine's book on the server, by engine id."""
+        return await request_encoder_cache_stats(self.channel, self._timeout)
 
     # -- calls -------------------------------------------------------------
 

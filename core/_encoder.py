@@ -542,7 +542,10 @@ class EncoderBooks:
 
     def stats(self) -> dict[str, EncoderCacheStats]:
         """A snapshot of every book, by engine id in sorted order (for the metrics)."""
-        return {engine_id: self._books[engine_id].stats() for engine_id in sorted(self._books)}
+        # One step (a list of the items) so that a scrape on another thread
+        # never trips over a book the event loop deletes meanwhile.
+        books = list(self._books.items())
+        return {engine_id: book.stats() for engine_id, book in sorted(books)}
 
     def __len__(self) -> int:
         return len(self._books)

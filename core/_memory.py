@@ -51,8 +51,8 @@ def keep_freed_memory(trim_threshold: int = 1 << 30) -> bool:
     if _libc is None:
         return False
     try:
-        ok = _libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
-        ok = _libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok
+        ok = bool(_libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1)
+        ok = bool(_libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1) and ok
     except AttributeError:
         return False
     _LOGGER.debug("glibc malloc tuned to reuse freed chunks: %s", ok)

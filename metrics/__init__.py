@@ -2,11 +2,13 @@
 registers on, so a server (and every test) builds its own."""
 
 from ._cache import CacheMetrics, StoreGauges
+from ._encoder import EncoderBookCollector
 from ._exposition import MetricsEndpoint, register_build_info
 from ._grpc import GrpcServerMetrics
 
 __all__ = [
     "CacheMetrics",
+    "EncoderBookCollector",
     "GrpcServerMetrics",
     "MetricsEndpoint",
     "StoreGauges",

@@ -8,7 +8,12 @@ if [ "${1:-}" = "--check" ]; then
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
 fi
-python -m grpc_tools.protoc -Iproto --python_out="$out" --mypy_out="$out" proto/mmcache/v1/*.proto
+# protoc's mypy plugin reports each file it writes: show the output on failure only.
+if ! log=$(python -m grpc_tools.protoc -Iproto --python_out="$out" --mypy_out="$out" \
+    proto/mmcache/v1/*.proto 2>&1); then
+  echo "$log" >&2
+  exit 1
+fi
 if [ "${1:-}" = "--check" ]; then
   for f in "$out"/mmcache/v1/*; do
     name=$(basename "$f")

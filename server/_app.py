@@ -17,18 +17,23 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
 from mmcache import __version__
+from mmcache._encoder import EncoderBooks
 from mmcache._frames import MAX_MESSAGE_BYTES
+from mmcache._memory import keep_freed_memory
 from mmcache.metrics import (
     CacheMetrics,
+    EncoderBookCollector,
     GrpcServerMetrics,
     MetricsEndpoint,
     StoreGauges,
     register_build_info,
 )
-from prometheus_client import CollectorRegistry
 
 from ._config import ServerConfig
+from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._inflight import InflightBudget
 from ._servicer import SERVICE_NAME, CacheServicer
 from ._store import ItemStore
@@ -66,6 +71,8 @@ class MMCacheServer:
                 inflight_bytes=lambda: self.inflight.used,
             )
         )
+        self.books = EncoderBooks()
+        self.registry.register(EncoderBookCollector(self.books.stats))
         register_build_info(self.registry, __version__)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -75,7 +82,7 @@ class MMCacheServer:
 
     @property
     def service_names(self) -> list[str]:
-        return [SERVICE_NAME]
+        return [SERVICE_NAME, ENCODER_SERVICE_NAME]
 
     async def start(self) -> None:
         server = grpc.aio.server(
@@ -84,7 +91,8 @@ class MMCacheServer:
         cache = CacheServicer(
             self.store, self.inflight, self.metrics, self.instance_id, __version__
         )
-        server.add_generic_rpc_handlers((cache.handler(),))
+        encoder = EncoderServicer(self.books, self.instance_id)
+        server.add_generic_rpc_handlers((cache.handler(), encoder.handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         if self.config.reflection:
@@ -145,6 +153,7 @@ class MMCacheServer:
 
 async def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; the process's exit status."""
+    keep_freed_memory()
     server = MMCacheServer(config)
     try:
         await server.start()

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
+
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import HEADER_TAG, MAX_CHUNK_BYTES, chunk_payload_offset
 from mmcache._lru import Outcome

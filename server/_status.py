@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from google.rpc import code_pb2, status_pb2
 from grpc_status import rpc_status
+
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 

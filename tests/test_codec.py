@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from mmcache import BatchedField, FieldElem, FlatField, InvalidArgumentError, MMItem, SharedField
 from mmcache._dtypes import ITEMSIZE
 from mmcache._equal import nested_equal

@@ -38,9 +38,18 @@ def wait_serving(port: int, proc: subprocess.Popen[str], timeout: float = 20) ->
 
 def health(port: int) -> int:
     return subprocess.run(
-        [sys.executable, "-m", "mmcache.server._cli", "health", f"127.0.0.1:{port}",
-         "--timeout", "1"],
-        capture_output=True, text=True, check=False,
+        [
+            sys.executable,
+            "-m",
+            "mmcache.server._cli",
+            "health",
+            f"127.0.0.1:{port}",
+            "--timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     ).returncode
 
 
@@ -51,8 +60,11 @@ def ports() -> tuple[int, int]:
 
 def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        args, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        args,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -89,8 +101,19 @@ def test_serve_reads_environment_and_exports_metrics(
 def test_flags_override_and_python_m_works(ports: tuple[int, int]) -> None:
     port, metrics_port = ports
     proc = start(
-        [sys.executable, "-m", "mmcache.server", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics_port), "--capacity-gb", "0.5"],
+        [
+            sys.executable,
+            "-m",
+            "mmcache.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            "--capacity-gb",
+            "0.5",
+        ],
         env={"MMCACHE_CAPACITY_GB": "3"},
     )
     try:
@@ -150,7 +173,10 @@ def test_port_in_use_fails_with_a_clear_message(
     port, _ = ports
     second = subprocess.run(
         ["mmcache", "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
-        capture_output=True, text=True, timeout=20, check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
     )
     assert second.returncode == 2
     assert f"cannot serve gRPC on 127.0.0.1:{port}" in second.stderr
@@ -162,8 +188,11 @@ def test_bad_flag_values_are_refused_with_reasons() -> None:
     )
     assert result.returncode == 2 and "GiB >= 0" in result.stderr
     result = subprocess.run(
-        ["mmcache", "serve"], env={**os.environ, "MMCACHE_PORT": "http"},
-        capture_output=True, text=True, check=False,
+        ["mmcache", "serve"],
+        env={**os.environ, "MMCACHE_PORT": "http"},
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode != 0 and "MMCACHE_PORT" in result.stderr
 
@@ -177,7 +206,8 @@ def test_reflection_lists_the_services(
             request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
             response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
         )
-        replies = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                            timeout=5))
+        replies = list(
+            info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        )
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"mmcache.v1.MMCache", "grpc.health.v1.Health"} <= names

@@ -131,26 +131,50 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
 @pytest.mark.parametrize(
     ("frames", "message"),
     [
-        ([header(data_entry("h", tensor_spec("float99", [2]), 1)), chunk(b"12345678")],
-         "unknown dtype 'float99'"),
-        ([header(data_entry("h", tensor_spec("float32", [4]), 1)), chunk(b"123")],
-         "declares 16 payload bytes"),
-        ([header(data_entry("h", tensor_spec("uint8", [3]), 2)), chunk(b"123")],
-         "ended after 1 of the 2 chunks"),
-        ([header(data_entry("h", tensor_spec("uint8", [3]), 1)), chunk(b"123"), chunk(b"4")],
-         "more chunk frames"),
+        (
+            [header(data_entry("h", tensor_spec("float99", [2]), 1)), chunk(b"12345678")],
+            "unknown dtype 'float99'",
+        ),
+        (
+            [header(data_entry("h", tensor_spec("float32", [4]), 1)), chunk(b"123")],
+            "declares 16 payload bytes",
+        ),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [3]), 2)), chunk(b"123")],
+            "ended after 1 of the 2 chunks",
+        ),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [3]), 1)), chunk(b"123"), chunk(b"4")],
+            "more chunk frames",
+        ),
         ([header(pb.UpdateEntry(mm_hash=""))], "mm_hash of entry 0 must not be empty"),
-        ([header(data_entry("h", tensor_spec("uint8", [-3]), 1)), chunk(b"123")],
-         "negative dimension"),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [-3]), 1)), chunk(b"123")],
+            "negative dimension",
+        ),
         ([chunk(b"123")], "first GetAndUpdate frame must be the header"),
         ([], "got no frames"),
-        ([header(data_entry("h", tensor_spec("uint8", [3]), 1)), b"\x12\x05abc"],
-         "declares 5 bytes but carries 3"),
-        ([header(data_entry("h", tensor_spec("uint8", [8 << 20]), 1))],
-         "cannot travel in 1 chunks"),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [3]), 1)), b"\x12\x05abc"],
+            "declares 5 bytes but carries 3",
+        ),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [8 << 20]), 1))],
+            "cannot travel in 1 chunks",
+        ),
     ],
-    ids=["unknown-dtype", "sizes-disagree", "too-few-chunks", "too-many-chunks", "empty-hash",
-         "negative-dim", "no-header", "empty-stream", "bad-frame-length", "chunk-count"],
+    ids=[
+        "unknown-dtype",
+        "sizes-disagree",
+        "too-few-chunks",
+        "too-many-chunks",
+        "empty-hash",
+        "negative-dim",
+        "no-header",
+        "empty-stream",
+        "bad-frame-length",
+        "chunk-count",
+    ],
 )
 async def test_bad_input_is_invalid_argument_and_nothing_is_lost(
     server: MMCacheServer, channel: grpc.aio.Channel, frames: list[bytes], message: str
