@@ -307,7 +307,8 @@ def _leaf(key: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
     # reshape first: a 0-d tensor cannot be viewed as bytes of another size.
-    return tensor.reshape(-1).view(torch.uint8).numpy().data
+    view: memoryview = tensor.reshape(-1).view(torch.uint8).numpy().data
+    return view
 
 
 def _int64(key: str, value: object, what: str) -> int:

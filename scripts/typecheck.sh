@@ -11,4 +11,6 @@ for f in core/*.py core/py.typed; do ln -s "../../../$f" "$stage/mmcache/$(basen
 for pkg in server client metrics; do ln -s "../../../$pkg" "$stage/mmcache/$pkg"; done
 ln -s ../../../proto/mmcache/v1 "$stage/mmcache/v1"
 cd "$stage"
-mypy --strict --config-file ../../pyproject.toml -p mmcache "$@"
+# No incremental cache: the staged tree is new each run, and a stale cache
+# once hid an error that a fresh checkout showed.
+mypy --strict --no-incremental --config-file ../../pyproject.toml -p mmcache "$@"
