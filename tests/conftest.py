@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -16,6 +18,10 @@ if TYPE_CHECKING:
     from mmcache.client import MMCacheClient
 
 MIB = 1 << 20
+
+# The console script installed beside the interpreter running the tests: found
+# without relying on an activated virtual environment's PATH.
+MMCACHE = str(Path(sys.executable).with_name("mmcache"))
 
 
 def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> ServerConfig:

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from .conftest import parse_samples, sample, scrape_text
+from .conftest import MMCACHE, parse_samples, sample, scrape_text
 
 
 def free_port() -> int:
@@ -72,7 +72,7 @@ def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
 def proc_env(ports: tuple[int, int]) -> Iterator[subprocess.Popen[str]]:
     port, metrics_port = ports
     proc = start(
-        ["mmcache", "serve"],
+        [MMCACHE, "serve"],
         env={
             "MMCACHE_HOST": "127.0.0.1",
             "MMCACHE_PORT": str(port),
@@ -172,7 +172,7 @@ def test_port_in_use_fails_with_a_clear_message(
 ) -> None:
     port, _ = ports
     second = subprocess.run(
-        ["mmcache", "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
+        [MMCACHE, "serve", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"],
         capture_output=True,
         text=True,
         timeout=20,
@@ -184,11 +184,11 @@ def test_port_in_use_fails_with_a_clear_message(
 
 def test_bad_flag_values_are_refused_with_reasons() -> None:
     result = subprocess.run(
-        ["mmcache", "serve", "--capacity-gb", "-1"], capture_output=True, text=True, check=False
+        [MMCACHE, "serve", "--capacity-gb", "-1"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 2 and "GiB >= 0" in result.stderr
     result = subprocess.run(
-        ["mmcache", "serve"],
+        [MMCACHE, "serve"],
         env={**os.environ, "MMCACHE_PORT": "http"},
         capture_output=True,
         text=True,

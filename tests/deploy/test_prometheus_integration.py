@@ -19,6 +19,7 @@ from tests.deploy.prometheus_harness import (
     promtool_check_metrics,
     running_prometheus,
 )
+from tests.conftest import MMCACHE
 from tests.items import image_item
 
 
@@ -32,11 +33,11 @@ def mmcache_process() -> Iterator[tuple[int, int]]:
         "MMCACHE_METRICS_PORT": str(metrics_port),
         "MMCACHE_CAPACITY_GB": "0.125",
     }
-    proc = subprocess.Popen(["mmcache", "serve"], env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([MMCACHE, "serve"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
         while subprocess.run(
-            ["mmcache", "health", f"127.0.0.1:{port}", "--timeout", "1"],
+            [MMCACHE, "health", f"127.0.0.1:{port}", "--timeout", "1"],
             capture_output=True,
             check=False,
         ).returncode:
