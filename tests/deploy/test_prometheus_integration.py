@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from mmcache.client import MMCacheClient
+from tests.conftest import MMCACHE
 from tests.deploy.prometheus_harness import (
     fetch_text,
     free_port,
     promtool_check_metrics,
     running_prometheus,
 )
-from tests.conftest import MMCACHE
 from tests.items import image_item
 
 
