@@ -33,7 +33,7 @@ from mmcache._encoder import (
 from mmcache._errors import InternalError, InvalidArgumentError, MMCacheError
 from mmcache.v1 import encoder_pb2 as epb
 
-from ._status import error_from_rpc, translate_errors
+from ._status import error_from_status, translate_errors
 
 __all__ = [
     "AllocateOp",
@@ -138,7 +138,7 @@ def _batch_error(
         )
     code = _STATUS_CODES.get(failure.code, grpc.StatusCode.UNKNOWN)
     # The same mapping as a failed call's status: a failed op is one in all but transport.
-    error = error_from_rpc(grpc.aio.AioRpcError(code, details=failure.message))
+    error = error_from_status(code, failure.message)
     return _batch_error_class(type(error))(error, failure.index, ops[failure.index], results)
 
 

@@ -11,7 +11,7 @@ from google.rpc import status_pb2
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["error_from_rpc", "translate_errors"]
+__all__ = ["error_from_rpc", "error_from_status", "translate_errors"]
 
 _DETAILS_KEY = "grpc-status-details-bin"
 
@@ -45,6 +45,11 @@ def error_from_rpc(exc: grpc.aio.AioRpcError) -> errors.MMCacheError:
             missing = pb.MissingItems()
             if detail.Unpack(missing):
                 return errors.CacheMissError(missing.mm_hashes, message)
+    return error_from_status(code, message)
+
+
+def error_from_status(code: grpc.StatusCode, message: str) -> errors.MMCacheError:
+    """The typed error for a status code (a failed call, or a failed op of a batch)."""
     cls = _CLASSES.get(code, errors.InternalError)
     return cls(f"{code.name}: {message}" if cls is errors.InternalError else message)
 
