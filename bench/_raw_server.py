@@ -1,6 +1,7 @@
 """The raw gRPC ceiling: a bare generic handler moving bytes, nothing else.
 
 Upload: a client stream of raw chunks, answered with their total length.
+UploadProto: the same through protobuf (`UpdateFrame.chunk`), for comparison.
 Download: the request names a byte count; the reply streams it as raw
 chunks built once beforehand, so no time goes to making data.
 """
@@ -15,6 +16,7 @@ import grpc
 
 from mmcache._frames import MAX_MESSAGE_BYTES
 from mmcache._memory import keep_freed_memory
+from mmcache.v1 import cache_pb2 as pb
 
 OPTIONS = (
     ("grpc.so_reuseport", 0),
@@ -27,6 +29,14 @@ async def upload(chunks: AsyncIterator[bytes], context: object) -> bytes:
     total = 0
     async for chunk in chunks:
         total += len(chunk)
+    return str(total).encode()
+
+
+async def upload_proto(frames: AsyncIterator[pb.UpdateFrame], context: object) -> bytes:
+    # The same chunks as protobuf messages: parsed by protobuf, read as a field.
+    total = 0
+    async for frame in frames:
+        total += len(frame.chunk)
     return str(total).encode()
 
 
@@ -46,6 +56,9 @@ async def main(port: int) -> None:
                 {
                     "Upload": grpc.stream_unary_rpc_method_handler(upload),
                     "Download": grpc.unary_stream_rpc_method_handler(download),
+                    "UploadProto": grpc.stream_unary_rpc_method_handler(
+                        upload_proto, request_deserializer=pb.UpdateFrame.FromString
+                    ),
                 },
             ),
         )

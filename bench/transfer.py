@@ -8,7 +8,9 @@ all on loopback. "put" is `get_and_update` of an item the server lacks (a
 float32 tensor of the given size: encode, upload, commit); "fetch" is the
 engine's read (download, rebuild the tensor). The ceiling moves the same
 number of bytes through a bare generic handler in raw chunks of the same
-size, measured in the same run. All three processes call
+size, measured in the same run, and, for put, the same bytes as a protobuf
+`bytes` field (built, serialised and parsed by protobuf): the path the chunk
+frames avoid. All three processes call
 `mmcache.keep_freed_memory()`. Prints a table.
 """
 
@@ -27,6 +29,7 @@ import torch
 from mmcache import keep_freed_memory
 from mmcache._frames import MAX_MESSAGE_BYTES
 from mmcache.client import MMCacheClient
+from mmcache.v1 import cache_pb2 as pb
 
 MIB = 1 << 20
 CAPACITY = 512 * MIB  # of the benchmark's cache server (bench/_cache_server.py)
@@ -48,7 +51,7 @@ async def rate(op: Callable[[], Awaitable[None]], nbytes: int, seconds: float) -
     return n * nbytes / elapsed / 1e9
 
 
-async def ceiling(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[float, float]:
+async def ceiling(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[float, float, float]:
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         up = channel.stream_unary("/bench.Raw/Upload")
@@ -66,7 +69,25 @@ async def ceiling(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[f
             async for _ in down(f"{nbytes},{chunk}".encode()):
                 pass
 
-        return await rate(put, nbytes, seconds), await rate(get, nbytes, seconds)
+        proto_up = channel.stream_unary(
+            "/bench.Raw/UploadProto", request_serializer=pb.UpdateFrame.SerializeToString
+        )
+        data = torch.randn(chunk // 4)
+
+        async def put_proto() -> None:
+            # What the tensor bytes would cost as a protobuf `bytes` field.
+            view = data.numpy().tobytes()
+            call = proto_up()
+            for _ in range(nbytes // chunk):
+                await call.write(pb.UpdateFrame(chunk=view))
+            await call.done_writing()
+            await call
+
+        return (
+            await rate(put, nbytes, seconds),
+            await rate(get, nbytes, seconds),
+            await rate(put_proto, nbytes, seconds),
+        )
 
 
 async def mmcache(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[float, float]:
@@ -96,14 +117,21 @@ async def run(sizes: list[int], seconds: float, chunk: int) -> None:
     cache, cache_port = spawn([sys.executable, "-m", "bench._cache_server"])
     try:
         print(f"chunk {chunk // MIB} MiB, {seconds:g} s per cell, loopback, GB/s = 1e9 bytes/s")
-        print(f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5}")
-        print("-" * 47)
+        print(
+            f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
+            f"{'protobuf field':>14}"
+        )
+        print("-" * 64)
         for mib in sizes:
             nbytes = mib * MIB
-            raw_put, raw_get = await ceiling(raw_port, nbytes, chunk, seconds)
+            raw_put, raw_get, proto_put = await ceiling(raw_port, nbytes, chunk, seconds)
             put, get = await mmcache(cache_port, nbytes, chunk, seconds)
-            for op, ours, ceil in (("put", put, raw_put), ("fetch", get, raw_get)):
-                print(f"{mib:>5} MiB | {op:>5} | {ours:8.2f} | {ceil:8.2f} | {ours / ceil:5.2f}")
+            for op, ours, ceil, proto in (
+                ("put", put, raw_put, f"{proto_put:14.2f}"),
+                ("fetch", get, raw_get, f"{'':>14}"),
+            ):
+                row = f"{mib:>5} MiB | {op:>5} | {ours:8.2f} | {ceil:8.2f} | {ours / ceil:5.2f}"
+                print(f"{row} | {proto}")
     finally:
         for proc in (raw, cache):
             proc.terminate()
