@@ -22,7 +22,6 @@ __all__ = [
     "FieldElem",
     "FlatField",
     "Item",
-    "ItemLike",
     "MMItem",
     "NestedData",
     "SharedField",
@@ -107,4 +106,3 @@ class MMItem(dict[str, FieldElem]):
 # What the client accepts and returns: an MMItem, or a plain mapping
 # {key: tensor-or-nested} (vLLM's caches accept that form too).
 Item: TypeAlias = MMItem | Mapping[str, NestedData]
-ItemLike: TypeAlias = Item
