@@ -300,19 +300,13 @@ class MMCacheClient:
         plan = self._mirror.plan(
             mm_hashes, [None if e is None else e.size.charged for e in encoded]
         )
-        capacity = self._mirror.capacity
         request = pb.UpdateRequest(touches=self._mirror.take_touches())
         sending: list[EncodedItem] = []
         for mm_hash, enc, label, predicted in zip(mm_hashes, encoded, labels, plan, strict=True):
             entry = request.entries.add(mm_hash=mm_hash, modality=label)
             if enc is None or predicted in (Outcome.HIT, Outcome.MISSING):
                 continue
-            entry.item.CopyFrom(enc.spec)
-            if enc.size.charged > capacity:
-                entry.withheld = True
-            else:
-                entry.num_chunks = num_chunks(enc, self._chunk_bytes)
-                sending.append(enc)
+            self._attach(entry, enc, sending)
         reply = await rpc.get_and_update(self._frames(request, sending))
         outcomes = [Outcome(o) for o in reply.outcomes]
         if len(outcomes) != len(mm_hashes):
@@ -351,12 +345,7 @@ class MMCacheClient:
                 enc = encoded[i]
                 assert enc is not None
                 entry = request.entries.add(mm_hash=mm_hashes[i], modality=labels[i], resend=True)
-                entry.item.CopyFrom(enc.spec)
-                if enc.size.charged > self._mirror.capacity:
-                    entry.withheld = True
-                else:
-                    entry.num_chunks = num_chunks(enc, self._chunk_bytes)
-                    sending.append(enc)
+                self._attach(entry, enc, sending)
             reply = await self._rpc.get_and_update(self._frames(request, sending))
             self._mirror.reconcile(
                 reply.instance_id,
@@ -371,6 +360,16 @@ class MMCacheClient:
                 f"the server does not hold {no_data} and no data was given for them: "
                 "process those items again and pass them in",
             )
+
+    def _attach(self, entry: pb.UpdateEntry, enc: EncodedItem, sending: list[EncodedItem]) -> None:
+        """Put an item's data on an entry: its spec, and its chunks unless it is
+        larger than the whole cache (then withheld: it could never be stored)."""
+        entry.item.CopyFrom(enc.spec)
+        if enc.size.charged > self._mirror.capacity:
+            entry.withheld = True
+        else:
+            entry.num_chunks = num_chunks(enc, self._chunk_bytes)
+            sending.append(enc)
 
     def _frames(self, request: pb.UpdateRequest, sending: Sequence[EncodedItem]) -> Iterator[bytes]:
         yield pb.UpdateFrame(header=request).SerializeToString()

@@ -93,9 +93,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         started, handled, seconds = self._started, self._handled, self._seconds
 
         def finish(context: grpc.aio.ServicerContext[Any, Any], t0: float, error: bool) -> None:
-            code = context.code()
-            if isinstance(code, int) and not isinstance(code, grpc.StatusCode):
-                code = next((c for c in grpc.StatusCode if c.value[0] == code), None)
+            code = context.code()  # None unless the handler set or aborted with one
             if code is None:
                 code = grpc.StatusCode.UNKNOWN if error else grpc.StatusCode.OK
             handled.labels(*labels, _CODE_NAMES.get(code, "Unknown")).inc()
