@@ -1,6 +1,6 @@
 """Put and fetch throughput of mmcache beside the raw gRPC ceiling.
 
-    python -m bench.transfer [--sizes 1 8 64] [--seconds 3] [--chunk-mib 1]
+    python -m bench.transfer [--sizes 1 8 64] [--rounds 12] [--burst 0.3] [--chunk-mib 1]
 
 Put is measured in steady state: the cache (512 MiB) is filled first, so
 every put also evicts. Servers run in their own processes (one core each side on a 2-core machine),
@@ -12,12 +12,19 @@ size, measured in the same run, and, for put, the same bytes as a protobuf
 `bytes` field (built, serialised and parsed by protobuf): the path the chunk
 frames avoid. All three processes call
 `mmcache.keep_freed_memory()`. Prints a table.
+
+The machine's speed drifts by tens of percent over seconds (shared cores),
+so the cells are not measured one after another: every round runs each of
+them for one short burst, in turn, and the table gives medians over rounds;
+"ratio" is the median of the per-round ratios, each taken from bursts a
+fraction of a second apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import subprocess
 import sys
 import time
@@ -41,97 +48,127 @@ def spawn(args: list[str]) -> tuple[subprocess.Popen[str], int]:
     return proc, int(proc.stdout.readline())
 
 
-async def rate(op: Callable[[], Awaitable[None]], nbytes: int, seconds: float) -> float:
-    """GB/s of `op`, repeated for about `seconds` after one warm-up."""
-    await op()
+Op = Callable[[], Awaitable[object]]
+
+
+async def burst(op: Op, nbytes: int, seconds: float) -> float:
+    """GB/s of `op`, repeated for about `seconds` (at least twice)."""
     n, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds or n < 3:
+    while (elapsed := time.perf_counter() - start) < seconds or n < 2:
         await op()
         n += 1
     return n * nbytes / elapsed / 1e9
 
 
-async def ceiling(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[float, float, float]:
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        up = channel.stream_unary("/bench.Raw/Upload")
-        down = channel.unary_stream("/bench.Raw/Download")
-        chunks = [b"\x5a" * chunk for _ in range(nbytes // chunk)]
+async def ceiling_ops(channel: grpc.aio.Channel, nbytes: int, chunk: int) -> dict[str, Op]:
+    up = channel.stream_unary("/bench.Raw/Upload")
+    down = channel.unary_stream("/bench.Raw/Download")
+    chunks = [b"\x5a" * chunk for _ in range(nbytes // chunk)]
 
-        async def put() -> None:
-            call = up()
-            for c in chunks:
-                await call.write(c)
-            await call.done_writing()
-            await call
+    async def put() -> None:
+        call = up()
+        for c in chunks:
+            await call.write(c)
+        await call.done_writing()
+        await call
 
-        async def get() -> None:
-            async for _ in down(f"{nbytes},{chunk}".encode()):
-                pass
+    async def get() -> None:
+        async for _ in down(f"{nbytes},{chunk}".encode()):
+            pass
 
-        proto_up = channel.stream_unary(
-            "/bench.Raw/UploadProto", request_serializer=pb.UpdateFrame.SerializeToString
-        )
-        data = torch.randn(chunk // 4)
+    proto_up = channel.stream_unary(
+        "/bench.Raw/UploadProto", request_serializer=pb.UpdateFrame.SerializeToString
+    )
+    data = torch.randn(chunk // 4)
 
-        async def put_proto() -> None:
-            # What the tensor bytes would cost as a protobuf `bytes` field.
-            view = data.numpy().tobytes()
-            call = proto_up()
-            for _ in range(nbytes // chunk):
-                await call.write(pb.UpdateFrame(chunk=view))
-            await call.done_writing()
-            await call
+    async def put_proto() -> None:
+        # What the tensor bytes would cost as a protobuf `bytes` field.
+        view = data.numpy().tobytes()
+        call = proto_up()
+        for _ in range(nbytes // chunk):
+            await call.write(pb.UpdateFrame(chunk=view))
+        await call.done_writing()
+        await call
 
-        return (
-            await rate(put, nbytes, seconds),
-            await rate(get, nbytes, seconds),
-            await rate(put_proto, nbytes, seconds),
-        )
+    return {"raw put": put, "raw fetch": get, "proto put": put_proto}
 
 
-async def mmcache(port: int, nbytes: int, chunk: int, seconds: float) -> tuple[float, float]:
-    async with MMCacheClient(f"127.0.0.1:{port}", chunk_bytes=chunk) as client:
-        item = {"pixel_values": torch.randn(nbytes // 4)}
-        counter = iter(range(1 << 30))
+async def mmcache_ops(client: MMCacheClient, nbytes: int) -> dict[str, Op]:
+    item = {"pixel_values": torch.randn(nbytes // 4)}
+    counter = iter(range(1 << 30))
 
-        async def put() -> None:
-            (sent,) = await client.get_and_update([item], [f"put-{nbytes}-{next(counter)}"])
-            assert sent is item  # a miss each time: the bytes really move
+    async def put() -> None:
+        (sent,) = await client.get_and_update([item], [f"put-{nbytes}-{next(counter)}"])
+        assert sent is item  # a miss each time: the bytes really move
 
-        # Steady state, as in production: the cache is full and every put evicts.
-        for _ in range(CAPACITY // nbytes + 1):
-            await put()
-        put_rate = await rate(put, nbytes, seconds)
+    # Steady state, as in production: the cache is full and every put evicts.
+    for _ in range(CAPACITY // nbytes + 1):
+        await put()
 
-        await client.get_and_update([item], ["fetched"])
+    fetched = f"fetched-{nbytes}"
 
-        async def get() -> None:
-            await client.fetch(["fetched"])
+    async def get() -> None:
+        if not client.is_cached_item(fetched):  # evicted by the puts of the burst before
+            await client.get_and_update([item], [fetched])
+        await client.fetch([fetched])
 
-        return put_rate, await rate(get, nbytes, seconds)
+    return {
+        "put": put,
+        "fetch": get,
+        "fetch.prepare": lambda: client.get_and_update([item], [fetched]),
+    }
 
 
-async def run(sizes: list[int], seconds: float, chunk: int) -> None:
+async def measure(
+    ops: dict[str, Op], nbytes: int, rounds: int, seconds: float
+) -> dict[str, list[float]]:
+    """Per op, its GB/s in each round; the ops take turns within a round."""
+    for op in ops.values():
+        await op()  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(rounds):
+        for name, op in ops.items():
+            rates[name].append(await burst(op, nbytes, seconds))
+    return rates
+
+
+async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None:
     raw, raw_port = spawn([sys.executable, "-m", "bench._raw_server"])
     cache, cache_port = spawn([sys.executable, "-m", "bench._cache_server"])
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     try:
-        print(f"chunk {chunk // MIB} MiB, {seconds:g} s per cell, loopback, GB/s = 1e9 bytes/s")
-        print(
-            f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
-            f"{'protobuf field':>14}"
-        )
-        print("-" * 64)
-        for mib in sizes:
-            nbytes = mib * MIB
-            raw_put, raw_get, proto_put = await ceiling(raw_port, nbytes, chunk, seconds)
-            put, get = await mmcache(cache_port, nbytes, chunk, seconds)
-            for op, ours, ceil, proto in (
-                ("put", put, raw_put, f"{proto_put:14.2f}"),
-                ("fetch", get, raw_get, f"{'':>14}"),
-            ):
-                row = f"{mib:>5} MiB | {op:>5} | {ours:8.2f} | {ceil:8.2f} | {ours / ceil:5.2f}"
-                print(f"{row} | {proto}")
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{raw_port}", options=options) as channel,
+            MMCacheClient(f"127.0.0.1:{cache_port}", chunk_bytes=chunk) as client,
+        ):
+            print(
+                f"chunk {chunk // MIB} MiB, {rounds} rounds of {seconds:g} s bursts, loopback, "
+                "GB/s = 1e9 bytes/s, medians over rounds"
+            )
+            print(
+                f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
+                f"{'protobuf field':>14}"
+            )
+            print("-" * 64)
+            for mib in sizes:
+                nbytes = mib * MIB
+                ops = {
+                    **await ceiling_ops(channel, nbytes, chunk),
+                    **await mmcache_ops(client, nbytes),
+                }
+                rates = await measure(ops, nbytes, rounds, seconds)
+                med = {name: statistics.median(r) for name, r in rates.items()}
+                for op, ceil, proto in (
+                    ("put", "raw put", f"{med['proto put']:14.2f}"),
+                    ("fetch", "raw fetch", f"{'':>14}"),
+                ):
+                    ratio = statistics.median(
+                        a / b for a, b in zip(rates[op], rates[ceil], strict=True)
+                    )
+                    row = (
+                        f"{mib:>5} MiB | {op:>5} | {med[op]:8.2f} | {med[ceil]:8.2f} | {ratio:5.2f}"
+                    )
+                    print(f"{row} | {proto}", flush=True)
     finally:
         for proc in (raw, cache):
             proc.terminate()
@@ -144,10 +181,11 @@ def main() -> None:
     keep_freed_memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 64], help="MiB")
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--burst", type=float, default=0.3, help="seconds per op per round")
     parser.add_argument("--chunk-mib", type=int, default=1, choices=[1, 2, 3, 4])
     args = parser.parse_args()
-    asyncio.run(run(args.sizes, args.seconds, args.chunk_mib * MIB))
+    asyncio.run(run(args.sizes, args.rounds, args.burst, args.chunk_mib * MIB))
 
 
 if __name__ == "__main__":

@@ -123,19 +123,21 @@ def num_chunks(encoded: EncodedItem, chunk_bytes: int) -> int:
     return -(-encoded.size.payload // chunk_bytes)
 
 
-def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int) -> Iterator[bytes]:
+def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int, lead: bytes = b"") -> Iterator[bytes]:
     """Yield the item's payload as chunk frames of `chunk_bytes` (the last may be short).
 
     Each frame is one `bytes` (prefix + payload piece) and frames are made one
     at a time, so a large item is never duplicated whole in memory. Pieces of
     several small leaves share a frame; a large leaf spans several frames.
+    `lead` goes in front of the first frame, in the same copy (the upload's
+    header travels so).
 
         for frame in iter_chunk_frames(enc, 1 << 20):
             send(frame)
     """
     _check_chunk_bytes(chunk_bytes)
     full_prefix = chunk_prefix(chunk_bytes)
-    pieces: list[bytes | memoryview] = [full_prefix]
+    pieces: list[bytes | memoryview] = [lead, full_prefix]
     filled = 0
     for tensor in encoded.tensors:
         view = _byte_view(tensor)
@@ -147,10 +149,10 @@ def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int) -> Iterator[bytes]
             filled += take
             if filled == chunk_bytes:
                 yield b"".join(pieces)
-                pieces = [full_prefix]
+                pieces = [b"", full_prefix]
                 filled = 0
     if filled:
-        pieces[0] = chunk_prefix(filled)
+        pieces[1] = chunk_prefix(filled)
         yield b"".join(pieces)
 
 

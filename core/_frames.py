@@ -1,6 +1,6 @@
 """The chunk frames that carry tensor bytes, written and read without protobuf.
 
-A chunk frame is the protobuf encoding of a frame message whose oneof holds
+A chunk frame is the protobuf encoding of a frame message that holds only
 `bytes chunk = 2`: the tag byte 0x12, the payload length as a varint, then
 the payload. Writing that prefix by hand costs one copy of the payload where
 protobuf's `bytes` field costs one per construction, serialisation and parse,
@@ -20,10 +20,11 @@ __all__ = [
     "MIN_CHUNK_BYTES",
     "chunk_payload_offset",
     "chunk_prefix",
+    "read_varint",
 ]
 
-HEADER_TAG = 0x0A  # field 1, length-delimited: the header member of the oneof
-CHUNK_TAG = 0x12  # field 2, length-delimited: the chunk member
+HEADER_TAG = 0x0A  # field 1, length-delimited: a frame's header
+CHUNK_TAG = 0x12  # field 2, length-delimited: a frame's chunk
 
 MIN_CHUNK_BYTES = 1 << 20
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -43,6 +44,24 @@ def chunk_prefix(n: int) -> bytes:
     return bytes(out)
 
 
+def read_varint(frame: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos`: (where the bytes after it start, its value).
+
+    Raises InvalidArgumentError when it runs past the frame or past 10 bytes.
+    """
+    n = 0
+    shift = 0
+    end = min(len(frame), pos + 10)
+    while pos < end:
+        byte = frame[pos]
+        n |= (byte & 0x7F) << shift
+        pos += 1
+        if not byte & 0x80:
+            return pos, n
+        shift += 7
+    raise InvalidArgumentError("frame has a truncated length")
+
+
 def chunk_payload_offset(frame: bytes) -> int:
     """Where the payload of a chunk frame starts, checking the frame is one.
 
@@ -54,19 +73,10 @@ def chunk_payload_offset(frame: bytes) -> int:
             "expected a chunk frame (field 2); got "
             + ("an empty frame" if not frame else f"a frame starting with tag byte {frame[0]:#04x}")
         )
-    n = 0
-    shift = 0
-    pos = 1
-    end = min(len(frame), 11)
-    while pos < end:
-        byte = frame[pos]
-        n |= (byte & 0x7F) << shift
-        pos += 1
-        if not byte & 0x80:
-            break
-        shift += 7
-    else:
-        raise InvalidArgumentError("chunk frame has a truncated length")
+    try:
+        pos, n = read_varint(frame, 1)
+    except InvalidArgumentError:
+        raise InvalidArgumentError("chunk frame has a truncated length") from None
     if n != len(frame) - pos:
         raise InvalidArgumentError(f"chunk frame declares {n} bytes but carries {len(frame) - pos}")
     return pos

@@ -62,6 +62,8 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             buckets=_BUCKETS,
             registry=registry,
         )
+        # Handlers are the same objects call after call: wrap each once.
+        self._wrapped: dict[str, tuple[object, grpc.RpcMethodHandler[Any, Any]]] = {}
 
     async def intercept_service(
         self,
@@ -73,7 +75,17 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._instrument(handler, handler_call_details.method)
+        self._wrapped[handler_call_details.method] = (handler, wrapped)
+        return wrapped
+
+    def _instrument(
+        self, handler: grpc.RpcMethodHandler[Any, Any], full_method: str
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        service, _, method = full_method.lstrip("/").rpartition("/")
         kind = {
             (False, False): "unary",
             (True, False): "client_stream",
@@ -82,27 +94,34 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         }[(handler.request_streaming, handler.response_streaming)]
         labels = (kind, service, method)
         factory, behavior = _behavior(handler)
-        wrapped = self._wrap(behavior, labels)
         return factory(  # type: ignore[no-any-return]
-            wrapped,
+            self._wrap(behavior, labels),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
     def _wrap(self, behavior: Callable[..., Any], labels: tuple[str, str, str]) -> Any:
-        started, handled, seconds = self._started, self._handled, self._seconds
+        # The wrap happens at a method's first call: its series start then.
+        started = self._started.labels(*labels)
+        seconds = self._seconds.labels(*labels)
+        handled_total = self._handled
+        handled: dict[grpc.StatusCode, Any] = {}  # by code, made at its first use
 
         def finish(context: grpc.aio.ServicerContext[Any, Any], t0: float, error: bool) -> None:
             code = context.code()  # None unless the handler set or aborted with one
             if code is None:
                 code = grpc.StatusCode.UNKNOWN if error else grpc.StatusCode.OK
-            handled.labels(*labels, _CODE_NAMES.get(code, "Unknown")).inc()
-            seconds.labels(*labels).observe(time.perf_counter() - t0)
+            counter = handled.get(code)
+            if counter is None:
+                name = _CODE_NAMES.get(code, "Unknown")
+                counter = handled[code] = handled_total.labels(*labels, name)
+            counter.inc()
+            seconds.observe(time.perf_counter() - t0)
 
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                started.labels(*labels).inc()
+                started.inc()
                 t0 = time.perf_counter()
                 error = True
                 try:
@@ -115,7 +134,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             return stream
 
         async def call(request: Any, context: Any) -> Any:
-            started.labels(*labels).inc()
+            started.inc()
             t0 = time.perf_counter()
             error = True
             try:

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mmcache._errors import InvalidArgumentError
-from mmcache._frames import HEADER_TAG, MAX_CHUNK_BYTES, chunk_payload_offset
+from mmcache._frames import HEADER_TAG, MAX_CHUNK_BYTES, chunk_payload_offset, read_varint
 from mmcache._lru import Outcome
 from mmcache._spec import check_name, item_size
 from mmcache.metrics import CacheMetrics
@@ -100,7 +100,9 @@ class CacheServicer:
 
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
         stream = aiter(frames)
-        request = _parse_header(await anext(stream, None))
+        request, first_chunk = _parse_header(await anext(stream, None))
+        if first_chunk is not None:
+            stream = _prepend(first_chunk, stream)
         plan = [_plan_entry(i, entry) for i, entry in enumerate(request.entries)]
         for h in request.touches:
             check_name("touched mm_hash", h)
@@ -207,18 +209,34 @@ def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:
     return _EntryPlan(entry, index)
 
 
-def _parse_header(frame: bytes | None) -> pb.UpdateRequest:
+def _parse_header(frame: bytes | None) -> tuple[pb.UpdateRequest, bytes | None]:
+    """The request in the first frame, and the chunk frame that may follow it there."""
     if frame is None:
         raise InvalidArgumentError("GetAndUpdate got no frames: the first must be the header")
     if not frame or frame[0] != HEADER_TAG:
-        raise InvalidArgumentError("the first GetAndUpdate frame must be the header (field 1)")
+        raise InvalidArgumentError(
+            "the first GetAndUpdate frame must be the header (field 1), optionally followed "
+            "by a chunk"
+        )
+    start, length = read_varint(frame, 1)
+    end = start + length
+    if end > len(frame):
+        raise InvalidArgumentError(
+            f"the first frame is cut short: its header is longer ({length} bytes) than the frame"
+        )
     try:
-        parsed = pb.UpdateFrame.FromString(frame)
+        request = pb.UpdateRequest.FromString(frame[start:end])
     except DecodeError as exc:
-        raise InvalidArgumentError(f"the header frame does not parse: {exc}") from None
-    if parsed.WhichOneof("frame") != "header":
-        raise InvalidArgumentError("the first GetAndUpdate frame must be the header (field 1)")
-    return parsed.header
+        raise InvalidArgumentError(f"the header does not parse: {exc}") from None
+    # A first chunk sent with the header is copied out to stand alone, as
+    # every stored frame must (Fetch sends them back as they are).
+    return request, (frame[end:] if end < len(frame) else None)
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for frame in rest:
+        yield frame
 
 
 async def _read_chunks(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import socket
+from typing import Any
 
 import cachetools
+import grpc
 import pytest
 import torch
 
@@ -266,6 +269,42 @@ async def test_fetch_of_missing_hashes_raises_typed_error(client: MMCacheClient)
     with pytest.raises(CacheMissError) as info:
         await client.fetch(["a", "x", "b"])
     assert info.value.missing_hashes == ["a", "b"]
+
+
+async def test_items_without_tensor_bytes_travel_beside_items_with_them(
+    client: MMCacheClient,
+) -> None:
+    # The header rides with the first chunk of the batch, whichever entry has it.
+    items: list[Any] = [{"n": 4, "e": torch.empty(0)}, {"x": torch.arange(5.0)}, {"t": (1.5,)}]
+    sent = await client.get_and_update(items, ["s1", "t1", "s2"])
+    assert all(a is b for a, b in zip(sent, items, strict=True))
+    (again,) = await client.get_and_update(items[2:], ["s3"])
+    assert again is items[2]
+    fetched = await client.fetch(["s1", "t1", "s2", "s3"])
+    for got, want in zip(fetched, [*items, items[2]], strict=True):
+        assert list(got) == list(want) and nested_equal(list(got.values()), list(want.values()))
+
+
+async def test_fetch_calls_end_without_the_garbage_collector(client: MMCacheClient) -> None:
+    # A Fetch call left open after its last frame would be cancelled, and grpc
+    # keeps a cancelled call in a reference cycle with its buffers: memory then
+    # climbs by about the item's size per fetch until the collector runs.
+    await client.get_and_update([{"x": torch.ones(MIB // 4)}], ["big"])
+
+    def open_calls() -> int:
+        return sum(type(o) is grpc.aio.UnaryStreamCall for o in gc.get_objects())
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = open_calls()
+        for _ in range(5):
+            (item,) = await client.fetch(["big"])
+            assert item["x"].numel() == MIB // 4
+        await asyncio.sleep(0.05)  # let grpc finish its callbacks
+        assert open_calls() == before
+    finally:
+        gc.enable()
 
 
 async def test_server_errors_arrive_as_typed_errors(client: MMCacheClient) -> None:

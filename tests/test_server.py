@@ -41,6 +41,22 @@ async def test_store_then_hit_then_fetch_returns_the_same_frames(
     assert pb.FetchFrame.FromString(frames[1]).chunk == b"\x01\x02\x03"
 
 
+async def test_first_chunk_may_travel_with_the_header(
+    server: MMCacheServer, channel: grpc.aio.Channel
+) -> None:
+    # As any protobuf client writes it: header (field 1), then chunk (field 2).
+    spec = tensor_spec("uint8", [5])
+    first = pb.UpdateFrame(
+        header=pb.UpdateRequest(entries=[data_entry("h", spec, 2)]), chunk=b"abc"
+    ).SerializeToString()
+    reply = await update(channel, [first, chunk(b"de")])
+    assert list(reply.outcomes) == [pb.OUTCOME_STORED]
+    frames = await fetch(channel, ["h"])
+    # The first chunk was cut loose from the header: Fetch sends bare chunks.
+    assert [pb.FetchFrame.FromString(f).chunk for f in frames[1:]] == [b"abc", b"de"]
+    assert frames[1] == chunk(b"abc")
+
+
 async def test_hash_only_and_absent_is_reported_missing_not_an_error(
     channel: grpc.aio.Channel,
 ) -> None:
@@ -162,6 +178,13 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
             [header(data_entry("h", tensor_spec("uint8", [8 << 20]), 1))],
             "cannot travel in 1 chunks",
         ),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [3]), 1)) + b"\x1a\x03abc"],
+            "expected a chunk frame (field 2)",
+        ),
+        ([header(pb.UpdateEntry(mm_hash="h")) + chunk(b"x")], "more chunk frames"),
+        ([b"\x0a\x7f" + header(pb.UpdateEntry(mm_hash="h"))[2:]], "its header is longer"),
+        ([b"\x0a\xff"], "truncated length"),
     ],
     ids=[
         "unknown-dtype",
@@ -174,6 +197,10 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
         "empty-stream",
         "bad-frame-length",
         "chunk-count",
+        "header-then-not-a-chunk",
+        "header-then-unexpected-chunk",
+        "header-cut-short",
+        "header-length-truncated",
     ],
 )
 async def test_bad_input_is_invalid_argument_and_nothing_is_lost(

@@ -4,10 +4,10 @@ isort:skip_file
 mmcache.v1: the remote cache of preprocessed multimodal items.
 
 Control messages are ordinary protobuf. Bulk tensor bytes travel in the
-`chunk` member of a frame's oneof: a valid protobuf encoding that any
-client may produce with its generated code, and that the Python client and
-server write and read by hand (tag 0x12, varint length, bytes) so the bytes
-are copied once rather than three times. The server stores the frames it
+`chunk` field of a frame: a valid protobuf encoding that any client may
+produce with its generated code, and that the Python client and server
+write and read by hand (tag 0x12, varint length, bytes) so the bytes are
+copied once rather than three times. The server stores the frames it
 receives and sends the same frames back on Fetch. See docs/wire.md.
 """
 
@@ -459,15 +459,20 @@ Global___UpdateRequest: _TypeAlias = UpdateRequest  # noqa: Y015
 
 @_typing.final
 class UpdateFrame(_message.Message):
+    """The first frame carries the header, and with it the first payload chunk
+    when there is one (one message fewer per call); every later frame carries
+    one chunk. Chunks are those of the entries with data, in order. Header
+    first, as protobuf serialisers write fields in number order.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     HEADER_FIELD_NUMBER: _builtins.int
     CHUNK_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
-    """then the payload chunks of the entries with data, in order"""
     @_builtins.property
     def header(self) -> Global___UpdateRequest:
-        """the first frame, exactly once"""
+        """in the first frame only"""
 
     def __init__(
         self,
@@ -475,13 +480,11 @@ class UpdateFrame(_message.Message):
         header: Global___UpdateRequest | None = ...,
         chunk: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "frame", b"frame", "header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "frame", b"frame", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
-    _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UpdateFrame: _TypeAlias = UpdateFrame  # noqa: Y015
 
