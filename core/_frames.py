@@ -44,10 +44,11 @@ def chunk_prefix(n: int) -> bytes:
     return bytes(out)
 
 
-def read_varint(frame: bytes, pos: int) -> tuple[int, int]:
+def read_varint(frame: bytes, pos: int, what: str = "frame") -> tuple[int, int]:
     """The varint at `pos`: (where the bytes after it start, its value).
 
-    Raises InvalidArgumentError when it runs past the frame or past 10 bytes.
+    Raises InvalidArgumentError, naming `what`, when it runs past the frame
+    or past 10 bytes.
     """
     n = 0
     shift = 0
@@ -59,7 +60,7 @@ def read_varint(frame: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return pos, n
         shift += 7
-    raise InvalidArgumentError("frame has a truncated length")
+    raise InvalidArgumentError(f"{what} has a truncated length")
 
 
 def chunk_payload_offset(frame: bytes) -> int:
@@ -73,10 +74,7 @@ def chunk_payload_offset(frame: bytes) -> int:
             "expected a chunk frame (field 2); got "
             + ("an empty frame" if not frame else f"a frame starting with tag byte {frame[0]:#04x}")
         )
-    try:
-        pos, n = read_varint(frame, 1)
-    except InvalidArgumentError:
-        raise InvalidArgumentError("chunk frame has a truncated length") from None
+    pos, n = read_varint(frame, 1, "chunk frame")
     if n != len(frame) - pos:
         raise InvalidArgumentError(f"chunk frame declares {n} bytes but carries {len(frame) - pos}")
     return pos

@@ -218,7 +218,7 @@ def _parse_header(frame: bytes | None) -> tuple[pb.UpdateRequest, bytes | None]:
             "the first GetAndUpdate frame must be the header (field 1), optionally followed "
             "by a chunk"
         )
-    start, length = read_varint(frame, 1)
+    start, length = read_varint(frame, 1, "the first frame")
     end = start + length
     if end > len(frame):
         raise InvalidArgumentError(
