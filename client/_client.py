@@ -12,7 +12,6 @@ import grpc
 from mmcache._errors import CacheMissError, InvalidArgumentError
 from mmcache._frames import (
     DEFAULT_CHUNK_BYTES,
-    HEADER_TAG,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
 )
@@ -307,7 +306,7 @@ class MMCacheClient:
             if enc is None or predicted in (Outcome.HIT, Outcome.MISSING):
                 continue
             self._attach(entry, enc, sending)
-        reply = await rpc.get_and_update(self._frames(request, sending))
+        reply = await rpc.get_and_update(request.SerializeToString(), self._frames(sending))
         outcomes = [Outcome(o) for o in reply.outcomes]
         if len(outcomes) != len(mm_hashes):
             raise InvalidArgumentError("the server answered a different number of entries")
@@ -346,7 +345,9 @@ class MMCacheClient:
                 assert enc is not None
                 entry = request.entries.add(mm_hash=mm_hashes[i], modality=labels[i], resend=True)
                 self._attach(entry, enc, sending)
-            reply = await self._rpc.get_and_update(self._frames(request, sending))
+            reply = await self._rpc.get_and_update(
+                request.SerializeToString(), self._frames(sending)
+            )
             self._mirror.reconcile(
                 reply.instance_id,
                 reply.capacity_bytes,
@@ -371,23 +372,14 @@ class MMCacheClient:
             entry.num_chunks = num_chunks(enc, self._chunk_bytes)
             sending.append(enc)
 
-    def _frames(self, request: pb.UpdateRequest, sending: Sequence[EncodedItem]) -> Iterator[bytes]:
-        # The header shares the first message with the first chunk: one
-        # message fewer per call, at no extra copy.
-        pending = pb.UpdateFrame(header=request).SerializeToString()
+    def _frames(self, sending: Sequence[EncodedItem]) -> Iterator[bytes]:
         for enc in sending:
-            for frame in iter_chunk_frames(enc, self._chunk_bytes, pending):
-                pending = b""
-                yield frame
-        if pending:  # no chunks at all (hash-only entries, or empty payloads)
-            yield pending
+            yield from iter_chunk_frames(enc, self._chunk_bytes)
 
 
 async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:
-    first = await anext(frames, None)
-    if first is None or not first or first[0] != HEADER_TAG:
-        raise InvalidArgumentError("the Fetch reply did not start with its header")
-    header = pb.FetchFrame.FromString(first).header
+    # The transport gives the header's bytes first, wherever they travelled.
+    header = pb.FetchHeader.FromString(await anext(frames))
     if len(header.items) != expected:
         raise InvalidArgumentError("the Fetch reply names a different number of items")
     items: list[Item] = []

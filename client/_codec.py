@@ -29,7 +29,7 @@ from mmcache._items import (
     NestedData,
     SharedField,
 )
-from mmcache._memory import advise_hugepages
+from mmcache._memory import advise_hugepages, prefault_in_background
 from mmcache._spec import MAX_DEPTH, SpecSize, item_size
 from mmcache.v1 import cache_pb2 as pb
 
@@ -41,6 +41,10 @@ __all__ = [
     "iter_chunk_frames",
     "num_chunks",
 ]
+
+# Fetched tensors from this size up have their pages faulted in on a helper
+# thread while their frames arrive (smaller ones mostly reuse freed memory).
+_PREFAULT_BYTES = 32 << 20
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -123,21 +127,19 @@ def num_chunks(encoded: EncodedItem, chunk_bytes: int) -> int:
     return -(-encoded.size.payload // chunk_bytes)
 
 
-def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int, lead: bytes = b"") -> Iterator[bytes]:
+def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int) -> Iterator[bytes]:
     """Yield the item's payload as chunk frames of `chunk_bytes` (the last may be short).
 
     Each frame is one `bytes` (prefix + payload piece) and frames are made one
     at a time, so a large item is never duplicated whole in memory. Pieces of
     several small leaves share a frame; a large leaf spans several frames.
-    `lead` goes in front of the first frame, in the same copy (the upload's
-    header travels so).
 
         for frame in iter_chunk_frames(enc, 1 << 20):
             send(frame)
     """
     _check_chunk_bytes(chunk_bytes)
     full_prefix = chunk_prefix(chunk_bytes)
-    pieces: list[bytes | memoryview] = [lead, full_prefix]
+    pieces: list[bytes | memoryview] = [full_prefix]
     filled = 0
     for tensor in encoded.tensors:
         view = _byte_view(tensor)
@@ -149,10 +151,10 @@ def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int, lead: bytes = b"")
             filled += take
             if filled == chunk_bytes:
                 yield b"".join(pieces)
-                pieces = [b"", full_prefix]
+                pieces = [full_prefix]
                 filled = 0
     if filled:
-        pieces[1] = chunk_prefix(filled)
+        pieces[0] = chunk_prefix(filled)
         yield b"".join(pieces)
 
 
@@ -191,6 +193,7 @@ class ItemDecoder:
         self._spec = spec
         self._total = item_size(spec).payload
         self._buffers: list[tuple[torch.Tensor, memoryview]] = []
+        large: list[tuple[int, int]] = []
         for elem in spec.fields:
             for tensor_spec in _tensor_specs(elem.data):
                 n = nbytes_of(tensor_spec.dtype, tensor_spec.shape)
@@ -202,7 +205,10 @@ class ItemDecoder:
                 # same fresh storage, and no "experimental" warning for complex32.
                 raw = torch.empty(n, dtype=torch.uint8)
                 advise_hugepages(raw.data_ptr(), n)
+                if n >= _PREFAULT_BYTES:
+                    large.append((raw.data_ptr(), n))
                 self._buffers.append((raw, raw.numpy().data))
+        prefault_in_background(large)
         self._leaf = 0
         self._pos = 0
         self._received = 0

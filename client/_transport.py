@@ -1,18 +1,28 @@
 """The calls of `mmcache.v1.MMCache` on one channel: the client's only tie to gRPC.
 
 GetAndUpdate and Fetch are raw-bytes calls (the frames are built and read by
-mmcache._frames and the codec); the rest are ordinary protobuf calls.
+mmcache._frames and the codec); the rest are ordinary protobuf calls. Where
+a bulk call's header travels (metadata or a frame of its own) is decided and
+undone here: callers see the header's bytes and the chunk frames.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from typing import Any
 
 import grpc
 
-from mmcache._frames import MAX_MESSAGE_BYTES
+from mmcache._errors import InvalidArgumentError
+from mmcache._frames import (
+    MAX_MESSAGE_BYTES,
+    MAX_METADATA_HEADER_BYTES,
+    UPDATE_HEADER_KEY,
+    header_frame,
+    header_frame_body,
+)
 from mmcache.v1 import cache_pb2 as pb
 
 from ._status import translate_errors
@@ -76,9 +86,16 @@ class CacheTransport:
             )
         return reply
 
-    async def get_and_update(self, frames: Iterable[bytes]) -> pb.UpdateReply:
-        """Send the header frame and chunk frames; the server's reply."""
-        call = self._update(timeout=self._timeout, wait_for_ready=True)
+    async def get_and_update(self, header: bytes, chunks: Iterable[bytes]) -> pb.UpdateReply:
+        """Send a serialised UpdateRequest and its chunk frames; the server's reply."""
+        if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
+            call = self._update(
+                metadata=((UPDATE_HEADER_KEY, header),), timeout=self._timeout, wait_for_ready=True
+            )
+            frames: Iterable[bytes] = chunks
+        else:
+            call = self._update(timeout=self._timeout, wait_for_ready=True)
+            frames = itertools.chain((header_frame(header),), chunks)
         with translate_errors():
             try:
                 for frame in frames:
@@ -93,11 +110,16 @@ class CacheTransport:
         return pb.UpdateReply.FromString(reply_bytes)
 
     async def fetch(self, request: pb.FetchRequest) -> AsyncGenerator[bytes, None]:
-        """The frames of a Fetch: the header first, then the chunks."""
+        """A serialised FetchHeader, then the chunk frames of a Fetch."""
         call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=True)
         try:
             with translate_errors():
-                async for frame in call:
+                frames = aiter(call)
+                first = await anext(frames, None)
+                if first is None:
+                    raise InvalidArgumentError("the Fetch reply carries no header")
+                yield header_frame_body(first, "the first Fetch frame")
+                async for frame in frames:
                     yield frame
         finally:
             call.cancel()

@@ -1,10 +1,14 @@
-"""The chunk frames that carry tensor bytes, written and read without protobuf.
+"""The frames of the bulk calls, written and read without protobuf.
 
 A chunk frame is the protobuf encoding of a frame message that holds only
 `bytes chunk = 2`: the tag byte 0x12, the payload length as a varint, then
 the payload. Writing that prefix by hand costs one copy of the payload where
 protobuf's `bytes` field costs one per construction, serialisation and parse,
 and lets the server keep the frames it received and send them back verbatim.
+
+An upload's header travels in the call's metadata when it is small (a
+message fewer per call), else as a header frame (`header = 1`) before the
+chunks; a Fetch reply's header is always a header frame.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ __all__ = [
     "HEADER_TAG",
     "MAX_CHUNK_BYTES",
     "MAX_MESSAGE_BYTES",
+    "MAX_METADATA_HEADER_BYTES",
     "MIN_CHUNK_BYTES",
+    "UPDATE_HEADER_KEY",
     "chunk_payload_offset",
     "chunk_prefix",
+    "header_frame",
+    "header_frame_body",
     "read_varint",
 ]
 
@@ -33,15 +41,32 @@ MAX_CHUNK_BYTES = 4 << 20
 # any item's size: items of any size move as many messages.
 MAX_MESSAGE_BYTES = 8 << 20
 
+# Binary metadata of a GetAndUpdate call that carries its serialised
+# `UpdateRequest` in place of a header frame. (Fetch keeps its header frame:
+# initial metadata sent apart from the first message cost more than it saved.)
+UPDATE_HEADER_KEY = "mmcache-update-header-bin"
+# Headers above this go as a frame: grpc's default metadata limit is 8 KiB
+# per call (base64 on the wire), and callers' own metadata needs room too.
+MAX_METADATA_HEADER_BYTES = 2048
 
-def chunk_prefix(n: int) -> bytes:
-    """The tag and varint length that precede a chunk of `n` bytes."""
-    out = bytearray((CHUNK_TAG,))
+
+def _prefix(tag: int, n: int) -> bytes:
+    out = bytearray((tag,))
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def chunk_prefix(n: int) -> bytes:
+    """The tag and varint length that precede a chunk of `n` bytes."""
+    return _prefix(CHUNK_TAG, n)
+
+
+def header_frame(header: bytes) -> bytes:
+    """A frame holding only `header = 1`, from the header's serialised bytes."""
+    return _prefix(HEADER_TAG, len(header)) + header
 
 
 def read_varint(frame: bytes, pos: int, what: str = "frame") -> tuple[int, int]:
@@ -78,3 +103,23 @@ def chunk_payload_offset(frame: bytes) -> int:
     if n != len(frame) - pos:
         raise InvalidArgumentError(f"chunk frame declares {n} bytes but carries {len(frame) - pos}")
     return pos
+
+
+def header_frame_body(frame: bytes, what: str) -> bytes:
+    """The serialised header inside a header frame, checking the frame is one.
+
+    Raises InvalidArgumentError, naming `what`, when the frame is anything
+    but the header field alone.
+    """
+    if not frame or frame[0] != HEADER_TAG:
+        raise InvalidArgumentError(
+            f"{what} must be the header (field 1) alone; got "
+            + ("an empty frame" if not frame else f"a frame starting with tag byte {frame[0]:#04x}")
+        )
+    pos, n = read_varint(frame, 1, what)
+    if n != len(frame) - pos:
+        raise InvalidArgumentError(
+            f"{what} declares a header of {n} bytes but carries {len(frame) - pos} after its "
+            "tag: it must hold the header alone, with chunks in frames of their own"
+        )
+    return frame[pos:]

@@ -57,16 +57,24 @@ class CacheMetrics:
         self.sent_bytes = Counter(
             "mmcache_sent_bytes", "Tensor payload bytes sent by Fetch.", registry=registry
         )
+        # Label children by modality, bound once: labels() locks and checks.
+        self._by_modality: dict[str, tuple[Counter, Counter]] = {}
 
     def evicted(self, size: int) -> None:
         self.evictions.inc()
         self.evicted_bytes.inc(size)
 
     def queried(self, modality: str, *, hit: bool) -> None:
-        label = modality or "unknown"
-        self.queries.labels(label).inc()
+        children = self._by_modality.get(modality)
+        if children is None:
+            label = modality or "unknown"
+            children = self._by_modality[modality] = (
+                self.queries.labels(label),
+                self.hits.labels(label),
+            )
+        children[0].inc()
         # inc(0) too, so that the hits series exists from the first query on.
-        self.hits.labels(label).inc(1 if hit else 0)
+        children[1].inc(1 if hit else 0)
 
 
 class StoreGauges(Collector):

@@ -10,8 +10,7 @@ an item of any size up to the capacity can move.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 __all__ = ["InflightBudget"]
 
@@ -30,8 +29,11 @@ class InflightBudget:
     def limit(self) -> int:
         return self._limit
 
-    @asynccontextmanager
-    async def reserve(self, nbytes: int) -> AsyncIterator[None]:
+    def reserve(self, nbytes: int) -> _Reservation:
+        """`async with budget.reserve(n):` holds n bytes of the budget."""
+        return _Reservation(self, nbytes)
+
+    async def _acquire(self, nbytes: int) -> None:
         while self._used and self._used + nbytes > self._limit:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -40,11 +42,30 @@ class InflightBudget:
             finally:
                 self._waiters.remove(waiter)
         self._used += nbytes
-        try:
-            yield
-        finally:
-            # No await here: a cancelled call must still give its bytes back.
-            self._used -= nbytes
-            for waiter in self._waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+
+    def _release(self, nbytes: int) -> None:
+        # No await here: a cancelled call must still give its bytes back.
+        self._used -= nbytes
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class _Reservation:
+    # A plain class rather than @asynccontextmanager: it runs on every upload.
+    __slots__ = ("_budget", "_nbytes")
+
+    def __init__(self, budget: InflightBudget, nbytes: int) -> None:
+        self._budget = budget
+        self._nbytes = nbytes
+
+    async def __aenter__(self) -> None:
+        await self._budget._acquire(self._nbytes)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._budget._release(self._nbytes)

@@ -16,7 +16,14 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mmcache._errors import InvalidArgumentError
-from mmcache._frames import HEADER_TAG, MAX_CHUNK_BYTES, chunk_payload_offset, read_varint
+from mmcache._frames import (
+    HEADER_TAG,
+    MAX_CHUNK_BYTES,
+    UPDATE_HEADER_KEY,
+    chunk_payload_offset,
+    header_frame,
+    header_frame_body,
+)
 from mmcache._lru import Outcome
 from mmcache._spec import check_name, item_size
 from mmcache.metrics import CacheMetrics
@@ -99,24 +106,26 @@ class CacheServicer:
         return pb.ClearReply(instance_id=self._instance_id, removed=removed)
 
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
-        stream = aiter(frames)
-        request, first_chunk = _parse_header(await anext(stream, None))
-        if first_chunk is not None:
-            stream = _prepend(first_chunk, stream)
+        request = _metadata_header(context)
+        in_metadata = request is not None
+        if request is None:
+            request = _parse_header(await anext(frames, None))
         plan = [_plan_entry(i, entry) for i, entry in enumerate(request.entries)]
         for h in request.touches:
             check_name("touched mm_hash", h)
         payload = sum(p.payload for p in plan if p.chunks is not None)
         # Nothing is stored until every byte has arrived and been checked, so
         # a cancelled or malformed upload leaves the cache as it was.
+        # Made only now: an iterator never started (a call refused on its
+        # header) would warn when collected. grpc hands back the same one.
+        stream = aiter(frames)
         async with self._inflight.reserve(payload):
             for i, p in enumerate(plan):
                 if p.chunks is not None:
                     p.frames = await _read_chunks(stream, i, request.entries[i], p)
-            if await anext(stream, None) is not None:
-                raise InvalidArgumentError(
-                    "more chunk frames arrived than the header's num_chunks declare"
-                )
+            surplus = await anext(stream, None)
+            if surplus is not None:
+                raise InvalidArgumentError(_surplus_message(surplus, in_metadata))
             self._metrics.received_bytes.inc(payload)
             items = [p.to_update_item(request.entries[i]) for i, p in enumerate(plan)]
             outcomes = self._store.update(request.touches, items)
@@ -136,11 +145,10 @@ class CacheServicer:
         for h in request.mm_hashes:
             check_name("mm_hash", h)
         items = self._store.fetch(request.mm_hashes)
-        header = pb.FetchFrame()
-        header.header.instance_id = self._instance_id
+        header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
-            header.header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
-        await context.write(header.SerializeToString())
+            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
+        await context.write(header_frame(header.SerializeToString()))
         # The frames are the very objects that arrived: held references keep
         # them alive even if the items are evicted meanwhile.
         for item in items:
@@ -209,34 +217,38 @@ def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:
     return _EntryPlan(entry, index)
 
 
-def _parse_header(frame: bytes | None) -> tuple[pb.UpdateRequest, bytes | None]:
-    """The request in the first frame, and the chunk frame that may follow it there."""
+def _metadata_header(context: Context) -> pb.UpdateRequest | None:
+    """The request the call's metadata carries, if it carries one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == UPDATE_HEADER_KEY and isinstance(value, bytes):  # "-bin" values are bytes
+            try:
+                return pb.UpdateRequest.FromString(value)
+            except DecodeError as exc:
+                raise InvalidArgumentError(
+                    f"the {UPDATE_HEADER_KEY} metadata is not a serialised UpdateRequest: {exc}"
+                ) from None
+    return None
+
+
+def _surplus_message(frame: bytes, header_in_metadata: bool) -> str:
+    if header_in_metadata and frame[:1] == bytes((HEADER_TAG,)):
+        return (
+            f"a header frame arrived, but the header came as {UPDATE_HEADER_KEY} metadata: "
+            "send one or the other"
+        )
+    return "more chunk frames arrived than the header's num_chunks declare"
+
+
+def _parse_header(frame: bytes | None) -> pb.UpdateRequest:
+    """The request in the first frame (when the metadata carried none)."""
+    what = f"the first GetAndUpdate frame (the call has no {UPDATE_HEADER_KEY} metadata)"
     if frame is None:
-        raise InvalidArgumentError("GetAndUpdate got no frames: the first must be the header")
-    if not frame or frame[0] != HEADER_TAG:
-        raise InvalidArgumentError(
-            "the first GetAndUpdate frame must be the header (field 1), optionally followed "
-            "by a chunk"
-        )
-    start, length = read_varint(frame, 1, "the first frame")
-    end = start + length
-    if end > len(frame):
-        raise InvalidArgumentError(
-            f"the first frame is cut short: its header is longer ({length} bytes) than the frame"
-        )
+        raise InvalidArgumentError(f"GetAndUpdate got no header: {what} is missing")
+    body = header_frame_body(frame, what)
     try:
-        request = pb.UpdateRequest.FromString(frame[start:end])
+        return pb.UpdateRequest.FromString(body)
     except DecodeError as exc:
         raise InvalidArgumentError(f"the header does not parse: {exc}") from None
-    # A first chunk sent with the header is copied out to stand alone, as
-    # every stored frame must (Fetch sends them back as they are).
-    return request, (frame[end:] if end < len(frame) else None)
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for frame in rest:
-        yield frame
 
 
 async def _read_chunks(

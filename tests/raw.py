@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from mmcache._frames import chunk_prefix
+from mmcache._frames import UPDATE_HEADER_KEY, chunk_prefix
 from mmcache.v1 import cache_pb2 as pb
 
 SERVICE = "/mmcache.v1.MMCache"
@@ -35,14 +35,18 @@ def data_entry(mm_hash: str, spec: pb.ItemSpec, num_chunks: int, **kw: object) -
     return pb.UpdateEntry(mm_hash=mm_hash, item=spec, num_chunks=num_chunks, **kw)  # type: ignore[arg-type]
 
 
-async def update(channel: grpc.aio.Channel, frames: Sequence[bytes]) -> pb.UpdateReply:
+async def update(
+    channel: grpc.aio.Channel, frames: Sequence[bytes], metadata_header: bytes | None = None
+) -> pb.UpdateReply:
+    """A GetAndUpdate of raw frames; with `metadata_header`, the header goes as metadata."""
     call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")
+    metadata = None if metadata_header is None else ((UPDATE_HEADER_KEY, metadata_header),)
 
     async def gen():  # type: ignore[no-untyped-def]
         for frame in frames:
             yield frame
 
-    return pb.UpdateReply.FromString(await call(gen(), timeout=30))
+    return pb.UpdateReply.FromString(await call(gen(), timeout=30, metadata=metadata))
 
 
 async def fetch(channel: grpc.aio.Channel, hashes: Sequence[str]) -> list[bytes]:

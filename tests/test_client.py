@@ -17,6 +17,7 @@ import torch
 from mmcache import FieldElem, MMItem, SharedField
 from mmcache._dtypes import ITEMSIZE
 from mmcache._equal import nested_equal
+from mmcache._frames import MAX_METADATA_HEADER_BYTES
 from mmcache.client import (
     CacheMissError,
     DeadlineExceededError,
@@ -321,6 +322,19 @@ async def test_unreachable_server_is_a_typed_error() -> None:
     with pytest.raises(DeadlineExceededError):
         async with MMCacheClient(f"127.0.0.1:{port}", connect_timeout=0.5):
             pass
+
+
+async def test_a_batch_too_large_for_header_metadata_sends_a_header_frame(
+    client: MMCacheClient,
+) -> None:
+    keys = [f"{i:064x}" for i in range(40)]
+    items = [image_item(i, numel=16) for i in range(40)]
+    # 40 specs and 64-character hashes: the header goes as a frame, not metadata.
+    assert len(keys) * 64 > MAX_METADATA_HEADER_BYTES
+    assert await client.get_and_update(items, keys) == items
+    assert await client.get_and_update(items, keys) == [None] * len(keys)
+    fetched = await client.fetch(keys)
+    assert all(f == i for f, i in zip(fetched, items, strict=True))
 
 
 async def test_concurrent_calls_from_one_client_stay_correct(

@@ -181,13 +181,6 @@ def test_frames_are_bytes_of_exactly_chunk_bytes_with_a_short_last_one() -> None
     )
 
 
-def test_a_lead_goes_in_front_of_the_first_frame_only() -> None:
-    encoded = encode_item({"a": torch.arange(20, dtype=torch.int8)})
-    plain = list(iter_chunk_frames(encoded, 16))
-    led = list(iter_chunk_frames(encoded, 16, b"HEAD"))
-    assert led == [b"HEAD" + plain[0], plain[1]]
-
-
 def test_an_item_without_tensor_bytes_has_no_chunks() -> None:
     data: dict[str, Any] = {"n": 4, "e": torch.empty(0, 5), "t": (1.0, [])}
     encoded = encode_item(data)

@@ -41,20 +41,29 @@ async def test_store_then_hit_then_fetch_returns_the_same_frames(
     assert pb.FetchFrame.FromString(frames[1]).chunk == b"\x01\x02\x03"
 
 
-async def test_first_chunk_may_travel_with_the_header(
+async def test_the_header_may_travel_as_metadata(
     server: MMCacheServer, channel: grpc.aio.Channel
 ) -> None:
-    # As any protobuf client writes it: header (field 1), then chunk (field 2).
     spec = tensor_spec("uint8", [5])
-    first = pb.UpdateFrame(
-        header=pb.UpdateRequest(entries=[data_entry("h", spec, 2)]), chunk=b"abc"
-    ).SerializeToString()
-    reply = await update(channel, [first, chunk(b"de")])
+    request = pb.UpdateRequest(entries=[data_entry("h", spec, 2, modality="image")])
+    reply = await update(
+        channel, [chunk(b"abc"), chunk(b"de")], metadata_header=request.SerializeToString()
+    )
     assert list(reply.outcomes) == [pb.OUTCOME_STORED]
+    # A call of hash-only entries then needs no message at all.
+    hit = pb.UpdateRequest(entries=[pb.UpdateEntry(mm_hash="h", modality="image")])
+    reply = await update(channel, [], metadata_header=hit.SerializeToString())
+    assert list(reply.outcomes) == [pb.OUTCOME_HIT]
     frames = await fetch(channel, ["h"])
-    # The first chunk was cut loose from the header: Fetch sends bare chunks.
     assert [pb.FetchFrame.FromString(f).chunk for f in frames[1:]] == [b"abc", b"de"]
-    assert frames[1] == chunk(b"abc")
+
+
+async def test_a_header_frame_parses_as_the_protobuf_message(channel: grpc.aio.Channel) -> None:
+    # What generated code writes for UpdateFrame(header=...) is what we read.
+    request = pb.UpdateRequest(entries=[data_entry("h", tensor_spec("uint8", [2]), 1)])
+    frame = pb.UpdateFrame(header=request).SerializeToString()
+    assert frame == header(*request.entries)
+    assert list((await update(channel, [frame, chunk(b"xy")])).outcomes) == [pb.OUTCOME_STORED]
 
 
 async def test_hash_only_and_absent_is_reported_missing_not_an_error(
@@ -168,8 +177,8 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
             [header(data_entry("h", tensor_spec("uint8", [-3]), 1)), chunk(b"123")],
             "negative dimension",
         ),
-        ([chunk(b"123")], "first GetAndUpdate frame must be the header"),
-        ([], "got no frames"),
+        ([chunk(b"123")], "first GetAndUpdate frame (the call has no"),
+        ([], "GetAndUpdate got no header"),
         (
             [header(data_entry("h", tensor_spec("uint8", [3]), 1)), b"\x12\x05abc"],
             "declares 5 bytes but carries 3",
@@ -179,11 +188,14 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
             "cannot travel in 1 chunks",
         ),
         (
-            [header(data_entry("h", tensor_spec("uint8", [3]), 1)) + b"\x1a\x03abc"],
+            [header(data_entry("h", tensor_spec("uint8", [3]), 1)) + chunk(b"123")],
+            "must hold the header alone, with chunks in frames of their own",
+        ),
+        (
+            [header(data_entry("h", tensor_spec("uint8", [3]), 1)), header(pb.UpdateEntry())],
             "expected a chunk frame (field 2)",
         ),
-        ([header(pb.UpdateEntry(mm_hash="h")) + chunk(b"x")], "more chunk frames"),
-        ([b"\x0a\x7f" + header(pb.UpdateEntry(mm_hash="h"))[2:]], "its header is longer"),
+        ([b"\x0a\x7f" + header(pb.UpdateEntry(mm_hash="h"))[2:]], "declares a header of 127"),
         ([b"\x0a\xff"], "truncated length"),
     ],
     ids=[
@@ -197,8 +209,8 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
         "empty-stream",
         "bad-frame-length",
         "chunk-count",
-        "header-then-not-a-chunk",
-        "header-then-unexpected-chunk",
+        "chunk-inside-the-header-frame",
+        "second-header",
         "header-cut-short",
         "header-length-truncated",
     ],
@@ -217,6 +229,40 @@ async def test_bad_input_is_invalid_argument_and_nothing_is_lost(
     assert list((await update(channel, [header(pb.UpdateEntry(mm_hash="kept"))])).outcomes) == [
         pb.OUTCOME_HIT
     ]
+
+
+@pytest.mark.parametrize(
+    ("metadata_header", "frames", "message"),
+    [
+        (b"\xff\xff", [], "mmcache-update-header-bin metadata is not a serialised UpdateRequest"),
+        (
+            pb.UpdateRequest(entries=[pb.UpdateEntry(mm_hash="h")]).SerializeToString(),
+            [header(pb.UpdateEntry(mm_hash="h"))],
+            "a header frame arrived, but the header came as mmcache-update-header-bin metadata",
+        ),
+        (
+            pb.UpdateRequest(
+                entries=[data_entry("h", tensor_spec("uint8", [3]), 1)]
+            ).SerializeToString(),
+            [],
+            "the upload ended after 0 of the 1 chunks",
+        ),
+    ],
+    ids=["not-a-request", "header-twice", "chunks-missing"],
+)
+async def test_a_bad_metadata_header_is_invalid_argument(
+    server: MMCacheServer,
+    channel: grpc.aio.Channel,
+    metadata_header: bytes,
+    frames: list[bytes],
+    message: str,
+) -> None:
+    await update(channel, put_frames("kept", b"keep me"))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await update(channel, frames, metadata_header=metadata_header)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    assert "kept" in server.store and "h" not in server.store
 
 
 async def test_cancelled_upload_leaves_nothing_behind(

@@ -459,10 +459,10 @@ Global___UpdateRequest: _TypeAlias = UpdateRequest  # noqa: Y015
 
 @_typing.final
 class UpdateFrame(_message.Message):
-    """The first frame carries the header, and with it the first payload chunk
-    when there is one (one message fewer per call); every later frame carries
-    one chunk. Chunks are those of the entries with data, in order. Header
-    first, as protobuf serialisers write fields in number order.
+    """The header comes first: in the call's `mmcache-update-header-bin` metadata
+    (a serialised UpdateRequest; the Python client puts it there when it is at
+    most 2 KiB) or, when there is no such metadata, as the first frame. Then
+    one chunk frame per chunk: those of the entries with data, in order.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -471,20 +471,20 @@ class UpdateFrame(_message.Message):
     CHUNK_FIELD_NUMBER: _builtins.int
     chunk: _builtins.bytes
     @_builtins.property
-    def header(self) -> Global___UpdateRequest:
-        """in the first frame only"""
-
+    def header(self) -> Global___UpdateRequest: ...
     def __init__(
         self,
         *,
         header: Global___UpdateRequest | None = ...,
         chunk: _builtins.bytes = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "frame", b"frame", "header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "frame", b"frame", "header", b"header"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType_frame: _TypeAlias = _typing.Literal["header", "chunk"]  # noqa: Y015
+    _WhichOneofArgType_frame: _TypeAlias = _typing.Literal["frame", b"frame"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_frame) -> _WhichOneofReturnType_frame | None: ...
 
 Global___UpdateFrame: _TypeAlias = UpdateFrame  # noqa: Y015
 
