@@ -76,7 +76,7 @@ def advise_hugepages(address: int, length: int) -> None:
         _libc.madvise(start, span, _MADV_HUGEPAGE)  # a hint: failure changes nothing
 
 
-def prefault_in_background(buffers: Sequence[tuple[int, int]]) -> None:
+def prefault_in_background(buffers: Sequence[tuple[int, int]]) -> threading.Thread | None:
     """Fault in fresh buffers, given as (address, length), on a helper thread.
 
     The kernel zeroes each page of fresh memory at its first touch; for a
@@ -85,13 +85,16 @@ def prefault_in_background(buffers: Sequence[tuple[int, int]]) -> None:
     can run beside the caller's own writes into the same buffers (frames
     copied in as they arrive) and take the zeroing off the caller's thread.
     A buffer freed meanwhile only makes the call fail; nothing is written.
+    Returns the thread (None where there is nothing to do).
     """
     if _libc is None or not buffers:
-        return
+        return None
 
     def run() -> None:
         for address, length in buffers:
             _libc.madvise(address, length, _MADV_POPULATE_WRITE)  # ctypes drops the GIL
 
     # A thread per call, not a pool: nothing to shut down, and safe across fork.
-    threading.Thread(target=run, name="mmcache-prefault", daemon=True).start()
+    thread = threading.Thread(target=run, name="mmcache-prefault", daemon=True)
+    thread.start()
+    return thread
