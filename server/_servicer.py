@@ -1,7 +1,8 @@
 """The gRPC face of the item cache (`mmcache.v1.MMCache`).
 
 GetAndUpdate and Fetch move tensor bytes, so their messages are handled as
-raw `bytes`: protobuf parses only the header frame, and chunk frames are
+raw `bytes`: protobuf parses only the header (an upload's comes in the
+call's metadata when small, else as its first frame), and chunk frames are
 checked by hand and kept as they came (see mmcache._frames). The other
 methods are ordinary protobuf.
 """
@@ -114,11 +115,11 @@ class CacheServicer:
         for h in request.touches:
             check_name("touched mm_hash", h)
         payload = sum(p.payload for p in plan if p.chunks is not None)
-        # Nothing is stored until every byte has arrived and been checked, so
-        # a cancelled or malformed upload leaves the cache as it was.
         # Made only now: an iterator never started (a call refused on its
         # header) would warn when collected. grpc hands back the same one.
         stream = aiter(frames)
+        # Nothing is stored until every byte has arrived and been checked, so
+        # a cancelled or malformed upload leaves the cache as it was.
         async with self._inflight.reserve(payload):
             for i, p in enumerate(plan):
                 if p.chunks is not None:
