@@ -1,6 +1,7 @@
 """The raw gRPC ceiling: a bare generic handler moving bytes, nothing else.
 
 Upload: a client stream of raw chunks, answered with their total length.
+UploadOne: one raw message in a unary call, answered the same way.
 UploadProto: the same through protobuf (`UpdateFrame.chunk`), for comparison.
 Download: the request names a byte count; the reply streams it as raw
 chunks built once beforehand, so no time goes to making data.
@@ -32,6 +33,10 @@ async def upload(chunks: AsyncIterator[bytes], context: object) -> bytes:
     return str(total).encode()
 
 
+async def upload_one(chunk: bytes, context: object) -> bytes:
+    return str(len(chunk)).encode()
+
+
 async def upload_proto(frames: AsyncIterator[pb.UpdateFrame], context: object) -> bytes:
     # The same chunks as protobuf messages: parsed by protobuf, read as a field.
     total = 0
@@ -55,6 +60,7 @@ async def main(port: int) -> None:
                 "bench.Raw",
                 {
                     "Upload": grpc.stream_unary_rpc_method_handler(upload),
+                    "UploadOne": grpc.unary_unary_rpc_method_handler(upload_one),
                     "Download": grpc.unary_stream_rpc_method_handler(download),
                     "UploadProto": grpc.stream_unary_rpc_method_handler(
                         upload_proto, request_deserializer=pb.UpdateFrame.FromString

@@ -9,9 +9,11 @@ item the server lacks (a float32 tensor of the given size: encode, upload,
 commit); "fetch" is the engine's read (download, rebuild the tensor) of an
 item uploaded again, untimed, before each fetch burst (the puts of the burst
 before evict it). The ceiling moves the same number of bytes through a bare
-generic handler in raw chunks of the same size, measured in the same run,
-and, for put, the same bytes as a protobuf `bytes` field (built, serialised
-and parsed by protobuf): the path the chunk frames avoid. All three
+generic handler in raw chunks of the same size (a client stream), measured
+in the same run; for put, also the same bytes as a protobuf `bytes` field
+(built, serialised and parsed by protobuf: the path the chunk frames avoid)
+and, for an item that fits one message, as one raw unary call (the best raw
+gRPC does for it; mmcache streams such puts, see docs/wire.md). All three
 processes call `mmcache.keep_freed_memory()`. Prints a table.
 
 The machine's speed drifts by tens of percent over seconds (shared cores),
@@ -91,7 +93,16 @@ async def ceiling_ops(channel: grpc.aio.Channel, nbytes: int, chunk: int) -> dic
         await call.done_writing()
         await call
 
-    return {"raw put": put, "raw fetch": get, "proto put": put_proto}
+    ops = {"raw put": put, "raw fetch": get, "proto put": put_proto}
+    if nbytes <= chunk:
+        # One message: the unary call that mmcache's own small uploads use.
+        one = channel.unary_unary("/bench.Raw/UploadOne")
+
+        async def put_one() -> None:
+            await one(chunks[0])
+
+        ops["raw unary put"] = put_one
+    return ops
 
 
 async def mmcache_ops(client: MMCacheClient, nbytes: int) -> tuple[dict[str, Op], dict[str, Op]]:
@@ -140,6 +151,11 @@ async def measure(
     return rates
 
 
+def ratio_of(rates: dict[str, list[float]], op: str, ceiling: str) -> float:
+    """The median of the per-round ratios of `op` to `ceiling`."""
+    return statistics.median(a / b for a, b in zip(rates[op], rates[ceiling], strict=True))
+
+
 async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None:
     raw, raw_port = spawn([sys.executable, "-m", "bench._raw_server"])
     cache, cache_port = spawn([sys.executable, "-m", "bench._cache_server"])
@@ -155,9 +171,9 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
             )
             print(
                 f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
-                f"{'protobuf field':>14}"
+                f"{'raw unary':>9} | {'ratio':>5} | {'protobuf field':>14}"
             )
-            print("-" * 64)
+            print("-" * 84)
             for mib in sizes:
                 nbytes = mib * MIB
                 ours, before = await mmcache_ops(client, nbytes)
@@ -168,13 +184,17 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
                     ("put", "raw put", f"{med['proto put']:14.2f}"),
                     ("fetch", "raw fetch", f"{'':>14}"),
                 ):
-                    ratio = statistics.median(
-                        a / b for a, b in zip(rates[op], rates[ceil], strict=True)
-                    )
                     row = (
-                        f"{mib:>5} MiB | {op:>5} | {med[op]:8.2f} | {med[ceil]:8.2f} | {ratio:5.2f}"
+                        f"{mib:>5} MiB | {op:>5} | {med[op]:8.2f} | {med[ceil]:8.2f} | "
+                        f"{ratio_of(rates, op, ceil):5.2f}"
                     )
-                    print(f"{row} | {proto}", flush=True)
+                    unary = f"{'':>9} | {'':>5}"
+                    if op == "put" and "raw unary put" in med:
+                        unary = (
+                            f"{med['raw unary put']:9.2f} | "
+                            f"{ratio_of(rates, op, 'raw unary put'):5.2f}"
+                        )
+                    print(f"{row} | {unary} | {proto}", flush=True)
     finally:
         for proc in (raw, cache):
             proc.terminate()

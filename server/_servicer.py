@@ -1,10 +1,11 @@
 """The gRPC face of the item cache (`mmcache.v1.MMCache`).
 
-GetAndUpdate and Fetch move tensor bytes, so their messages are handled as
-raw `bytes`: protobuf parses only the header (an upload's comes in the
-call's metadata when small, else as its first frame), and chunk frames are
-checked by hand and kept as they came (see mmcache._frames). The other
-methods are ordinary protobuf.
+GetAndUpdate, GetAndUpdateOne and Fetch move tensor bytes, so their messages
+are handled as raw `bytes`: protobuf parses only the header (an upload's
+comes in the call's metadata when small, else as its first frame), and chunk
+frames are checked by hand and kept as they came (see mmcache._frames).
+GetAndUpdateOne is GetAndUpdate with its one frame (or none) as a unary
+request, and runs the same code. The other methods are ordinary protobuf.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class CacheServicer:
             ),
             # Raw bytes in and out: see the module docstring.
             "GetAndUpdate": grpc.stream_unary_rpc_method_handler(g(self.get_and_update)),
+            "GetAndUpdateOne": grpc.unary_unary_rpc_method_handler(g(self.get_and_update_one)),
             "Fetch": grpc.unary_stream_rpc_method_handler(g(self.fetch)),
             "Touch": grpc.unary_unary_rpc_method_handler(
                 g(self.touch),
@@ -137,6 +139,9 @@ class CacheServicer:
             stored = outcome != Outcome.UNCACHED
             reply.sizes.append(self._store.size_of(entry.mm_hash) if stored else 0)
         return reply.SerializeToString()
+
+    async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
+        return await self.get_and_update(_frames_of(frame), context)
 
     async def fetch(self, request_bytes: bytes, context: Context) -> None:
         try:
@@ -216,6 +221,12 @@ def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:
     check_name(f"mm_hash of entry {index}", entry.mm_hash)
     check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
     return _EntryPlan(entry, index)
+
+
+async def _frames_of(request: bytes) -> AsyncIterator[bytes]:
+    """A GetAndUpdateOne request as the frames of a GetAndUpdate: it or none."""
+    if request:  # a frame is never empty: it holds at least a tag and a length
+        yield request
 
 
 def _metadata_header(context: Context) -> pb.UpdateRequest | None:

@@ -49,6 +49,15 @@ async def update(
     return pb.UpdateReply.FromString(await call(gen(), timeout=30, metadata=metadata))
 
 
+async def update_one(
+    channel: grpc.aio.Channel, request: bytes, metadata_header: bytes | None = None
+) -> pb.UpdateReply:
+    """A GetAndUpdateOne: the unary form, its request one frame or empty."""
+    call = channel.unary_unary(f"{SERVICE}/GetAndUpdateOne")
+    metadata = None if metadata_header is None else ((UPDATE_HEADER_KEY, metadata_header),)
+    return pb.UpdateReply.FromString(await call(request, timeout=30, metadata=metadata))
+
+
 async def fetch(channel: grpc.aio.Channel, hashes: Sequence[str]) -> list[bytes]:
     call = channel.unary_stream(f"{SERVICE}/Fetch")
     return [frame async for frame in call(pb.FetchRequest(mm_hashes=hashes).SerializeToString())]

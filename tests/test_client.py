@@ -27,7 +27,7 @@ from mmcache.client import (
 from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer
 
-from .conftest import MIB, sample, scrape, server_config
+from .conftest import MIB, Samples, sample, scrape, server_config
 from .items import image_item
 from .oracle import oracle_batch
 
@@ -83,14 +83,44 @@ async def test_hits_return_none_in_one_round_trip(
     before = await scrape(server.metrics_port)
     assert await client.get_and_update(items, hashes) == [None, None, None]
     after = await scrape(server.metrics_port)
-    labels = {
-        "grpc_method": "GetAndUpdate",
-        "grpc_service": "mmcache.v1.MMCache",
-        "grpc_type": "client_stream",
-    }
-    started = "grpc_server_started_total"
-    assert sample(after, started, **labels) == (sample(before, started, **labels) or 0) + 1
+
+    def calls(scraped: Samples) -> float:  # upload calls of either shape
+        return sum(
+            sample(
+                scraped,
+                "grpc_server_started_total",
+                grpc_method=method,
+                grpc_service="mmcache.v1.MMCache",
+                grpc_type=kind,
+            )
+            or 0
+            for method, kind in (("GetAndUpdate", "client_stream"), ("GetAndUpdateOne", "unary"))
+        )
+
+    assert calls(after) == calls(before) + 1
     assert client.make_stats().hits == 3 and client.make_stats().total == 6
+
+
+async def test_calls_without_data_are_unary_and_uploads_stream(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    def calls(scraped: Samples, method: str, kind: str) -> float:
+        labels = {"grpc_service": "mmcache.v1.MMCache", "grpc_type": kind}
+        return sample(scraped, "grpc_server_started_total", grpc_method=method, **labels) or 0
+
+    small, large = image_item(1), image_item(2, numel=MIB // 2)  # 1 and 3 frames of 1 MiB
+    before = await scrape(server.metrics_port)
+    assert await client.get_and_update([small], ["small"]) == [small]
+    assert await client.get_and_update([large], ["large"]) == [large]
+    assert await client.get_and_update([small, large], ["small", "large"]) == [None, None]
+    assert await client.get_and_update([None], ["large"]) == [None]
+    after = await scrape(server.metrics_port)
+    streams = ("GetAndUpdate", "client_stream")
+    unary = ("GetAndUpdateOne", "unary")
+    assert calls(after, *streams) == calls(before, *streams) + 2
+    assert calls(after, *unary) == calls(before, *unary) + 2
+    fetched = await client.fetch(["small", "large"])
+    assert fetched[0] == small and fetched[1] == large
 
 
 @pytest.mark.parametrize("seed", range(3))

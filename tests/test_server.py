@@ -13,7 +13,7 @@ from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, sample, scrape, server_config
-from .raw import SERVICE, chunk, data_entry, fetch, header, tensor_spec, update
+from .raw import SERVICE, chunk, data_entry, fetch, header, tensor_spec, update, update_one
 
 
 @pytest.fixture
@@ -39,6 +39,76 @@ async def test_store_then_hit_then_fetch_returns_the_same_frames(
     head = pb.FetchFrame.FromString(frames[0]).header
     assert [i.mm_hash for i in head.items] == ["h1"] and head.items[0].num_chunks == 1
     assert pb.FetchFrame.FromString(frames[1]).chunk == b"\x01\x02\x03"
+
+
+async def test_the_unary_form_stores_and_looks_up_like_the_stream(
+    server: MMCacheServer, channel: grpc.aio.Channel
+) -> None:
+    spec = tensor_spec("uint8", [3])
+    put = pb.UpdateRequest(entries=[data_entry("h", spec, 1, modality="image")])
+    reply = await update_one(channel, chunk(b"xyz"), metadata_header=put.SerializeToString())
+    assert list(reply.outcomes) == [pb.OUTCOME_STORED] and list(reply.sizes) == [3]
+    assert reply.instance_id == server.instance_id
+    # No data: an empty request with the header in metadata ...
+    hit = pb.UpdateRequest(entries=[pb.UpdateEntry(mm_hash="h", modality="image")])
+    reply = await update_one(channel, b"", metadata_header=hit.SerializeToString())
+    assert list(reply.outcomes) == [pb.OUTCOME_HIT]
+    # ... or the header frame itself as the request.
+    reply = await update_one(channel, header(pb.UpdateEntry(mm_hash="gone", modality="image")))
+    assert list(reply.outcomes) == [pb.OUTCOME_MISSING]
+    frames = await fetch(channel, ["h"])
+    assert pb.FetchFrame.FromString(frames[1]).chunk == b"xyz"
+    queried = await scrape(server.metrics_port)
+    assert sample(queried, "mmcache_queries_total", modality="image") == 3
+    assert sample(queried, "mmcache_hits_total", modality="image") == 1
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "metadata", "message"),
+    [
+        (b"", None, "GetAndUpdate got no header"),
+        (chunk(b"123"), None, "first GetAndUpdate frame (the call has no"),
+        (
+            chunk(b"123"),
+            pb.UpdateRequest(entries=[data_entry("h", tensor_spec("uint8", [3]), 2)]),
+            "ended after 1 of the 2 chunks",
+        ),
+        (
+            b"",
+            pb.UpdateRequest(entries=[data_entry("h", tensor_spec("uint8", [3]), 1)]),
+            "ended after 0 of the 1 chunks",
+        ),
+        (
+            header(pb.UpdateEntry(mm_hash="h")),
+            pb.UpdateRequest(entries=[pb.UpdateEntry(mm_hash="h")]),
+            "send one or the other",
+        ),
+        (
+            chunk(b"1234"),
+            pb.UpdateRequest(entries=[data_entry("h", tensor_spec("uint8", [3]), 1)]),
+            "declares 3 payload bytes",
+        ),
+    ],
+    ids=["empty", "chunk-without-header", "too-few-chunks", "no-chunk", "two-headers", "sizes"],
+)
+async def test_bad_unary_input_is_invalid_argument_and_nothing_is_lost(
+    server: MMCacheServer,
+    channel: grpc.aio.Channel,
+    request_bytes: bytes,
+    metadata: pb.UpdateRequest | None,
+    message: str,
+) -> None:
+    await update(channel, put_frames("kept", b"keep me"))
+    md = None if metadata is None else metadata.SerializeToString()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await update_one(channel, request_bytes, metadata_header=md)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in info.value.details()
+    assert dict(info.value.trailing_metadata())["mmcache-instance-id"] == server.instance_id
+    assert "h" not in server.store and len(server.store) == 1
+    assert list((await update_one(channel, header(pb.UpdateEntry(mm_hash="kept")))).outcomes) == [
+        pb.OUTCOME_HIT
+    ]
 
 
 async def test_the_header_may_travel_as_metadata(

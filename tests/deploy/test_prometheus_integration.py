@@ -84,7 +84,9 @@ def test_prometheus_reads_back_the_counts_the_traffic_implies(
         referenced = f'mmcache_encoder_referenced_tokens{{{job},engine="engine-0"}}'
         assert prom.wait_for(referenced, lambda v: v == 100) == 100
         handled = (
-            f'sum(grpc_server_handled_total{{{job},grpc_method="GetAndUpdate",grpc_code="OK"}})'
+            # Small uploads take the unary GetAndUpdateOne, larger ones the stream.
+            f'sum(grpc_server_handled_total{{{job},grpc_method=~"GetAndUpdate(One)?",'
+            'grpc_code="OK"})'
         )
         assert prom.wait_for(handled, lambda v: v == 3) == 3
 
