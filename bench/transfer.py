@@ -95,7 +95,8 @@ async def ceiling_ops(channel: grpc.aio.Channel, nbytes: int, chunk: int) -> dic
 
     ops = {"raw put": put, "raw fetch": get, "proto put": put_proto}
     if nbytes <= chunk:
-        # One message: the unary call that mmcache's own small uploads use.
+        # One message in a unary call: the best raw gRPC does for an item this
+        # small (mmcache still streams it: docs/wire.md says why).
         one = channel.unary_unary("/bench.Raw/UploadOne")
 
         async def put_one() -> None:
