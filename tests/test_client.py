@@ -73,6 +73,17 @@ async def test_every_dtype_and_shape_round_trips_bit_exact(
     assert fetched[0]["k3"].data.shape == (4, 6)
 
 
+# The two shapes of an upload call, as grpc_server_started_total labels them.
+_STREAM = ("GetAndUpdate", "client_stream")
+_UNARY = ("GetAndUpdateOne", "unary")
+
+
+def started(scraped: Samples, method: str, kind: str) -> float:
+    """Calls of one method of the cache service the server has started."""
+    labels = {"grpc_service": "mmcache.v1.MMCache", "grpc_type": kind}
+    return sample(scraped, "grpc_server_started_total", grpc_method=method, **labels) or 0
+
+
 async def test_hits_return_none_in_one_round_trip(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
@@ -85,17 +96,7 @@ async def test_hits_return_none_in_one_round_trip(
     after = await scrape(server.metrics_port)
 
     def calls(scraped: Samples) -> float:  # upload calls of either shape
-        return sum(
-            sample(
-                scraped,
-                "grpc_server_started_total",
-                grpc_method=method,
-                grpc_service="mmcache.v1.MMCache",
-                grpc_type=kind,
-            )
-            or 0
-            for method, kind in (("GetAndUpdate", "client_stream"), ("GetAndUpdateOne", "unary"))
-        )
+        return started(scraped, *_STREAM) + started(scraped, *_UNARY)
 
     assert calls(after) == calls(before) + 1
     assert client.make_stats().hits == 3 and client.make_stats().total == 6
@@ -104,10 +105,6 @@ async def test_hits_return_none_in_one_round_trip(
 async def test_calls_without_data_are_unary_and_uploads_stream(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
-    def calls(scraped: Samples, method: str, kind: str) -> float:
-        labels = {"grpc_service": "mmcache.v1.MMCache", "grpc_type": kind}
-        return sample(scraped, "grpc_server_started_total", grpc_method=method, **labels) or 0
-
     small, large = image_item(1), image_item(2, numel=MIB // 2)  # 1 and 3 frames of 1 MiB
     before = await scrape(server.metrics_port)
     assert await client.get_and_update([small], ["small"]) == [small]
@@ -115,10 +112,8 @@ async def test_calls_without_data_are_unary_and_uploads_stream(
     assert await client.get_and_update([small, large], ["small", "large"]) == [None, None]
     assert await client.get_and_update([None], ["large"]) == [None]
     after = await scrape(server.metrics_port)
-    streams = ("GetAndUpdate", "client_stream")
-    unary = ("GetAndUpdateOne", "unary")
-    assert calls(after, *streams) == calls(before, *streams) + 2
-    assert calls(after, *unary) == calls(before, *unary) + 2
+    assert started(after, *_STREAM) == started(before, *_STREAM) + 2
+    assert started(after, *_UNARY) == started(before, *_UNARY) + 2
     fetched = await client.fetch(["small", "large"])
     assert fetched[0] == small and fetched[1] == large
 
