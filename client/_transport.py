@@ -94,25 +94,22 @@ class CacheTransport:
         """Send a serialised UpdateRequest and its chunk frames; the server's reply.
 
         A call with no frames (hashes and touches only, the steady state) is
-        a unary GetAndUpdateOne when its header fits in metadata: one send on
-        each side. A call with data streams, even a single frame: the server
-        then checks the header while the bytes arrive, which measured faster
-        than a unary call for frames of 512 KiB and up (docs/wire.md).
+        a unary GetAndUpdateOne whose request is the header frame: one send
+        on each side, and no binary metadata to encode. A call with data
+        streams, even a single frame, its header in metadata when small: the
+        server then checks the header while the bytes arrive, which measured
+        faster than a unary call for frames of 512 KiB and up (docs/wire.md).
         """
         frames = iter(chunks)
         first = next(frames, None)
-        small = len(header) <= MAX_METADATA_HEADER_BYTES
-        if small and first is None:
+        if first is None:
             with translate_errors():
                 reply_bytes: bytes = await self._update_one(
-                    b"",
-                    metadata=((UPDATE_HEADER_KEY, header),),
-                    timeout=self._timeout,
-                    wait_for_ready=True,
+                    header_frame(header), timeout=self._timeout, wait_for_ready=True
                 )
             return pb.UpdateReply.FromString(reply_bytes)
-        data = frames if first is None else itertools.chain((first,), frames)
-        if small:  # a message fewer
+        data = itertools.chain((first,), frames)
+        if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
                 metadata=((UPDATE_HEADER_KEY, header),), timeout=self._timeout, wait_for_ready=True
             )

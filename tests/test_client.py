@@ -350,14 +350,20 @@ async def test_unreachable_server_is_a_typed_error() -> None:
 
 
 async def test_a_batch_too_large_for_header_metadata_sends_a_header_frame(
-    client: MMCacheClient,
+    server: MMCacheServer, client: MMCacheClient
 ) -> None:
     keys = [f"{i:064x}" for i in range(40)]
     items = [image_item(i, numel=16) for i in range(40)]
-    # 40 specs and 64-character hashes: the header goes as a frame, not metadata.
+    # 40 specs and 64-character hashes: the upload's header goes as a frame,
+    # not metadata; the hits that follow are a unary call whatever its size.
     assert len(keys) * 64 > MAX_METADATA_HEADER_BYTES
+    before = await scrape(server.metrics_port)
     assert await client.get_and_update(items, keys) == items
+    middle = await scrape(server.metrics_port)
     assert await client.get_and_update(items, keys) == [None] * len(keys)
+    after = await scrape(server.metrics_port)
+    assert started(middle, *_STREAM) == started(before, *_STREAM) + 1
+    assert started(after, *_UNARY) == started(middle, *_UNARY) + 1
     fetched = await client.fetch(keys)
     assert all(f == i for f, i in zip(fetched, items, strict=True))
 

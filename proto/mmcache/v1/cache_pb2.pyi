@@ -460,9 +460,9 @@ Global___UpdateRequest: _TypeAlias = UpdateRequest  # noqa: Y015
 @_typing.final
 class UpdateFrame(_message.Message):
     """The header comes first: in the call's `mmcache-update-header-bin` metadata
-    (a serialised UpdateRequest; the Python client puts it there when it is at
-    most 2 KiB) or, when there is no such metadata, as the first frame. Then
-    one chunk frame per chunk: those of the entries with data, in order.
+    (a serialised UpdateRequest; the Python client puts an upload's there when
+    it is at most 2 KiB) or, when there is no such metadata, as the first frame.
+    Then one chunk frame per chunk: those of the entries with data, in order.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
