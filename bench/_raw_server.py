@@ -3,6 +3,8 @@
 Upload: a client stream of raw chunks, answered with their total length.
 UploadOne: one raw message in a unary call, answered the same way.
 UploadProto: the same through protobuf (`UpdateFrame.chunk`), for comparison.
+Session: one long-lived bidi stream carrying many uploads: each is a message
+naming its chunk count, then the chunks, answered with their total length.
 Download: the request names a byte count; the reply streams it as raw
 chunks built once beforehand, so no time goes to making data.
 """
@@ -45,6 +47,16 @@ async def upload_proto(frames: AsyncIterator[pb.UpdateFrame], context: object) -
     return str(total).encode()
 
 
+async def session(messages: AsyncIterator[bytes], context: object) -> AsyncIterator[bytes]:
+    # No call set-up per upload: what a protocol that reuses streams could reach.
+    stream = aiter(messages)
+    async for count in stream:
+        total = 0
+        for _ in range(int(count)):
+            total += len(await anext(stream))
+        yield str(total).encode()
+
+
 async def download(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> None:
     nbytes, chunk_bytes = (int(x) for x in request.split(b","))
     chunk = b"\x5a" * chunk_bytes
@@ -62,6 +74,7 @@ async def main(port: int) -> None:
                     "Upload": grpc.stream_unary_rpc_method_handler(upload),
                     "UploadOne": grpc.unary_unary_rpc_method_handler(upload_one),
                     "Download": grpc.unary_stream_rpc_method_handler(download),
+                    "Session": grpc.stream_stream_rpc_method_handler(session),
                     "UploadProto": grpc.stream_unary_rpc_method_handler(
                         upload_proto, request_deserializer=pb.UpdateFrame.FromString
                     ),

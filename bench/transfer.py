@@ -11,10 +11,13 @@ item uploaded again, untimed, before each fetch burst (the puts of the burst
 before evict it). The ceiling moves the same number of bytes through a bare
 generic handler in raw chunks of the same size (a client stream), measured
 in the same run; for put, also the same bytes as a protobuf `bytes` field
-(built, serialised and parsed by protobuf: the path the chunk frames avoid)
-and, for an item that fits one message, as one raw unary call (the best raw
-gRPC does for it; mmcache streams such puts, see docs/wire.md). All three
-processes call `mmcache.keep_freed_memory()`. Prints a table.
+(built, serialised and parsed by protobuf: the path the chunk frames avoid);
+for an item that fits one message, as one raw unary call (the best raw gRPC
+does for it in a call of its own; mmcache streams such puts, see
+docs/wire.md); and over one bidi stream kept open across puts (a count
+message, the chunks, a reply: no call set-up per item, which is where small
+items lose their time). All three processes call
+`mmcache.keep_freed_memory()`. Prints a table.
 
 The machine's speed drifts by tens of percent over seconds (shared cores),
 so the cells are not measured one after another: every round runs each of
@@ -93,7 +96,18 @@ async def ceiling_ops(channel: grpc.aio.Channel, nbytes: int, chunk: int) -> dic
         await call.done_writing()
         await call
 
-    ops = {"raw put": put, "raw fetch": get, "proto put": put_proto}
+    # One bidi stream opened now and reused by every put: no call set-up per
+    # item, the floor a protocol that kept streams open could reach.
+    session = channel.stream_stream("/bench.Raw/Session")()
+    count = str(nbytes // chunk).encode()
+
+    async def put_session() -> None:
+        await session.write(count)
+        for c in chunks:
+            await session.write(c)
+        await session.read()
+
+    ops = {"raw put": put, "raw fetch": get, "proto put": put_proto, "session put": put_session}
     if nbytes <= chunk:
         # One message in a unary call: the best raw gRPC does for an item this
         # small (mmcache still streams it: docs/wire.md says why).
@@ -172,9 +186,10 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
             )
             print(
                 f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
-                f"{'raw unary':>9} | {'ratio':>5} | {'protobuf field':>14}"
+                f"{'raw unary':>9} | {'ratio':>5} | {'open stream':>11} | {'ratio':>5} | "
+                f"{'protobuf field':>14}"
             )
-            print("-" * 84)
+            print("-" * 104)
             for mib in sizes:
                 nbytes = mib * MIB
                 ours, before = await mmcache_ops(client, nbytes)
@@ -195,7 +210,13 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
                             f"{med['raw unary put']:9.2f} | "
                             f"{ratio_of(rates, op, 'raw unary put'):5.2f}"
                         )
-                    print(f"{row} | {unary} | {proto}", flush=True)
+                    session = f"{'':>11} | {'':>5}"
+                    if op == "put":
+                        session = (
+                            f"{med['session put']:11.2f} | "
+                            f"{ratio_of(rates, op, 'session put'):5.2f}"
+                        )
+                    print(f"{row} | {unary} | {session} | {proto}", flush=True)
     finally:
         for proc in (raw, cache):
             proc.terminate()
