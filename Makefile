@@ -37,6 +37,7 @@ test: lint typecheck unit
 bench: $(VENV)/.test
 	$(PY) -m bench.transfer
 	$(PY) -m bench.encoder
+	$(PY) -m bench.memory
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

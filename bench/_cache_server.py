@@ -1,17 +1,20 @@
-"""An mmcache server for the benchmarks: prints its port once it serves."""
+"""An mmcache server for the benchmarks: prints its port once it serves.
+
+python -m bench._cache_server [--capacity-mib 512] [--inflight-mib 1024] [--max-items N]
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 from mmcache._memory import keep_freed_memory
 from mmcache.server import MMCacheServer, ServerConfig
 
+MIB = 1 << 20
 
-async def main() -> None:
-    config = ServerConfig(
-        host="127.0.0.1", port=0, metrics_port=0, capacity_bytes=512 << 20, grace_s=0
-    )
+
+async def main(config: ServerConfig) -> None:
     async with MMCacheServer(config) as server:
         print(server.port, flush=True)
         await asyncio.Event().wait()
@@ -19,4 +22,18 @@ async def main() -> None:
 
 if __name__ == "__main__":
     keep_freed_memory()  # as `mmcache serve` does; the same for both servers
-    asyncio.run(main())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--capacity-mib", type=int, default=512)
+    parser.add_argument("--inflight-mib", type=int, default=1024)
+    parser.add_argument("--max-items", type=int, default=None)
+    args = parser.parse_args()
+    config = ServerConfig(
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        capacity_bytes=args.capacity_mib * MIB,
+        max_inflight_bytes=args.inflight_mib * MIB,
+        max_items=args.max_items,
+        grace_s=0,
+    )
+    asyncio.run(main(config))

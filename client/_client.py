@@ -108,7 +108,7 @@ class MMCacheClient:
         except BaseException:
             await self.close()
             raise
-        self._mirror = Mirror(info.instance_id, info.capacity_bytes)
+        self._mirror = Mirror(info.instance_id, info.capacity_bytes, info.max_items)
 
     async def close(self) -> None:
         if self._channel is not None:
@@ -311,7 +311,12 @@ class MMCacheClient:
         if len(outcomes) != len(mm_hashes):
             raise InvalidArgumentError("the server answered a different number of entries")
         self._mirror.reconcile(
-            reply.instance_id, reply.capacity_bytes, mm_hashes, outcomes, reply.sizes
+            reply.instance_id,
+            reply.capacity_bytes,
+            reply.max_items,
+            mm_hashes,
+            outcomes,
+            reply.sizes,
         )
         hits = sum(o in _HELD for o in outcomes)
         self._stats = CacheInfo(self._stats.hits + hits, self._stats.total + len(outcomes))
@@ -351,6 +356,7 @@ class MMCacheClient:
             self._mirror.reconcile(
                 reply.instance_id,
                 reply.capacity_bytes,
+                reply.max_items,
                 [mm_hashes[i] for i in with_data],
                 [Outcome(o) for o in reply.outcomes],
                 reply.sizes,

@@ -16,9 +16,9 @@ __all__ = ["Mirror"]
 
 
 class Mirror:
-    def __init__(self, instance_id: str, capacity: int) -> None:
+    def __init__(self, instance_id: str, capacity: int, max_items: int = 0) -> None:
         self.instance_id = instance_id
-        self._lru: ByteLRU[None] = ByteLRU(capacity)
+        self._lru: ByteLRU[None] = ByteLRU(capacity, max_items=max_items or None)
         self._touched: list[str] = []
 
     @property
@@ -64,19 +64,24 @@ class Mirror:
         self,
         instance_id: str,
         capacity: int,
+        max_items: int,
         hashes: Sequence[str],
         outcomes: Sequence[Outcome],
         sizes: Sequence[int],
     ) -> None:
-        """Make the mirror agree with what the server reported for a batch."""
+        """Make the mirror agree with what the server reported for a batch.
+
+        `max_items` 0 is a server without an item bound.
+        """
+        bound = max_items or None
         if instance_id != self.instance_id:
             # A new server process (a restart): it holds only what this
             # batch just put there, if anything.
             self.instance_id = instance_id
-            self._lru = ByteLRU(capacity)
+            self._lru = ByteLRU(capacity, max_items=bound)
             self._touched.clear()
-        elif capacity != self._lru.capacity:
-            self._lru.resize(capacity)
+        elif capacity != self._lru.capacity or bound != self._lru.max_items:
+            self._lru.resize(capacity, bound)
         for mm_hash, outcome, size in zip(hashes, outcomes, sizes, strict=True):
             if outcome in (Outcome.MISSING, Outcome.UNCACHED):
                 self._lru.pop(mm_hash)

@@ -44,18 +44,23 @@ class ByteLRU(Generic[V]):
 
     Every operation is O(1) (eviction O(1) per entry evicted); the order
     lives in an `OrderedDict`, whose move-to-end and pop-first are O(1).
+    `max_items`, when set, bounds the number of entries as well: sizes count
+    only an item's data, so without it many tiny items could hold far more
+    memory in bookkeeping than the capacity says.
     """
 
-    __slots__ = ("_capacity", "_data", "_on_evict", "_used")
+    __slots__ = ("_capacity", "_data", "_max_items", "_on_evict", "_used")
 
     def __init__(
         self,
         capacity: int,
         on_evict: Callable[[str, V, int], None] | None = None,
+        *,
+        max_items: int | None = None,
     ) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        _check_bounds(capacity, max_items)
         self._capacity = capacity
+        self._max_items = max_items
         self._used = 0
         self._data: OrderedDict[str, tuple[V, int]] = OrderedDict()
         self._on_evict = on_evict
@@ -63,6 +68,11 @@ class ByteLRU(Generic[V]):
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def max_items(self) -> int | None:
+        """The most entries held at once (None: bounded by bytes alone)."""
+        return self._max_items
 
     @property
     def used(self) -> int:
@@ -110,12 +120,12 @@ class ByteLRU(Generic[V]):
         self._used = 0
         return n
 
-    def resize(self, capacity: int) -> None:
-        """Change the capacity, evicting the oldest entries that no longer fit."""
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
+    def resize(self, capacity: int, max_items: int | None = None) -> None:
+        """Change the bounds, evicting the oldest entries that no longer fit."""
+        _check_bounds(capacity, max_items)
         self._capacity = capacity
-        self._evict_until(0)
+        self._max_items = max_items
+        self._evict_until(0, 0)
 
     def put(self, key: str, value: V, size: int) -> Outcome:
         """Store `value` under `key` (replacing any entry), evicting as needed."""
@@ -131,8 +141,9 @@ class ByteLRU(Generic[V]):
         replaces it (`replace_present=True`: sent data wins) while the
         mirror calls it a hit (it would not have sent the data). An insert
         evicts only entries the batch does not refer to: an item that would
-        need more room than that is UNCACHED, and an entry it was meant to
-        replace is dropped rather than left serving old data.
+        need more room than that (bytes, or an entry slot under `max_items`)
+        is UNCACHED, and an entry it was meant to replace is dropped rather
+        than left serving old data.
         """
         data = self._data
         batch_keys = {e.key for e in entries}
@@ -141,7 +152,10 @@ class ByteLRU(Generic[V]):
                 data.move_to_end(key)
         # The batch's own entries now sit at the most-recent end, so eviction
         # from the other end reaches every other entry before any of them.
-        pinned = sum(data[k][1] for k in batch_keys if k in data)
+        held_keys = [k for k in batch_keys if k in data]
+        pinned = sum(data[k][1] for k in held_keys)
+        pinned_items = len(held_keys)
+        limit = self._max_items
         outcomes: list[Outcome] = []
         for entry in entries:
             key = entry.key
@@ -154,27 +168,42 @@ class ByteLRU(Generic[V]):
                     outcomes.append(Outcome.HIT)
                 continue
             old_size = 0 if held is None else held[1]
-            if entry.size > self._capacity - (pinned - old_size):
+            others = pinned_items - (held is not None)  # batch entries that must stay
+            full = limit is not None and others >= limit
+            if full or entry.size > self._capacity - (pinned - old_size):
                 if held is not None:
                     del data[key]
                     self._used -= old_size
                     pinned -= old_size
+                    pinned_items -= 1
                 outcomes.append(Outcome.UNCACHED)
                 continue
             if held is not None:
                 del data[key]
                 self._used -= old_size
-            self._evict_until(entry.size)
+            self._evict_until(entry.size, 1)
             data[key] = (entry.value, entry.size)  # type: ignore[assignment]
             self._used += entry.size
             pinned += entry.size - old_size
+            pinned_items = others + 1
             outcomes.append(Outcome.STORED if held is None else Outcome.REPLACED)
         return outcomes
 
-    def _evict_until(self, incoming: int) -> None:
+    def _evict_until(self, incoming: int, new_items: int) -> None:
         data = self._data
-        while data and self._used + incoming > self._capacity:
+        limit = self._max_items
+        while data and (
+            self._used + incoming > self._capacity
+            or (limit is not None and len(data) + new_items > limit)
+        ):
             key, (value, size) = data.popitem(last=False)
             self._used -= size
             if self._on_evict is not None:
                 self._on_evict(key, value, size)
+
+
+def _check_bounds(capacity: int, max_items: int | None) -> None:
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    if max_items is not None and max_items < 1:
+        raise ValueError(f"max_items must be >= 1 (or None: no bound), got {max_items}")

@@ -85,12 +85,14 @@ class StoreGauges(Collector):
         items: Callable[[], int],
         stored_bytes: Callable[[], int],
         capacity_bytes: Callable[[], int],
+        max_items: Callable[[], int],
         inflight_bytes: Callable[[], int],
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
             ("mmcache_stored_bytes", "Bytes charged for the items held.", stored_bytes),
             ("mmcache_capacity_bytes", "The cache's capacity in bytes.", capacity_bytes),
+            ("mmcache_max_items", "The most items the cache holds at once.", max_items),
             (
                 "mmcache_inflight_bytes",
                 "Payload bytes of uploads being received (beside the cache).",

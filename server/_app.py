@@ -61,13 +61,16 @@ class MMCacheServer:
         self.instance_id = uuid.uuid4().hex
         self.registry = CollectorRegistry() if registry is None else registry
         self.metrics = CacheMetrics(self.registry)
-        self.store = ItemStore(config.capacity_bytes, on_evict=self.metrics.evicted)
+        self.store = ItemStore(
+            config.capacity_bytes, self.metrics.evicted, max_items=config.item_bound
+        )
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.registry.register(
             StoreGauges(
                 items=lambda: len(self.store),
                 stored_bytes=lambda: self.store.used,
                 capacity_bytes=lambda: self.store.capacity,
+                max_items=lambda: self.store.max_items,
                 inflight_bytes=lambda: self.inflight.used,
             )
         )
@@ -117,14 +120,15 @@ class MMCacheServer:
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _LOGGER.info(
-            "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes; "
-            "instance %s",
+            "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes, "
+            "at most %d items; instance %s",
             __version__,
             self.config.host,
             self.port,
             metrics_host,
             self.metrics_port,
             self.store.capacity,
+            self.store.max_items,
             self.instance_id,
         )
 

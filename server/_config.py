@@ -8,10 +8,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["GIB", "ServerConfig", "add_serve_arguments", "config_from_args", "parse_serve_args"]
+__all__ = [
+    "GIB",
+    "ServerConfig",
+    "add_serve_arguments",
+    "config_from_args",
+    "default_max_items",
+    "parse_serve_args",
+]
 
 GIB = 1 << 30
 T = TypeVar("T")
+
+
+def default_max_items(capacity_bytes: int) -> int:
+    """The item bound when none is given: 65536, plus one per 8 KiB of capacity.
+
+    An item's size counts only its data; the server's bookkeeping for it
+    (hash, spec, LRU entry) measured 1-2 KiB (bench/memory.py). At 2 KiB an
+    item, this many items keep that bookkeeping within 128 MiB + capacity/4,
+    inside the memory the deployment's sizing rule gives beyond the capacity
+    (docs/deploy.md), while items averaging over 8 KiB never meet the bound.
+    """
+    return 65536 + capacity_bytes // 8192
 
 
 @dataclass(frozen=True)
@@ -22,9 +41,15 @@ class ServerConfig:
     metrics_port: int = 9470
     capacity_bytes: int = 4 * GIB  # like vLLM's mm_processor_cache_gb default
     max_inflight_bytes: int = 1 * GIB
+    max_items: int | None = None  # None: default_max_items(capacity_bytes)
     grace_s: float = 10.0
     reflection: bool = True
     log_level: str = "INFO"
+
+    @property
+    def item_bound(self) -> int:
+        """The most items the cache holds: `max_items`, else the default for the capacity."""
+        return default_max_items(self.capacity_bytes) if self.max_items is None else self.max_items
 
 
 def _env(env: Mapping[str, str], name: str, parse: Callable[[str], T], default: T) -> T:
@@ -50,6 +75,13 @@ def _port(raw: str) -> int:
     value = int(raw)
     if not 0 <= value <= 65535:
         raise ValueError("must be a port number 0-65535 (0 picks a free one)")
+    return value
+
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("must be a whole number >= 1")
     return value
 
 
@@ -123,6 +155,14 @@ def add_serve_arguments(
         "[env MMCACHE_MAX_INFLIGHT_GB; default %(default)s]",
     )
     parser.add_argument(
+        "--max-items",
+        type=_argtype(_count),
+        default=_env(e, "MMCACHE_MAX_ITEMS", _count, d.max_items),
+        help="most items held at once, whatever their bytes (each costs 1-2 KiB of "
+        "bookkeeping an item's size does not count) [env MMCACHE_MAX_ITEMS; "
+        "default 65536 + 1 per 8 KiB of capacity]",
+    )
+    parser.add_argument(
         "--grace-s",
         type=_argtype(_seconds),
         default=_env(e, "MMCACHE_GRACE_S", _seconds, d.grace_s),
@@ -152,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_port=args.metrics_port,
         capacity_bytes=int(args.capacity_gb * GIB),
         max_inflight_bytes=int(args.max_inflight_gb * GIB),
+        max_items=args.max_items,
         grace_s=args.grace_s,
         reflection=args.reflection,
         log_level=args.log_level,

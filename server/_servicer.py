@@ -94,6 +94,7 @@ class CacheServicer:
             max_chunk_bytes=MAX_CHUNK_BYTES,
             items=len(self._store),
             used_bytes=self._store.used,
+            max_items=self._store.max_items,
         )
 
     async def touch(self, request: pb.TouchRequest, context: Context) -> pb.TouchReply:
@@ -132,7 +133,11 @@ class CacheServicer:
             self._metrics.received_bytes.inc(payload)
             items = [p.to_update_item(request.entries[i]) for i, p in enumerate(plan)]
             outcomes = self._store.update(request.touches, items)
-        reply = pb.UpdateReply(instance_id=self._instance_id, capacity_bytes=self._store.capacity)
+        reply = pb.UpdateReply(
+            instance_id=self._instance_id,
+            capacity_bytes=self._store.capacity,
+            max_items=self._store.max_items,
+        )
         for entry, outcome in zip(request.entries, outcomes, strict=True):
             self._count(entry, outcome)
             reply.outcomes.append(outcome.value)  # type: ignore[arg-type]

@@ -34,19 +34,26 @@ class UpdateItem:
 
 
 class ItemStore:
-    """The cache of items under `mm_hash`, bounded by `capacity` bytes."""
+    """The cache of items under `mm_hash`, bounded by `capacity` bytes and `max_items` items."""
 
     def __init__(
         self,
         capacity: int,
         on_evict: Callable[[int], None] | None = None,
+        *,
+        max_items: int,
     ) -> None:
         evict_hook = None if on_evict is None else (lambda _k, _v, size: on_evict(size))
-        self._lru: ByteLRU[StoredItem] = ByteLRU(capacity, on_evict=evict_hook)
+        self._lru: ByteLRU[StoredItem] = ByteLRU(capacity, evict_hook, max_items=max_items)
 
     @property
     def capacity(self) -> int:
         return self._lru.capacity
+
+    @property
+    def max_items(self) -> int:
+        """The item bound, as the wire says it (0: none)."""
+        return self._lru.max_items or 0
 
     @property
     def used(self) -> int:

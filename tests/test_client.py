@@ -138,6 +138,23 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
             assert sample(samples, "mmcache_resends_total", modality="image") is None
 
 
+async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
+    rng = random.Random(11)
+    pool = {f"h{i}": image_item(i, numel=rng.randint(1, 50)) for i in range(12)}
+    # Bytes to spare: only the count binds, so an LRU of 4 entries is the oracle.
+    oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(4)
+    async with MMCacheServer(server_config(max_items=4)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+            for _ in range(150):
+                keys = rng.sample(list(pool), k=rng.randint(1, 3))
+                expected = oracle_batch(oracle, [(k, 1) for k in keys])
+                results = await client.get_and_update([pool[k] for k in keys], keys)
+                assert [r is None for r in results] == expected
+                assert set(client._mirror.keys()) == set(oracle.keys())
+            assert client._mirror.keys() == list(server.store._lru.keys())
+            assert len(server.store) == 4
+
+
 async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
     items = {f"h{i}": image_item(i, numel=1000) for i in range(6)}
     capacity = 3 * size_of(items["h0"]) + 10

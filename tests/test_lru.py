@@ -115,6 +115,66 @@ def test_resize_evicts_to_fit() -> None:
 def test_negative_capacity_is_refused() -> None:
     with pytest.raises(ValueError, match="capacity"):
         ByteLRU(-1)
+    with pytest.raises(ValueError, match="max_items must be >= 1"):
+        ByteLRU(10, max_items=0)
+
+
+def test_max_items_evicts_the_least_recently_used_beyond_the_count() -> None:
+    evicted: list[str] = []
+    lru: ByteLRU[None] = ByteLRU(100, on_evict=lambda k, _v, _s: evicted.append(k), max_items=2)
+    for key in "abc":
+        lru.put(key, None, 1)  # bytes to spare: the count alone evicts
+    assert evicted == ["a"] and list(lru.keys()) == ["b", "c"] and lru.used == 2
+    assert lru.put("c", None, 5) == Outcome.REPLACED  # a replacement takes no new slot
+    assert evicted == ["a"] and list(lru.keys()) == ["b", "c"]
+
+
+def test_max_items_never_evicts_an_item_the_batch_refers_to() -> None:
+    lru: ByteLRU[None] = ByteLRU(100, max_items=2)
+    # More new items than slots: the batch keeps its first two.
+    outcomes = lru.apply_batch(
+        [BatchEntry("x", 1, None), BatchEntry("y", 1, None), BatchEntry("z", 1, None)],
+        replace_present=True,
+    )
+    assert outcomes == [Outcome.STORED, Outcome.STORED, Outcome.UNCACHED]
+    assert set(lru.keys()) == {"x", "y"}
+    # x is referred to, so a new item may take only y's slot...
+    outcomes = lru.apply_batch([BatchEntry("x"), BatchEntry("n", 1, None)], replace_present=True)
+    assert outcomes == [Outcome.HIT, Outcome.STORED] and set(lru.keys()) == {"x", "n"}
+    # ...and none when both held items are in the batch.
+    outcomes = lru.apply_batch(
+        [BatchEntry("x"), BatchEntry("n"), BatchEntry("m", 1, None)], replace_present=True
+    )
+    assert outcomes == [Outcome.HIT, Outcome.HIT, Outcome.UNCACHED]
+    assert set(lru.keys()) == {"x", "n"}
+
+
+def test_resize_to_fewer_items_evicts_the_oldest() -> None:
+    lru: ByteLRU[None] = ByteLRU(100)
+    for key in "abcd":
+        lru.put(key, None, 1)
+    lru.resize(100, max_items=2)
+    assert list(lru.keys()) == ["c", "d"] and lru.max_items == 2
+    lru.resize(100)  # None: bounded by bytes alone again
+    for key in "efg":
+        lru.put(key, None, 1)
+    assert len(lru) == 5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_count_bound_agrees_with_cachetools_over_long_random_sequences(seed: int) -> None:
+    # Bytes to spare, so only the count bounds it: cachetools' LRUCache of
+    # maxsize 5 with its default size of 1 per entry is the oracle.
+    rng = random.Random(seed)
+    oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(5)
+    lru: ByteLRU[None] = ByteLRU(1 << 30, max_items=5)
+    keys = [f"h{i}" for i in range(14)]
+    for _ in range(2000):
+        batch = rng.choices(keys, k=rng.randint(1, 4))  # fewer than 5: pinning never binds
+        expected = oracle_batch(oracle, [(k, 1) for k in batch])
+        got = lru.apply_batch([BatchEntry(k, 1) for k in batch], replace_present=False)
+        assert [o == Outcome.HIT for o in got] == expected
+        assert set(lru.keys()) == set(oracle.keys())
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -95,6 +95,8 @@ def test_serve_reads_environment_and_exports_metrics(
 ) -> None:
     samples = parse_samples(scrape_text(ports[1]))
     assert sample(samples, "mmcache_capacity_bytes") == int(0.25 * 2**30)
+    # No MMCACHE_MAX_ITEMS: 65536 items, plus one per 8 KiB of the 0.25 GiB.
+    assert sample(samples, "mmcache_max_items") == 65536 + 32768
     assert any(name == "mmcache_build_info" for name, _ in samples)
 
 
@@ -113,13 +115,16 @@ def test_flags_override_and_python_m_works(ports: tuple[int, int]) -> None:
             str(metrics_port),
             "--capacity-gb",
             "0.5",
+            "--max-items",
+            "7",
         ],
-        env={"MMCACHE_CAPACITY_GB": "3"},
+        env={"MMCACHE_CAPACITY_GB": "3", "MMCACHE_MAX_ITEMS": "9"},
     )
     try:
         wait_serving(port, proc)
         samples = parse_samples(scrape_text(metrics_port))
         assert sample(samples, "mmcache_capacity_bytes") == 2**29
+        assert sample(samples, "mmcache_max_items") == 7
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
@@ -187,6 +192,11 @@ def test_bad_flag_values_are_refused_with_reasons() -> None:
         [MMCACHE, "serve", "--capacity-gb", "-1"], capture_output=True, text=True, check=False
     )
     assert result.returncode == 2 and "GiB >= 0" in result.stderr
+    result = subprocess.run(
+        [MMCACHE, "serve", "--max-items", "0"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2 and "--max-items" in result.stderr
+    assert "whole number >= 1" in result.stderr
     result = subprocess.run(
         [MMCACHE, "serve"],
         env={**os.environ, "MMCACHE_PORT": "http"},

@@ -206,6 +206,24 @@ async def test_clear_empties_the_cache(server: MMCacheServer, channel: grpc.aio.
     assert len(server.store) == 0 and server.store.used == 0
 
 
+async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
+    async with MMCacheServer(server_config(max_items=3)) as bounded:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{bounded.port}") as ch:
+            for i in range(5):  # a few bytes each: far below the byte capacity
+                reply = await update(ch, put_frames(f"h{i}", b"xyz"))
+                assert list(reply.outcomes) == [pb.OUTCOME_STORED] and reply.max_items == 3
+            info = ch.unary_unary(
+                f"{SERVICE}/Info",
+                request_serializer=pb.InfoRequest.SerializeToString,
+                response_deserializer=pb.InfoReply.FromString,
+            )
+            assert (await info(pb.InfoRequest())).max_items == 3
+            samples = await scrape(bounded.metrics_port)
+        assert list(bounded.store._lru.keys()) == ["h2", "h3", "h4"]
+    assert sample(samples, "mmcache_max_items") == 3
+    assert sample(samples, "mmcache_evictions_total") == 2
+
+
 async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> None:
     async with MMCacheServer(server_config(capacity_bytes=4)) as small:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{small.port}") as ch:

@@ -496,8 +496,11 @@ class UpdateReply(_message.Message):
     CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
     OUTCOMES_FIELD_NUMBER: _builtins.int
     SIZES_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
+    max_items: _builtins.int
+    """as in InfoReply"""
     @_builtins.property
     def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___Outcome.ValueType]:
         """one per entry, in order"""
@@ -513,10 +516,11 @@ class UpdateReply(_message.Message):
         capacity_bytes: _builtins.int = ...,
         outcomes: _abc.Iterable[Global___Outcome.ValueType] | None = ...,
         sizes: _abc.Iterable[_builtins.int] | None = ...,
+        max_items: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "outcomes", b"outcomes", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "max_items", b"max_items", "outcomes", b"outcomes", "sizes", b"sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -670,6 +674,7 @@ class InfoReply(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     USED_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     version: _builtins.str
@@ -677,6 +682,10 @@ class InfoReply(_message.Message):
     """the largest chunk frame payload accepted"""
     items: _builtins.int
     used_bytes: _builtins.int
+    max_items: _builtins.int
+    """The most items held at once, whatever their bytes (0: no such bound).
+    Sizes count only an item's data, so this bounds the bookkeeping beside it.
+    """
     def __init__(
         self,
         *,
@@ -686,10 +695,11 @@ class InfoReply(_message.Message):
         max_chunk_bytes: _builtins.int = ...,
         items: _builtins.int = ...,
         used_bytes: _builtins.int = ...,
+        max_items: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
