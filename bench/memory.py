@@ -12,11 +12,11 @@ any mix of item sizes: for small items that takes the item bound
 Each workload runs against a fresh server process with the given capacity:
 clients upload new items (every upload evicts once the cache is full) until
 `churn` times the items that fill the cache (by bytes, or by the item bound)
-have gone up. The table gives what the server holds
-at the end, the memory it holds beyond the data (RSS - RSS at start - bytes
-held: bookkeeping, fragmentation, buffers), per item, its peak RSS (VmHWM),
-and that peak as a fraction of the rule's memory for the configuration.
-The last row turns the item bound off, to show what it prevents.
+have gone up. The table gives what the server holds at the end, the memory
+it holds beyond the data (RSS - RSS at start - bytes held: bookkeeping,
+fragmentation, buffers) in all and per item, its peak RSS (VmHWM), and that
+peak as a fraction of the rule's memory for the configuration. The last row
+turns the item bound off, to show what it prevents.
 """
 
 from __future__ import annotations
