@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import grpc
 
-from mmcache._errors import CacheMissError, InvalidArgumentError
+from mmcache._errors import (
+    CacheMissError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from mmcache._frames import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -17,10 +24,11 @@ from mmcache._frames import (
 )
 from mmcache._items import Item
 from mmcache._lru import Outcome
-from mmcache._spec import check_name
+from mmcache._spec import MAX_METADATA_BYTES, check_name
 from mmcache.v1 import cache_pb2 as pb
 
-from ._codec import EncodedItem, ItemDecoder, encode_item, iter_chunk_frames, num_chunks
+from ._batch import Entry, Reply, build_batch, read_reply
+from ._codec import EncodedItem, ItemDecoder, encode_item
 from ._encoder import (
     EncoderBudget,
     EncoderCache,
@@ -28,15 +36,31 @@ from ._encoder import (
     request_encoder_budget,
     request_encoder_cache_stats,
 )
+from ._feed import FeedFollower
 from ._mirror import Mirror
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
-__all__ = ["MMCacheClient"]
+__all__ = ["MMCacheClient", "UpdateResult"]
 
 _LOGGER = logging.getLogger(__name__)
 
 _HELD = (Outcome.HIT, Outcome.REPLACED)
+# What a call that fails open gives up on: the server did not answer in time.
+_OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
+
+
+class UpdateResult(list[Item | None]):
+    """What `get_and_update` returns: a list, None where the server held the
+    item, the item where it was sent (or could not be stored); and beside it,
+    `metadata[i]`: the metadata the server holds for a held item, when asked
+    (`want_metadata=True`), else None."""
+
+    metadata: list[bytes | None]
+
+    def __init__(self, results: Sequence[Item | None], metadata: Sequence[bytes | None]) -> None:
+        super().__init__(results)
+        self.metadata = list(metadata)
 
 
 class MMCacheClient:
@@ -51,6 +75,16 @@ class MMCacheClient:
             items = await client.fetch(mm_hashes)  # the engine's read
 
     One client keeps one mirror; share the client across tasks of a frontend.
+    The mirror follows the server's feed (`follow=True`), so it knows what
+    every client of the server stored. Items a call reports held or stored
+    are leased (`lease=True`): they stay readable by the engine's `fetch`
+    until it reads them or the server's lease time passes.
+
+    With `fail_open=True` a frontend never waits on its cache longer than
+    `fail_open_timeout`: when the server cannot answer in time,
+    `get_and_update` hands every item back as a miss (for inline delivery),
+    `is_cached` answers False until the client is back in touch, and
+    `fail_opens` counts how often that happened.
     """
 
     def __init__(
@@ -62,6 +96,9 @@ class MMCacheClient:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        follow: bool = True,
+        fail_open: bool = False,
+        fail_open_timeout: float = 1.0,
     ) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgumentError(
@@ -73,9 +110,16 @@ class MMCacheClient:
         self._chunk_bytes = chunk_bytes
         self._credentials = credentials
         self._channel_options = (*CHANNEL_OPTIONS, *channel_options)
+        self._follow = follow
+        self._fail_open = fail_open
+        self._fail_open_timeout = fail_open_timeout
         self._channel: grpc.aio.Channel | None = None
         self._transport: CacheTransport | None = None
-        self._mirror = Mirror("", 0)
+        self._mirror = Mirror()
+        self._follower: FeedFollower | None = None
+        self._follower_task: asyncio.Task[None] | None = None
+        self._in_touch = False
+        self._fail_opens = 0
         self._stats = CacheInfo()
         self._last_delta = CacheInfo()
 
@@ -94,7 +138,11 @@ class MMCacheClient:
         await self.close()
 
     async def connect(self) -> None:
-        """Open the channel and learn the server's instance and capacity."""
+        """Open the channel, learn the server's instance and capacity, start the feed.
+
+        With `fail_open`, a server that does not answer is no error: the
+        client starts out of touch and the feed keeps trying to reach it.
+        """
         if self._credentials is None:
             channel = grpc.aio.insecure_channel(self._target, options=self._channel_options)
         else:
@@ -102,19 +150,54 @@ class MMCacheClient:
                 self._target, self._credentials, options=self._channel_options
             )
         self._channel = channel
-        self._transport = CacheTransport(channel, self._timeout)
+        transport = self._transport = CacheTransport(channel, self._timeout)
         try:
-            info = await self._transport.info(timeout=self._connect_timeout)
+            info = await transport.info(
+                timeout=self._fail_open_timeout if self._fail_open else self._connect_timeout
+            )
+        except _OUT_OF_TOUCH as exc:
+            if not self._fail_open:
+                await self.close()
+                raise
+            self._fell_open(exc)
         except BaseException:
             await self.close()
             raise
-        self._mirror = Mirror(info.instance_id, info.capacity_bytes, info.max_items)
+        else:
+            self._mirror = Mirror(info.instance_id, info.capacity_bytes, info.max_items)
+            self._in_touch = True
+        if self._follow:
+            self._follower = FeedFollower(
+                transport.subscribe, lambda: self._mirror, self._back_in_touch
+            )
+            self._follower_task = asyncio.create_task(self._follower.run())
 
     async def close(self) -> None:
+        if self._follower_task is not None:
+            self._follower_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower_task
+        self._follower_task = None
+        self._follower = None
         if self._channel is not None:
             await self._channel.close()
         self._channel = None
         self._transport = None
+
+    async def wait_following(self, timeout: float = 10.0) -> None:
+        """Wait until the mirror follows the server's feed (a snapshot arrived).
+
+        Raises DeadlineExceededError after `timeout` seconds, and
+        InvalidArgumentError for a client made with `follow=False`.
+        """
+        if self._follower is None:
+            raise InvalidArgumentError("this client does not follow the feed (follow=False)")
+        try:
+            await asyncio.wait_for(self._follower.live.wait(), timeout)
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"the mirror feed was not live within {timeout}s: is the server reachable?"
+            ) from None
 
     @property
     def channel(self) -> grpc.aio.Channel:
@@ -141,12 +224,27 @@ class MMCacheClient:
         """The server process the mirror describes; it changes on a restart."""
         return self._mirror.instance_id
 
+    @property
+    def following(self) -> bool:
+        """Whether the mirror follows the server's feed right now."""
+        return self._mirror.following
+
+    @property
+    def fail_opens(self) -> int:
+        """How often a call failed open, or the client lost touch with the server."""
+        return self._fail_opens
+
     def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
-        """Whether the mirror holds each hash. Local: no round trip, no reordering."""
+        """Whether the mirror holds each hash. Local: no round trip, no reordering.
+
+        False for every hash while the client is out of touch (fail-open).
+        """
+        if not self._in_touch:
+            return [False] * len(mm_hashes)
         return [h in self._mirror for h in mm_hashes]
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        return mm_hash in self._mirror
+        return self._in_touch and mm_hash in self._mirror
 
     def touch(self, mm_hash: str) -> None:
         """Mark a held item recently used (sent to the server with the next batch).
@@ -197,8 +295,7 @@ class MMCacheClient:
     async def clear_cache(self) -> None:
         """Empty the server's cache and the mirror."""
         reply = await self._rpc.clear()
-        self._mirror.clear()
-        self._mirror.instance_id = reply.instance_id
+        self._mirror.clear(reply.instance_id)
 
     async def get_and_update(
         self,
@@ -206,14 +303,35 @@ class MMCacheClient:
         mm_hashes: Sequence[str],
         *,
         modality: str | None = None,
-    ) -> list[Item | None]:
+        metadata: Sequence[bytes | None] | None = None,
+        want_metadata: bool = False,
+        lease: bool = True,
+    ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
         `items[i]` may be None when the caller trusted `is_cached`; if the
         server turns out not to hold it, CacheMissError names every such hash.
         Any other miss the mirror did not foresee is re-sent in the same call.
+
+        `metadata[i]` (at most 64 KiB) is stored with an uploaded item; with
+        `want_metadata`, `result.metadata[i]` is what the server holds for a
+        held item, so a frontend that never processed it can still use it.
+        `lease`: every item reported held or stored stays readable by the
+        engine's `fetch` until that read (or the server's lease time).
         """
-        return await self._update(items, mm_hashes, [modality] * len(mm_hashes))
+        if metadata is not None and len(metadata) != len(items):
+            raise InvalidArgumentError(
+                f"{len(metadata)} metadata blobs for {len(items)} items: give one per item "
+                "(None where there is none)"
+            )
+        return await self._update_or_fail_open(
+            items,
+            mm_hashes,
+            [modality] * len(mm_hashes),
+            [b"" if m is None else m for m in metadata or [None] * len(items)],
+            want_metadata=want_metadata,
+            lease=lease,
+        )
 
     async def inject_into_mm_cache(
         self,
@@ -227,7 +345,7 @@ class MMCacheClient:
         caller's list entry is replaced in place by what it returned. Never
         raises: a failure is logged as a warning.
         """
-        if self._transport is None or self._mirror.capacity == 0:
+        if self._transport is None or self._caching_disabled():
             return
         try:
             places: list[tuple[list[Any], int]] = []
@@ -244,21 +362,25 @@ class MMCacheClient:
                         modalities.append(modality)
             if not hashes:
                 return
-            results = await self._update(items, hashes, modalities)
+            results = await self._update_or_fail_open(
+                items, hashes, modalities, [b""] * len(items), want_metadata=False, lease=True
+            )
             for (listed, i), result in zip(places, results, strict=True):
                 listed[i] = result
         except Exception:
             _LOGGER.warning("could not inject mm_kwargs into the mmcache server", exc_info=True)
 
-    async def fetch(self, mm_hashes: Sequence[str]) -> list[Item]:
+    async def fetch(self, mm_hashes: Sequence[str], *, release: bool = True) -> list[Item]:
         """The items under `mm_hashes`, as they were stored (the engine's read).
 
-        Changes neither the eviction order nor the counters. Raises
-        CacheMissError naming every hash the server does not hold.
+        Changes neither the eviction order nor the counters. With `release`
+        (the engine's read of a request), one lease of each hash is given back
+        once every item has arrived. Raises CacheMissError naming every hash
+        the server does not hold.
         """
         for h in mm_hashes:
             check_name("mm_hash", h)
-        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes))
+        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
             return await _read_fetch(frames, len(mm_hashes))
         except CacheMissError as exc:
@@ -267,26 +389,82 @@ class MMCacheClient:
         finally:
             await frames.aclose()
 
+    async def release(self, mm_hashes: Sequence[str]) -> int:
+        """Give back one lease of each hash whose read will not happen (a dropped
+        request); how many were leased. Leases also end by themselves."""
+        for h in mm_hashes:
+            check_name("mm_hash", h)
+        return int((await self._rpc.release(mm_hashes)).released)
+
     # -- internals ---------------------------------------------------------
+
+    def _caching_disabled(self) -> bool:
+        # Known only once the server has answered: out of touch, ask it.
+        return self._in_touch and self._mirror.capacity == 0
+
+    def _back_in_touch(self) -> None:
+        self._in_touch = True
+
+    def _fell_open(self, exc: Exception) -> None:
+        self._fail_opens += 1
+        if self._in_touch or self._fail_opens == 1:
+            _LOGGER.warning("mmcache did not answer in time, failing open: %s", exc)
+        self._in_touch = False
+
+    async def _update_or_fail_open(
+        self,
+        items: Sequence[Item | None],
+        mm_hashes: Sequence[str],
+        modalities: Sequence[str | None],
+        metadata: Sequence[bytes],
+        *,
+        want_metadata: bool,
+        lease: bool,
+    ) -> UpdateResult:
+        try:
+            return await self._update(
+                items, mm_hashes, modalities, metadata, want_metadata=want_metadata, lease=lease
+            )
+        except _OUT_OF_TOUCH as exc:
+            if not self._fail_open:
+                raise
+            self._fell_open(exc)
+        no_data = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
+        if no_data:
+            raise CacheMissError(
+                no_data,
+                f"the cache did not answer in time and no data was given for {no_data}: "
+                "process those items and pass them in",
+            )
+        return UpdateResult(items, [None] * len(items))
 
     async def _update(
         self,
         items: Sequence[Item | None],
         mm_hashes: Sequence[str],
         modalities: Sequence[str | None],
-    ) -> list[Item | None]:
+        metadata: Sequence[bytes],
+        *,
+        want_metadata: bool,
+        lease: bool,
+    ) -> UpdateResult:
         if len(items) != len(mm_hashes):
             raise InvalidArgumentError(
                 f"{len(items)} items but {len(mm_hashes)} hashes: give one hash per item"
             )
         for h in mm_hashes:
             check_name("mm_hash", h)
-        rpc = self._rpc
-        if self._mirror.capacity == 0:
+        for i, blob in enumerate(metadata):
+            if len(blob) > MAX_METADATA_BYTES:
+                raise InvalidArgumentError(
+                    f"the metadata of item {i} is {len(blob)} bytes; the limit is "
+                    f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
+                )
+        if self._caching_disabled():
             missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
             if missing:
                 raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
-            return list(items)
+            return UpdateResult(items, [None] * len(items))
 
         encoded = [
             None if item is None else encode_item(item, modality=m)
@@ -296,91 +474,100 @@ class MMCacheClient:
             (e.modality if e is not None and e.modality else m) or ""
             for e, m in zip(encoded, modalities, strict=True)
         ]
-        plan = self._mirror.plan(
-            mm_hashes, [None if e is None else e.size.charged for e in encoded]
+        send = self._mirror.plan(mm_hashes, [e is not None for e in encoded])
+        reply = await self._send(
+            [
+                self._entry(h, label, enc if s else None, blob, want_metadata=want_metadata)
+                for h, label, enc, blob, s in zip(
+                    mm_hashes, labels, encoded, metadata, send, strict=True
+                )
+            ],
+            self._mirror.take_touches(),
+            lease,
         )
-        request = pb.UpdateRequest(touches=self._mirror.take_touches())
-        sending: list[EncodedItem] = []
-        for mm_hash, enc, label, predicted in zip(mm_hashes, encoded, labels, plan, strict=True):
-            entry = request.entries.add(mm_hash=mm_hash, modality=label)
-            if enc is None or predicted in (Outcome.HIT, Outcome.MISSING):
-                continue
-            self._attach(entry, enc, sending)
-        reply = await rpc.get_and_update(request.SerializeToString(), self._frames(sending))
-        outcomes = [Outcome(o) for o in reply.outcomes]
-        if len(outcomes) != len(mm_hashes):
-            raise InvalidArgumentError("the server answered a different number of entries")
-        self._mirror.reconcile(
-            reply.instance_id,
-            reply.capacity_bytes,
-            reply.max_items,
-            mm_hashes,
-            outcomes,
-            reply.sizes,
-        )
+        outcomes = reply.outcomes
         hits = sum(o in _HELD for o in outcomes)
         self._stats = CacheInfo(self._stats.hits + hits, self._stats.total + len(outcomes))
-
-        results: list[Item | None] = [
-            None if outcome == Outcome.HIT else item
-            for item, outcome in zip(items, outcomes, strict=True)
+        # Drift: the mirror thought the server held these, and it did not.
+        # Send the data now: a miss the caller could not foresee never fails.
+        drifted = [
+            i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
         ]
-        drifted = [i for i, o in enumerate(outcomes) if o == Outcome.MISSING]
         if drifted:
-            await self._resend(drifted, items, mm_hashes, encoded, labels)
-        return results
-
-    async def _resend(
-        self,
-        drifted: list[int],
-        items: Sequence[Item | None],
-        mm_hashes: Sequence[str],
-        encoded: Sequence[EncodedItem | None],
-        labels: Sequence[str],
-    ) -> None:
-        """Send the data the mirror wrongly thought held: drift never fails a call."""
-        no_data = [mm_hashes[i] for i in drifted if items[i] is None]
-        with_data = [i for i in drifted if encoded[i] is not None]
-        _LOGGER.debug("re-sending %d items the server did not hold", len(with_data))
-        if with_data:
-            request = pb.UpdateRequest()
-            sending: list[EncodedItem] = []
-            for i in with_data:
-                enc = encoded[i]
-                assert enc is not None
-                entry = request.entries.add(mm_hash=mm_hashes[i], modality=labels[i], resend=True)
-                self._attach(entry, enc, sending)
-            reply = await self._rpc.get_and_update(
-                request.SerializeToString(), self._frames(sending)
+            _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
+            await self._send(
+                [
+                    self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
+                    for i in drifted
+                ],
+                [],
+                lease,
             )
-            self._mirror.reconcile(
-                reply.instance_id,
-                reply.capacity_bytes,
-                reply.max_items,
-                [mm_hashes[i] for i in with_data],
-                [Outcome(o) for o in reply.outcomes],
-                reply.sizes,
-            )
+        no_data = [
+            mm_hashes[i]
+            for i, o in enumerate(outcomes)
+            if o == Outcome.MISSING and encoded[i] is None
+        ]
         if no_data:
             raise CacheMissError(
                 no_data,
                 f"the server does not hold {no_data} and no data was given for them: "
                 "process those items again and pass them in",
             )
+        returned = reply.metadata or [b""] * len(outcomes)
+        return UpdateResult(
+            [None if o == Outcome.HIT else item for item, o in zip(items, outcomes, strict=True)],
+            [
+                blob if o == Outcome.HIT and want_metadata and blob else None
+                for o, blob in zip(outcomes, returned, strict=True)
+            ],
+        )
 
-    def _attach(self, entry: pb.UpdateEntry, enc: EncodedItem, sending: list[EncodedItem]) -> None:
-        """Put an item's data on an entry: its spec, and its chunks unless it is
-        larger than the whole cache (then withheld: it could never be stored)."""
-        entry.item.CopyFrom(enc.spec)
-        if enc.size.charged > self._mirror.capacity:
-            entry.withheld = True
-        else:
-            entry.num_chunks = num_chunks(enc, self._chunk_bytes)
-            sending.append(enc)
+    def _entry(
+        self,
+        mm_hash: str,
+        modality: str,
+        data: EncodedItem | None,
+        metadata: bytes,
+        *,
+        want_metadata: bool = False,
+        resend: bool = False,
+    ) -> Entry:
+        if data is None:
+            return Entry(mm_hash, modality, want_metadata=want_metadata)
+        # Larger than the whole cache: it could never be stored, so its bytes
+        # stay home (its spec still counts). Unknown capacity: let the server say.
+        capacity = self._mirror.capacity
+        withheld = self._in_touch and data.size.charged + len(metadata) > capacity
+        return Entry(mm_hash, modality, data, withheld, metadata, resend=resend)
 
-    def _frames(self, sending: Sequence[EncodedItem]) -> Iterator[bytes]:
-        for enc in sending:
-            yield from iter_chunk_frames(enc, self._chunk_bytes)
+    async def _send(self, entries: Sequence[Entry], touches: Sequence[str], lease: bool) -> Reply:
+        """One round trip: the batch out, the reply applied to the mirror."""
+        batch = build_batch(entries, touches, lease=lease, chunk_bytes=self._chunk_bytes)
+        mirror = self._mirror
+        call = mirror.call_started()
+        try:
+            raw = await self._rpc.get_and_update(
+                batch.header,
+                batch.frames(),
+                timeout=self._fail_open_timeout if self._fail_open else None,
+                wait_for_ready=not self._fail_open,
+            )
+            reply = read_reply(raw, len(entries))
+            mirror.apply_reply(
+                reply.instance_id,
+                reply.capacity,
+                reply.max_items,
+                reply.seq,
+                [e.mm_hash for e in entries],
+                reply.outcomes,
+                reply.sizes,
+                reply.evicted,
+            )
+        finally:
+            mirror.call_ended(call)
+        self._in_touch = True
+        return reply
 
 
 async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:

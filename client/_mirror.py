@@ -1,29 +1,66 @@
 """The P0 mirror: the server's keys and sizes, never tensor data.
 
-It runs the same `ByteLRU` batch rule as the server on the same sizes, so for
-one client it predicts every hit and miss exactly. Where it is wrong (other
-clients, a restart, concurrent calls reaching the server in another order)
-the server's reply is the truth: `reconcile` adopts it.
+The mirror follows the server rather than predicting it: once other clients,
+leases and concurrent calls share one cache, the server's order of events is
+the only truth. It learns from three sources, in any order:
+
+- the replies of this client's own calls (each entry's outcome, the hashes
+  the batch evicted), true as of the reply's sequence number;
+- the server's feed, when subscribed: a snapshot, then every change in order;
+- a Fetch that finds hashes missing.
+
+Every fact carries the server's sequence number, and the mirror keeps, per
+key, the number of the newest fact it applied (and, while calls are in
+flight, of recent removals), so an older fact arriving late never undoes a
+newer one. For a single client without leases the replies alone keep it
+identical to the server, key for key and in LRU order; with the feed it
+holds what the whole fleet stored.
+
+Without the feed it also bounds itself by the server's capacity and item
+bound (the same `ByteLRU` rule as the server), so it cannot grow past what
+the server could hold; with the feed the server's own evictions arrive
+instead, and the mirror never evicts on its own guess.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 
-from mmcache._lru import BatchEntry, ByteLRU, Outcome
+from mmcache._lru import ByteLRU, Outcome
+from mmcache.v1 import cache_pb2 as pb
 
 __all__ = ["Mirror"]
 
+_HELD = (Outcome.HIT, Outcome.STORED, Outcome.REPLACED)
+
 
 class Mirror:
-    def __init__(self, instance_id: str, capacity: int, max_items: int = 0) -> None:
+    def __init__(self, instance_id: str = "", capacity: int = 0, max_items: int = 0) -> None:
         self.instance_id = instance_id
-        self._lru: ByteLRU[None] = ByteLRU(capacity, max_items=max_items or None)
+        self._capacity = capacity
+        self._max_items = max_items
+        # key -> the sequence number of the newest fact applied for it.
+        self._lru: ByteLRU[int] = ByteLRU(capacity, max_items=max_items or None)
+        self._gone: dict[str, int] = {}  # recent removals, while calls are in flight
+        # Calls in flight: token -> the newest number known when each began
+        # (its reply's number can be no lower).
+        self._calls: dict[int, int] = {}
+        self._next_call = 0
+        self._seen = 0  # the newest sequence number of any fact applied
+        self._pending: set[str] = set()  # uploads in flight on the server (feed)
         self._touched: list[str] = []
+        self.following = False  # the feed is live: the server's evictions arrive
+        self.feed_seq = 0  # the number of the last feed change applied
 
     @property
     def capacity(self) -> int:
-        return self._lru.capacity
+        """The server's capacity (0: caching disabled)."""
+        return self._capacity
+
+    @property
+    def max_items(self) -> int:
+        return self._max_items
 
     @property
     def used(self) -> int:
@@ -39,6 +76,14 @@ class Mirror:
         """Keys from least to most recently used."""
         return list(self._lru.keys())
 
+    def size_of(self, mm_hash: str) -> int | None:
+        return self._lru.size_of(mm_hash)
+
+    def is_pending(self, mm_hash: str) -> bool:
+        return mm_hash in self._pending
+
+    # -- this client's calls -------------------------------------------------
+
     def touch(self, mm_hash: str) -> None:
         """Touch locally now; the server gets the touch with the next batch."""
         if self._lru.touch(mm_hash):
@@ -48,50 +93,161 @@ class Mirror:
         touched, self._touched = self._touched, []
         return touched
 
-    def plan(self, hashes: Sequence[str], sizes: Sequence[int | None]) -> list[Outcome]:
-        """Predict the server's outcome of a batch, and apply it here.
+    def plan(self, hashes: Sequence[str], has_data: Sequence[bool]) -> list[bool]:
+        """Which entries of a batch should carry their data.
 
-        A size of None is an entry with no data at hand (hash only).
-        HIT: send the hash only; STORED/UNCACHED: send the data; MISSING:
-        no data at hand and not held.
+        An entry goes as its hash alone when the mirror holds it, when it
+        repeats an earlier entry of the batch, or when another client's
+        upload of it is in flight (the server waits for that upload, so the
+        bytes travel once). Pure: the reply, not the guess, changes the mirror.
         """
-        return self._lru.apply_batch(
-            [BatchEntry(h, s) for h, s in zip(hashes, sizes, strict=True)],
-            replace_present=False,
-        )
+        seen: set[str] = set()
+        send: list[bool] = []
+        for mm_hash, data in zip(hashes, has_data, strict=True):
+            held = mm_hash in seen or mm_hash in self._lru or mm_hash in self._pending
+            send.append(data and not held)
+            seen.add(mm_hash)
+        return send
 
-    def reconcile(
+    def call_started(self) -> int:
+        """Note a call in flight; pass the token to `call_ended`."""
+        self._next_call += 1
+        self._calls[self._next_call] = self._seen
+        return self._next_call
+
+    def call_ended(self, token: int) -> None:
+        self._calls.pop(token, None)
+        # A removal need be remembered only while an older fact can still
+        # arrive: from a reply of a call begun before it, or from the feed.
+        floor = min(self._calls.values(), default=self._seen + 1)
+        if self.following:
+            floor = min(floor, self.feed_seq + 1)
+        if not self._calls or len(self._gone) > 1024:
+            self._gone = {k: s for k, s in self._gone.items() if s >= floor}
+
+    def apply_reply(
         self,
         instance_id: str,
         capacity: int,
         max_items: int,
+        seq: int,
         hashes: Sequence[str],
         outcomes: Sequence[Outcome],
         sizes: Sequence[int],
+        evicted: Iterable[str] = (),
     ) -> None:
-        """Make the mirror agree with what the server reported for a batch.
-
-        `max_items` 0 is a server without an item bound.
-        """
-        bound = max_items or None
+        """What one of this client's batches did on the server, true at `seq`."""
         if instance_id != self.instance_id:
-            # A new server process (a restart): it holds only what this
-            # batch just put there, if anything.
-            self.instance_id = instance_id
-            self._lru = ByteLRU(capacity, max_items=bound)
-            self._touched.clear()
-        elif capacity != self._lru.capacity or bound != self._lru.max_items:
-            self._lru.resize(capacity, bound)
+            self._reset(instance_id)
+        self._set_bounds(capacity, max_items)
+        self._seen = max(self._seen, seq)
+        for mm_hash in evicted:
+            self._absent(mm_hash, seq)
         for mm_hash, outcome, size in zip(hashes, outcomes, sizes, strict=True):
-            if outcome in (Outcome.MISSING, Outcome.UNCACHED):
-                self._lru.pop(mm_hash)
-            elif self._lru.size_of(mm_hash) != size:
-                self._lru.put(mm_hash, None, size)
+            if outcome in _HELD:
+                self._present(mm_hash, size, seq)
+            else:
+                self._absent(mm_hash, seq)
 
-    def forget(self, mm_hashes: Sequence[str]) -> None:
+    def forget(self, mm_hashes: Iterable[str]) -> None:
+        """Hashes the server turned out not to hold (a Fetch's miss)."""
         for mm_hash in mm_hashes:
             self._lru.pop(mm_hash)
 
-    def clear(self) -> None:
-        self._lru.clear()
+    def clear(self, instance_id: str) -> None:
+        self._reset(instance_id)
+
+    # -- the feed ------------------------------------------------------------
+
+    def apply_snapshot(
+        self,
+        instance_id: str,
+        seq: int,
+        hashes: Sequence[str],
+        sizes: Sequence[int],
+        pending: Iterable[str],
+        capacity: int,
+        max_items: int,
+    ) -> None:
+        """The server's whole key set at `seq`: the mirror becomes it (plus newer facts)."""
+        if instance_id != self.instance_id:
+            self._reset(instance_id)
+        old = self._lru
+        self._lru = ByteLRU(sys.maxsize)
+        for mm_hash, size in zip(hashes, sizes, strict=True):
+            if self._gone.get(mm_hash, -1) <= seq:
+                self._lru.put(mm_hash, seq, size)
+        for mm_hash, fact_seq, size in old.items():
+            if fact_seq > seq:  # learnt from a reply ahead of the snapshot
+                self._lru.put(mm_hash, fact_seq, size)
+        self._pending = set(pending)
+        self._capacity, self._max_items = capacity, max_items
+        self.feed_seq = seq
+        self._seen = max(self._seen, seq)
+        self.following = True
+
+    def apply_changes(self, instance_id: str, last_seq: int, changes: pb.FeedChanges) -> bool:
+        """Changes last_seq-n+1 .. last_seq, in order. False on a gap (resubscribe)."""
+        if instance_id != self.instance_id or not self.following:
+            return False
+        first = last_seq - len(changes.kinds) + 1
+        if first > self.feed_seq + 1:
+            return False
+        for offset, (kind, mm_hash, size) in enumerate(
+            zip(changes.kinds, changes.mm_hashes, changes.sizes, strict=True)
+        ):
+            seq = first + offset
+            if seq <= self.feed_seq:
+                continue  # already in the snapshot
+            if kind == pb.CHANGE_STORED:
+                self._present(mm_hash, size, seq)
+            elif kind == pb.CHANGE_REMOVED:
+                self._absent(mm_hash, seq)
+            elif kind == pb.CHANGE_PENDING:
+                self._pending.add(mm_hash)
+            elif kind == pb.CHANGE_SETTLED:
+                self._pending.discard(mm_hash)
+        self.feed_seq = max(self.feed_seq, last_seq)
+        self._seen = max(self._seen, last_seq)
+        return True
+
+    def feed_lost(self) -> None:
+        """The feed went quiet: bound the mirror by the server's limits again."""
+        self.following = False
+        self._pending.clear()
+        self._lru.resize(self._capacity, self._max_items or None)
+
+    # -- internals -----------------------------------------------------------
+
+    def _reset(self, instance_id: str) -> None:
+        # A new server process (a restart): it holds nothing this mirror knew.
+        self.instance_id = instance_id
+        self._lru = ByteLRU(self._capacity, max_items=self._max_items or None)
+        self._gone.clear()
+        self._pending.clear()
         self._touched.clear()
+        self.following = False
+        self.feed_seq = 0
+        self._seen = 0
+
+    def _set_bounds(self, capacity: int, max_items: int) -> None:
+        if (capacity, max_items) == (self._capacity, self._max_items):
+            return
+        self._capacity, self._max_items = capacity, max_items
+        if not self.following:
+            self._lru.resize(capacity, max_items or None)
+
+    def _present(self, mm_hash: str, size: int, seq: int) -> None:
+        known = self._lru.peek(mm_hash)
+        if (known is not None and known > seq) or self._gone.get(mm_hash, -1) > seq:
+            return  # a newer fact is known
+        self._gone.pop(mm_hash, None)
+        self._lru.put(mm_hash, seq, size)  # its fact's number, its size, and recency
+
+    def _absent(self, mm_hash: str, seq: int) -> None:
+        known = self._lru.peek(mm_hash)
+        if known is not None and known > seq:
+            return
+        self._lru.pop(mm_hash)
+        if self._calls or self.following:
+            self._gone[mm_hash] = max(seq, self._gone.get(mm_hash, -1))

@@ -58,6 +58,16 @@ class CacheTransport:
             request_serializer=pb.ClearRequest.SerializeToString,
             response_deserializer=pb.ClearReply.FromString,
         )
+        self._release = channel.unary_unary(
+            f"{_SERVICE}/Release",
+            request_serializer=pb.ReleaseRequest.SerializeToString,
+            response_deserializer=pb.ReleaseReply.FromString,
+        )
+        self._subscribe = channel.unary_stream(
+            f"{_SERVICE}/Subscribe",
+            request_serializer=pb.SubscribeRequest.SerializeToString,
+            response_deserializer=pb.FeedMessage.FromString,
+        )
         # No serializers: these move raw frames (bytes in, bytes out).
         self._update: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(
             f"{_SERVICE}/GetAndUpdate"
@@ -90,7 +100,31 @@ class CacheTransport:
             )
         return reply
 
-    async def get_and_update(self, header: bytes, chunks: Iterable[bytes]) -> pb.UpdateReply:
+    async def release(self, mm_hashes: Sequence[str]) -> pb.ReleaseReply:
+        with translate_errors():
+            reply: pb.ReleaseReply = await self._release(
+                pb.ReleaseRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def subscribe(self) -> AsyncGenerator[pb.FeedMessage, None]:
+        """The feed's messages, until the server ends the stream (no deadline)."""
+        call = self._subscribe(pb.SubscribeRequest(), wait_for_ready=True)
+        try:
+            with translate_errors():
+                async for message in call:
+                    yield message
+        finally:
+            call.cancel()
+
+    async def get_and_update(
+        self,
+        header: bytes,
+        chunks: Iterable[bytes],
+        *,
+        timeout: float | None = None,
+        wait_for_ready: bool = True,
+    ) -> pb.UpdateReply:
         """Send a serialised UpdateRequest and its chunk frames; the server's reply.
 
         A call with no frames (hashes and touches only, the steady state) is
@@ -100,22 +134,25 @@ class CacheTransport:
         server then checks the header while the bytes arrive, which measured
         faster than a unary call for frames of 512 KiB and up (docs/wire.md).
         """
+        timeout = self._timeout if timeout is None else timeout
         frames = iter(chunks)
         first = next(frames, None)
         if first is None:
             with translate_errors():
                 reply_bytes: bytes = await self._update_one(
-                    header_frame(header), timeout=self._timeout, wait_for_ready=True
+                    header_frame(header), timeout=timeout, wait_for_ready=wait_for_ready
                 )
             return pb.UpdateReply.FromString(reply_bytes)
         data = itertools.chain((first,), frames)
         if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
-                metadata=((UPDATE_HEADER_KEY, header),), timeout=self._timeout, wait_for_ready=True
+                metadata=((UPDATE_HEADER_KEY, header),),
+                timeout=timeout,
+                wait_for_ready=wait_for_ready,
             )
             stream: Iterable[bytes] = data
         else:
-            call = self._update(timeout=self._timeout, wait_for_ready=True)
+            call = self._update(timeout=timeout, wait_for_ready=wait_for_ready)
             stream = itertools.chain((header_frame(header),), data)
         with translate_errors():
             try:

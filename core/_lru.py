@@ -47,9 +47,21 @@ class ByteLRU(Generic[V]):
     `max_items`, when set, bounds the number of entries as well: sizes count
     only an item's data, so without it many tiny items could hold far more
     memory in bookkeeping than the capacity says.
+
+    A pinned entry (`pin`) is held apart from the eviction order until
+    `unpin`: it counts in both bounds but is never evicted, so eviction never
+    scans past it. The server pins leased items; the mirror never pins.
     """
 
-    __slots__ = ("_capacity", "_data", "_max_items", "_on_evict", "_used")
+    __slots__ = (
+        "_capacity",
+        "_data",
+        "_max_items",
+        "_on_evict",
+        "_pinned",
+        "_pinned_bytes",
+        "_used",
+    )
 
     def __init__(
         self,
@@ -63,6 +75,8 @@ class ByteLRU(Generic[V]):
         self._max_items = max_items
         self._used = 0
         self._data: OrderedDict[str, tuple[V, int]] = OrderedDict()
+        self._pinned: dict[str, tuple[V, int]] = {}
+        self._pinned_bytes = 0
         self._on_evict = on_evict
 
     @property
@@ -79,23 +93,44 @@ class ByteLRU(Generic[V]):
         """Sum of the sizes of the entries held."""
         return self._used
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Sum of the sizes of the pinned entries."""
+        return self._pinned_bytes
+
+    @property
+    def pinned_count(self) -> int:
+        return len(self._pinned)
+
     def __len__(self) -> int:
-        return len(self._data)
+        return len(self._data) + len(self._pinned)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._data
+        return key in self._data or key in self._pinned
 
     def keys(self) -> Iterator[str]:
-        """Keys from least to most recently used."""
-        return iter(self._data)
+        """Keys from least to most recently used (pinned ones last)."""
+        yield from self._data
+        yield from self._pinned
+
+    def items(self) -> Iterator[tuple[str, V, int]]:
+        """(key, value, size), in the order of `keys`."""
+        for key, (value, size) in self._data.items():
+            yield key, value, size
+        for key, (value, size) in self._pinned.items():
+            yield key, value, size
+
+    def _get(self, key: str) -> tuple[V, int] | None:
+        entry = self._data.get(key)
+        return self._pinned.get(key) if entry is None else entry
 
     def peek(self, key: str) -> V | None:
         """The value under `key`, without changing the eviction order."""
-        entry = self._data.get(key)
+        entry = self._get(key)
         return None if entry is None else entry[0]
 
     def size_of(self, key: str) -> int | None:
-        entry = self._data.get(key)
+        entry = self._get(key)
         return None if entry is None else entry[1]
 
     def touch(self, key: str) -> bool:
@@ -103,22 +138,45 @@ class ByteLRU(Generic[V]):
         if key in self._data:
             self._data.move_to_end(key)
             return True
-        return False
+        return key in self._pinned
+
+    def pin(self, key: str) -> bool:
+        """Keep `key` from eviction until `unpin`; False when it is not held."""
+        entry = self._data.pop(key, None)
+        if entry is not None:
+            self._pinned[key] = entry
+            self._pinned_bytes += entry[1]
+            return True
+        return key in self._pinned
+
+    def unpin(self, key: str) -> None:
+        """Return a pinned entry to the eviction order, as the most recently used."""
+        entry = self._pinned.pop(key, None)
+        if entry is not None:
+            self._pinned_bytes -= entry[1]
+            self._data[key] = entry
 
     def pop(self, key: str) -> V | None:
         """Remove `key` (not counted as an eviction) and return its value."""
         entry = self._data.pop(key, None)
         if entry is None:
-            return None
+            entry = self._pinned.pop(key, None)
+            if entry is None:
+                return None
+            self._pinned_bytes -= entry[1]
         self._used -= entry[1]
         return entry[0]
 
-    def clear(self) -> int:
-        """Remove everything; returns how many entries there were."""
-        n = len(self._data)
+    def clear(self, *, keep_pinned: bool = False) -> list[str]:
+        """Remove every entry (every unpinned one with `keep_pinned`); the keys removed."""
+        removed = list(self._data)
         self._data.clear()
-        self._used = 0
-        return n
+        if not keep_pinned:
+            removed.extend(self._pinned)
+            self._pinned.clear()
+            self._pinned_bytes = 0
+        self._used = self._pinned_bytes
+        return removed
 
     def resize(self, capacity: int, max_items: int | None = None) -> None:
         """Change the bounds, evicting the oldest entries that no longer fit."""
@@ -152,38 +210,40 @@ class ByteLRU(Generic[V]):
                 data.move_to_end(key)
         # The batch's own entries now sit at the most-recent end, so eviction
         # from the other end reaches every other entry before any of them.
+        # What must stay: the batch's held entries and every pinned one.
         held_keys = [k for k in batch_keys if k in data]
-        pinned = sum(data[k][1] for k in held_keys)
-        pinned_items = len(held_keys)
+        pinned = sum(data[k][1] for k in held_keys) + self._pinned_bytes
+        pinned_items = len(held_keys) + len(self._pinned)
         limit = self._max_items
         outcomes: list[Outcome] = []
         for entry in entries:
             key = entry.key
-            held = data.get(key)
+            held = self._get(key)
             if entry.size is None or (held is not None and not replace_present):
                 if held is None:
                     outcomes.append(Outcome.MISSING)
                 else:
-                    data.move_to_end(key)
+                    self.touch(key)
                     outcomes.append(Outcome.HIT)
                 continue
             old_size = 0 if held is None else held[1]
-            others = pinned_items - (held is not None)  # batch entries that must stay
+            others = pinned_items - (held is not None)  # entries that must stay
             full = limit is not None and others >= limit
             if full or entry.size > self._capacity - (pinned - old_size):
                 if held is not None:
-                    del data[key]
-                    self._used -= old_size
+                    self.pop(key)
                     pinned -= old_size
                     pinned_items -= 1
                 outcomes.append(Outcome.UNCACHED)
                 continue
+            was_pinned = key in self._pinned
             if held is not None:
-                del data[key]
-                self._used -= old_size
+                self.pop(key)
             self._evict_until(entry.size, 1)
             data[key] = (entry.value, entry.size)  # type: ignore[assignment]
             self._used += entry.size
+            if was_pinned:  # sent data replaces a leased entry, which stays leased
+                self.pin(key)
             pinned += entry.size - old_size
             pinned_items = others + 1
             outcomes.append(Outcome.STORED if held is None else Outcome.REPLACED)
@@ -194,7 +254,7 @@ class ByteLRU(Generic[V]):
         limit = self._max_items
         while data and (
             self._used + incoming > self._capacity
-            or (limit is not None and len(data) + new_items > limit)
+            or (limit is not None and len(self) + new_items > limit)
         ):
             key, (value, size) = data.popitem(last=False)
             self._used -= size

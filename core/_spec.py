@@ -16,10 +16,20 @@ from mmcache.v1 import cache_pb2 as pb
 from ._dtypes import nbytes_of
 from ._errors import InvalidArgumentError
 
-__all__ = ["MAX_DEPTH", "MAX_NAME_CHARS", "SpecSize", "check_name", "item_size"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_METADATA_BYTES",
+    "MAX_NAME_CHARS",
+    "SpecSize",
+    "check_name",
+    "item_size",
+]
 
 MAX_DEPTH = 32  # nesting of lists/tuples in one field's data
 MAX_NAME_CHARS = 256  # keys, modalities and hashes
+# An item's opaque metadata blob (vLLM's prompt updates, by a schema of the
+# caller's): stored with the item and charged in its size.
+MAX_METADATA_BYTES = 64 << 10
 
 
 @dataclass(frozen=True, slots=True)

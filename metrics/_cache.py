@@ -57,6 +57,23 @@ class CacheMetrics:
         self.sent_bytes = Counter(
             "mmcache_sent_bytes", "Tensor payload bytes sent by Fetch.", registry=registry
         )
+        self.lease_expiries = Counter(
+            "mmcache_lease_expiries",
+            "Lease grants that ended by time, not by the engine's read (a dropped request, "
+            "or an engine that reads without release).",
+            registry=registry,
+        )
+        self.upload_waits = Counter(
+            "mmcache_upload_waits",
+            "Hash-only entries that waited for another call's upload of the same hash.",
+            registry=registry,
+        )
+        self.feed_snapshots = Counter(
+            "mmcache_feed_snapshots",
+            "Snapshots sent to feed subscribers: on subscribing, or after lagging behind.",
+            ["reason"],
+            registry=registry,
+        )
         # Label children by modality, bound once: labels() locks and checks.
         self._by_modality: dict[str, tuple[Counter, Counter]] = {}
 
@@ -87,6 +104,9 @@ class StoreGauges(Collector):
         capacity_bytes: Callable[[], int],
         max_items: Callable[[], int],
         inflight_bytes: Callable[[], int],
+        leases: Callable[[], int],
+        leased_bytes: Callable[[], int],
+        feed_subscribers: Callable[[], int],
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -97,6 +117,17 @@ class StoreGauges(Collector):
                 "mmcache_inflight_bytes",
                 "Payload bytes of uploads being received (beside the cache).",
                 inflight_bytes,
+            ),
+            ("mmcache_leases", "Lease grants outstanding.", leases),
+            (
+                "mmcache_leased_bytes",
+                "Bytes of the items leases hold (within the capacity; never evicted).",
+                leased_bytes,
+            ),
+            (
+                "mmcache_feed_subscribers",
+                "Clients subscribed to the mirror feed.",
+                feed_subscribers,
             ),
         )
 

@@ -34,6 +34,7 @@ from mmcache.metrics import (
 
 from ._config import ServerConfig
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
+from ._feed import Feed
 from ._inflight import InflightBudget
 from ._servicer import SERVICE_NAME, CacheServicer
 from ._store import ItemStore
@@ -61,10 +62,23 @@ class MMCacheServer:
         self.instance_id = uuid.uuid4().hex
         self.registry = CollectorRegistry() if registry is None else registry
         self.metrics = CacheMetrics(self.registry)
+        self.feed = Feed(
+            self.instance_id,
+            lambda: self.store.state(self._cache.pending),
+            on_snapshot=lambda reason: self.metrics.feed_snapshots.labels(reason).inc(),
+        )
         self.store = ItemStore(
-            config.capacity_bytes, self.metrics.evicted, max_items=config.item_bound
+            config.capacity_bytes,
+            max_items=config.item_bound,
+            lease_s=config.lease_s,
+            on_evict=self.metrics.evicted,
+            on_change=self.feed.emit,
+            on_expire=self.metrics.lease_expiries.inc,
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
+        self._cache = CacheServicer(
+            self.store, self.inflight, self.metrics, self.feed, self.instance_id, __version__
+        )
         self.registry.register(
             StoreGauges(
                 items=lambda: len(self.store),
@@ -72,6 +86,9 @@ class MMCacheServer:
                 capacity_bytes=lambda: self.store.capacity,
                 max_items=lambda: self.store.max_items,
                 inflight_bytes=lambda: self.inflight.used,
+                leases=lambda: self.store.leases,
+                leased_bytes=lambda: self.store.leased_bytes,
+                feed_subscribers=lambda: self.feed.subscribers,
             )
         )
         self.books = EncoderBooks()
@@ -79,6 +96,7 @@ class MMCacheServer:
         register_build_info(self.registry, __version__)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._expiry: asyncio.Task[None] | None = None
         self._endpoint: MetricsEndpoint | None = None
         self.port = 0
         self.metrics_port = 0
@@ -91,11 +109,8 @@ class MMCacheServer:
         server = grpc.aio.server(
             interceptors=[GrpcServerMetrics(self.registry)], options=GRPC_OPTIONS
         )
-        cache = CacheServicer(
-            self.store, self.inflight, self.metrics, self.instance_id, __version__
-        )
         encoder = EncoderServicer(self.books, self.instance_id)
-        server.add_generic_rpc_handlers((cache.handler(), encoder.handler()))
+        server.add_generic_rpc_handlers((self._cache.handler(), encoder.handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         if self.config.reflection:
@@ -117,11 +132,12 @@ class MMCacheServer:
         self.metrics_port = self._endpoint.port
         await server.start()
         self._server = server
+        self._expiry = asyncio.create_task(self._expire_leases())
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         _LOGGER.info(
             "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes, "
-            "at most %d items; instance %s",
+            "at most %d items, leases of %gs; instance %s",
             __version__,
             self.config.host,
             self.port,
@@ -129,11 +145,15 @@ class MMCacheServer:
             self.metrics_port,
             self.store.capacity,
             self.store.max_items,
+            self.config.lease_s,
             self.instance_id,
         )
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, then stop taking calls and give those in flight `grace` seconds."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         if self._server is not None:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace is None else grace)
@@ -141,6 +161,13 @@ class MMCacheServer:
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
+
+    async def _expire_leases(self) -> None:
+        # Calls expire leases as they come; this covers a server with none.
+        interval = min(1.0, self.config.lease_s / 10)
+        while True:
+            await asyncio.sleep(interval)
+            self.store.expire()
 
     async def __aenter__(self) -> MMCacheServer:
         await self.start()

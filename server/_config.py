@@ -43,6 +43,7 @@ class ServerConfig:
     max_inflight_bytes: int = 1 * GIB
     max_items: int | None = None  # None: default_max_items(capacity_bytes)
     grace_s: float = 10.0
+    lease_s: float = 30.0
     reflection: bool = True
     log_level: str = "INFO"
 
@@ -89,6 +90,13 @@ def _seconds(raw: str) -> float:
     value = float(raw)
     if not value >= 0:
         raise ValueError("must be >= 0 seconds")
+    return value
+
+
+def _lease_seconds(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value <= 3600:
+        raise ValueError("must be more than 0 and at most 3600 seconds")
     return value
 
 
@@ -163,6 +171,13 @@ def add_serve_arguments(
         "default 65536 + 1 per 8 KiB of capacity]",
     )
     parser.add_argument(
+        "--lease-s",
+        type=_argtype(_lease_seconds),
+        default=_env(e, "MMCACHE_LEASE_S", _lease_seconds, d.lease_s),
+        help="how long an item promised to a request stays readable if its engine never "
+        "reads it [env MMCACHE_LEASE_S; default %(default)s]",
+    )
+    parser.add_argument(
         "--grace-s",
         type=_argtype(_seconds),
         default=_env(e, "MMCACHE_GRACE_S", _seconds, d.grace_s),
@@ -194,6 +209,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_inflight_bytes=int(args.max_inflight_gb * GIB),
         max_items=args.max_items,
         grace_s=args.grace_s,
+        lease_s=args.lease_s,
         reflection=args.reflection,
         log_level=args.log_level,
     )

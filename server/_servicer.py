@@ -5,13 +5,23 @@ are handled as raw `bytes`: protobuf parses only the header (an upload's
 comes in the call's metadata when small, else as its first frame), and chunk
 frames are checked by hand and kept as they came (see mmcache._frames).
 GetAndUpdateOne is GetAndUpdate with its one frame (or none) as a unary
-request, and runs the same code. The other methods are ordinary protobuf.
+request, and runs the same code. Subscribe streams the feed's messages,
+serialised once by the feed for every subscriber. The other methods are
+ordinary protobuf.
+
+Uploads of one hash from two calls at once: the first call's header marks
+the hash pending (and the feed says so); a call that names a pending hash
+without data waits for that upload to end, then finds it held. A client
+whose mirror saw the pending mark sends the hash alone, so the bytes travel
+once. A second call that already sends data is stored over the first
+(REPLACED): both succeed, the item is stored once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,13 +37,14 @@ from mmcache._frames import (
     header_frame_body,
 )
 from mmcache._lru import Outcome
-from mmcache._spec import check_name, item_size
+from mmcache._spec import MAX_METADATA_BYTES, check_name, item_size
 from mmcache.metrics import CacheMetrics
 from mmcache.v1 import cache_pb2 as pb
 
+from ._feed import Feed
 from ._inflight import InflightBudget
 from ._status import guard
-from ._store import ItemStore, StoredItem, UpdateItem
+from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
 
 __all__ = ["SERVICE_NAME", "CacheServicer"]
 
@@ -52,14 +63,23 @@ class CacheServicer:
         store: ItemStore,
         inflight: InflightBudget,
         metrics: CacheMetrics,
+        feed: Feed,
         instance_id: str,
         version: str,
     ) -> None:
         self._store = store
         self._inflight = inflight
         self._metrics = metrics
+        self._feed = feed
         self._instance_id = instance_id
         self._version = version
+        # Hashes whose upload has begun and not ended, with what ends it.
+        self._pending: dict[str, asyncio.Future[None]] = {}
+
+    @property
+    def pending(self) -> list[str]:
+        """Hashes being uploaded now."""
+        return list(self._pending)
 
     def handler(self) -> grpc.GenericRpcHandler:
         g = guard(self._instance_id)
@@ -83,6 +103,13 @@ class CacheServicer:
                 request_deserializer=pb.ClearRequest.FromString,
                 response_serializer=pb.ClearReply.SerializeToString,
             ),
+            "Release": grpc.unary_unary_rpc_method_handler(
+                g(self.release),
+                request_deserializer=pb.ReleaseRequest.FromString,
+                response_serializer=pb.ReleaseReply.SerializeToString,
+            ),
+            # The feed serialises each message once for every subscriber.
+            "Subscribe": grpc.unary_stream_rpc_method_handler(g(self.subscribe)),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
@@ -105,9 +132,28 @@ class CacheServicer:
         )
 
     async def clear(self, request: pb.ClearRequest, context: Context) -> pb.ClearReply:
-        removed = self._store.clear()
-        _LOGGER.info("cache cleared: %d items removed", removed)
-        return pb.ClearReply(instance_id=self._instance_id, removed=removed)
+        removed, kept = self._store.clear()
+        _LOGGER.info("cache cleared: %d items removed, %d leased items kept", removed, kept)
+        return pb.ClearReply(instance_id=self._instance_id, removed=removed, kept_leased=kept)
+
+    async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
+        for h in request.mm_hashes:
+            check_name("mm_hash", h)
+        return pb.ReleaseReply(
+            instance_id=self._instance_id, released=self._store.release(request.mm_hashes)
+        )
+
+    async def subscribe(self, request_bytes: bytes, context: Context) -> None:
+        try:
+            pb.SubscribeRequest.FromString(request_bytes)
+        except DecodeError as exc:
+            raise InvalidArgumentError(f"SubscribeRequest does not parse: {exc}") from None
+        subscriber = self._feed.subscribe()
+        try:
+            async for message in subscriber.messages():
+                await context.write(message)
+        finally:
+            self._feed.unsubscribe(subscriber)
 
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
         request = _metadata_header(context)
@@ -117,6 +163,42 @@ class CacheServicer:
         plan = [_plan_entry(i, entry) for i, entry in enumerate(request.entries)]
         for h in request.touches:
             check_name("touched mm_hash", h)
+        await self._await_uploads(
+            [e.mm_hash for e, p in zip(request.entries, plan, strict=True) if not p.spec_present],
+            context,
+        )
+        # Registered only after waiting: a call never waits while it holds a
+        # mark another call may be waiting for, so no two calls wait on each other.
+        mine = self._mark_pending(
+            [e.mm_hash for e, p in zip(request.entries, plan, strict=True) if p.chunks is not None]
+        )
+        try:
+            result = await self._receive_and_apply(request, plan, frames, in_metadata)
+        finally:
+            self._settle(mine)
+        reply = pb.UpdateReply(
+            instance_id=self._instance_id,
+            capacity_bytes=self._store.capacity,
+            max_items=self._store.max_items,
+            outcomes=[o.value for o in result.outcomes],  # type: ignore[misc]
+            sizes=result.sizes,
+            seq=self._feed.seq,
+            evicted=result.evicted,
+            evicted_truncated=result.evicted_truncated,
+            metadata=result.metadata or (),
+            lease_ms=int(self._store.lease_s * 1000) if request.lease else 0,
+        )
+        for entry, outcome in zip(request.entries, result.outcomes, strict=True):
+            self._count(entry, outcome)
+        return reply.SerializeToString()
+
+    async def _receive_and_apply(
+        self,
+        request: pb.UpdateRequest,
+        plan: list[_EntryPlan],
+        frames: AsyncIterator[bytes],
+        in_metadata: bool,
+    ) -> BatchResult:
         payload = sum(p.payload for p in plan if p.chunks is not None)
         # Made only now: an iterator never started (a call refused on its
         # header) would warn when collected. grpc hands back the same one.
@@ -131,19 +213,34 @@ class CacheServicer:
             if surplus is not None:
                 raise InvalidArgumentError(_surplus_message(surplus, in_metadata))
             self._metrics.received_bytes.inc(payload)
-            items = [p.to_update_item(request.entries[i]) for i, p in enumerate(plan)]
-            outcomes = self._store.update(request.touches, items)
-        reply = pb.UpdateReply(
-            instance_id=self._instance_id,
-            capacity_bytes=self._store.capacity,
-            max_items=self._store.max_items,
-        )
-        for entry, outcome in zip(request.entries, outcomes, strict=True):
-            self._count(entry, outcome)
-            reply.outcomes.append(outcome.value)  # type: ignore[arg-type]
-            stored = outcome != Outcome.UNCACHED
-            reply.sizes.append(self._store.size_of(entry.mm_hash) if stored else 0)
-        return reply.SerializeToString()
+            entries = [p.to_upload_entry(request.entries[i]) for i, p in enumerate(plan)]
+            return self._store.update(request.touches, entries, lease=request.lease)
+
+    async def _await_uploads(self, mm_hashes: Sequence[str], context: Context) -> None:
+        """Wait, within the call's deadline, for other calls' uploads of these hashes."""
+        waits = {self._pending[h] for h in mm_hashes if h in self._pending}
+        if not waits:
+            return
+        self._metrics.upload_waits.inc(len(waits))
+        remaining = context.time_remaining()
+        # Leave the call time to answer; past that the entry is simply MISSING.
+        timeout = None if remaining is None else max(0.0, remaining - 0.05)
+        await asyncio.wait(waits, timeout=timeout)
+
+    def _mark_pending(self, mm_hashes: Sequence[str]) -> list[str]:
+        mine: list[str] = []
+        loop = asyncio.get_running_loop()
+        for h in mm_hashes:
+            if h not in self._pending:
+                self._pending[h] = loop.create_future()
+                self._feed.emit(pb.CHANGE_PENDING, h)
+                mine.append(h)
+        return mine
+
+    def _settle(self, mine: Sequence[str]) -> None:
+        for h in mine:
+            self._pending.pop(h).set_result(None)
+            self._feed.emit(pb.CHANGE_SETTLED, h)
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(_frames_of(frame), context)
@@ -166,6 +263,8 @@ class CacheServicer:
             for frame in item.frames:
                 await context.write(frame)
             self._metrics.sent_bytes.inc(item.payload)
+        if request.release:  # read to the end: the leases' promise is kept
+            self._store.release(request.mm_hashes)
 
     def _count(self, entry: pb.UpdateEntry, outcome: Outcome) -> None:
         if entry.resend:
@@ -181,6 +280,8 @@ class _EntryPlan:
 
     __slots__ = ("charged", "chunks", "frames", "payload", "spec_present", "withheld")
 
+    # charged: the item's size plus its metadata's, what the LRU charges
+
     def __init__(self, entry: pb.UpdateEntry, index: int) -> None:
         self.spec_present = entry.HasField("item")
         self.withheld = entry.withheld
@@ -190,16 +291,22 @@ class _EntryPlan:
         self.frames: tuple[bytes, ...] = ()
         where = f"entry {index} ({entry.mm_hash!r})"
         if not self.spec_present:
-            if entry.withheld or entry.num_chunks or entry.resend:
+            if entry.withheld or entry.num_chunks or entry.resend or entry.metadata:
                 raise InvalidArgumentError(
-                    f"{where} has no item spec, so withheld, num_chunks and resend must be unset"
+                    f"{where} has no item spec, so withheld, num_chunks, resend and metadata "
+                    "must be unset"
                 )
             return
+        if len(entry.metadata) > MAX_METADATA_BYTES:
+            raise InvalidArgumentError(
+                f"{where} carries {len(entry.metadata)} bytes of metadata; the limit is "
+                f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
+            )
         try:
             size = item_size(entry.item)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{where}: {exc}") from None
-        self.payload, self.charged = size.payload, size.charged
+        self.payload, self.charged = size.payload, size.charged + len(entry.metadata)
         if entry.withheld:
             if entry.num_chunks:
                 raise InvalidArgumentError(f"{where} is withheld but declares chunks")
@@ -212,14 +319,13 @@ class _EntryPlan:
             )
         self.chunks = entry.num_chunks
 
-    def to_update_item(self, entry: pb.UpdateEntry) -> UpdateItem:
+    def to_upload_entry(self, entry: pb.UpdateEntry) -> UploadEntry:
         if not self.spec_present:
-            return UpdateItem(entry.mm_hash)
+            return UploadEntry(entry.mm_hash, want_metadata=entry.want_metadata)
         if self.withheld:
-            return UpdateItem(entry.mm_hash, withheld_size=self.charged)
-        return UpdateItem(
-            entry.mm_hash, StoredItem(entry.item, self.frames, self.payload, self.charged)
-        )
+            return UploadEntry(entry.mm_hash, withheld=True)
+        item = StoredItem(entry.item, self.frames, self.payload, self.charged, entry.metadata)
+        return UploadEntry(entry.mm_hash, item)
 
 
 def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:

@@ -1,11 +1,14 @@
-"""The P1 item cache: a byte-bounded LRU of validated items (no gRPC here).
+"""The P1 item cache: a byte-bounded LRU of validated items, with leases (no gRPC here).
 
 Items are kept as the chunk frames they arrived in, so a Fetch sends the very
-same `bytes` objects back: no copy on the way in or out.
+same `bytes` objects back: no copy on the way in or out. Every change to the
+key set is reported to `on_change` (the mirror feed), and a leased item is
+pinned: it counts in the capacity and is never evicted until its lease ends.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +16,17 @@ from mmcache._errors import CacheMissError
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["ItemStore", "StoredItem", "UpdateItem"]
+from ._feed import FeedState
+from ._leases import LeaseBook
+
+__all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
+
+# Evicted hashes named in one reply; the feed names every one.
+MAX_REPLY_EVICTIONS = 4096
+
+_HELD = (Outcome.HIT, Outcome.STORED, Outcome.REPLACED)
+
+ChangeHook = Callable[["pb.ChangeKind.ValueType", str, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,16 +34,33 @@ class StoredItem:
     spec: pb.ItemSpec
     frames: tuple[bytes, ...]
     payload: int  # tensor bytes carried by the frames
-    size: int  # bytes charged to the LRU
+    size: int  # bytes charged to the LRU: the spec's size plus the metadata's
+    metadata: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
-class UpdateItem:
-    """One validated entry of a GetAndUpdate: hash only when `item` is None."""
+class UploadEntry:
+    """One validated entry of a GetAndUpdate.
+
+    Exactly one of: `item` (data to store), `withheld` (data the client kept
+    home because it is larger than the whole cache), or neither (hash only).
+    """
 
     mm_hash: str
     item: StoredItem | None = None
-    withheld_size: int | None = None  # data withheld by the client: larger than the cache
+    withheld: bool = False
+    want_metadata: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """What one get_and_update batch did."""
+
+    outcomes: list[Outcome]
+    sizes: list[int]  # charged bytes of each entry held afterwards, else 0
+    evicted: list[str]  # hashes evicted to make room (at most MAX_REPLY_EVICTIONS)
+    evicted_truncated: bool
+    metadata: list[bytes] | None  # per entry when any asked for it
 
 
 class ItemStore:
@@ -39,12 +69,22 @@ class ItemStore:
     def __init__(
         self,
         capacity: int,
-        on_evict: Callable[[int], None] | None = None,
         *,
         max_items: int,
+        lease_s: float = 30.0,
+        on_evict: Callable[[int], None] | None = None,
+        on_change: ChangeHook | None = None,
+        on_expire: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        evict_hook = None if on_evict is None else (lambda _k, _v, size: on_evict(size))
-        self._lru: ByteLRU[StoredItem] = ByteLRU(capacity, evict_hook, max_items=max_items)
+        self._lru: ByteLRU[StoredItem] = ByteLRU(capacity, self._evicted_one, max_items=max_items)
+        self._leases = LeaseBook(lease_s, self._lru.pin, self._lru.unpin)
+        self._on_evict = on_evict
+        self._on_change = on_change
+        self._on_expire = on_expire
+        self._clock = clock
+        self._evicted: list[str] = []
+        self._evicted_count = 0
 
     @property
     def capacity(self) -> int:
@@ -59,45 +99,147 @@ class ItemStore:
     def used(self) -> int:
         return self._lru.used
 
+    @property
+    def lease_s(self) -> float:
+        return self._leases.lease_s
+
+    @property
+    def leases(self) -> int:
+        """Lease grants outstanding."""
+        return len(self._leases)
+
+    @property
+    def leased_items(self) -> int:
+        return self._lru.pinned_count
+
+    @property
+    def leased_bytes(self) -> int:
+        return self._lru.pinned_bytes
+
     def __len__(self) -> int:
         return len(self._lru)
 
     def __contains__(self, mm_hash: object) -> bool:
         return mm_hash in self._lru
 
-    def update(self, touches: Iterable[str], entries: Sequence[UpdateItem]) -> list[Outcome]:
+    def keys(self) -> list[str]:
+        return list(self._lru.keys())
+
+    def peek(self, mm_hash: str) -> StoredItem | None:
+        return self._lru.peek(mm_hash)
+
+    def update(
+        self, touches: Iterable[str], entries: Sequence[UploadEntry], *, lease: bool = False
+    ) -> BatchResult:
         """Apply a client's pending touches, then one get_and_update batch."""
+        self.expire()
         for key in touches:
             self._lru.touch(key)
-        batch: list[BatchEntry[StoredItem]] = []
+        # Withheld data could never be stored: UNCACHED, and any older entry
+        # under the hash is dropped rather than left serving old data.
         for entry in entries:
-            if entry.item is not None:
-                batch.append(BatchEntry(entry.mm_hash, entry.item.size, entry.item))
-            elif entry.withheld_size is not None:
-                # Sized beyond the whole cache by the client: the batch rule
-                # answers UNCACHED (and drops any stale entry) without data.
-                batch.append(BatchEntry(entry.mm_hash, max(entry.withheld_size, self.capacity + 1)))
-            else:
-                batch.append(BatchEntry(entry.mm_hash))
-        return self._lru.apply_batch(batch, replace_present=True)
-
-    def size_of(self, mm_hash: str) -> int:
-        return self._lru.size_of(mm_hash) or 0
+            if entry.withheld:
+                self._drop(entry.mm_hash)
+        rest = [e for e in entries if not e.withheld]
+        held_before = {e.mm_hash for e in rest if e.item is not None and e.mm_hash in self._lru}
+        self._evicted, self._evicted_count = [], 0
+        applied = iter(
+            self._lru.apply_batch(
+                [
+                    BatchEntry(e.mm_hash)
+                    if e.item is None
+                    else BatchEntry(e.mm_hash, e.item.size, e.item)
+                    for e in rest
+                ],
+                replace_present=True,
+            )
+        )
+        outcomes = [Outcome.UNCACHED if e.withheld else next(applied) for e in entries]
+        evicted, truncated = self._evicted, self._evicted_count > len(self._evicted)
+        self._evicted = []
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if outcome in (Outcome.STORED, Outcome.REPLACED):
+                self._change(pb.CHANGE_STORED, entry.mm_hash, self._lru.size_of(entry.mm_hash))
+            elif outcome == Outcome.UNCACHED and entry.mm_hash in held_before:
+                self._leases.forget(entry.mm_hash)
+                self._change(pb.CHANGE_REMOVED, entry.mm_hash)
+        sizes = [
+            (self._lru.size_of(e.mm_hash) or 0) if o in _HELD else 0
+            for e, o in zip(entries, outcomes, strict=True)
+        ]
+        if lease:
+            now = self._clock()
+            self._leases.grant(
+                (e.mm_hash for e, o in zip(entries, outcomes, strict=True) if o in _HELD), now
+            )
+        metadata = None
+        if any(e.want_metadata for e in entries):
+            metadata = [
+                self._metadata_of(e.mm_hash) if e.want_metadata and o == Outcome.HIT else b""
+                for e, o in zip(entries, outcomes, strict=True)
+            ]
+        return BatchResult(outcomes, sizes, evicted, truncated, metadata)
 
     def fetch(self, mm_hashes: Sequence[str]) -> list[StoredItem]:
         """The items under `mm_hashes`, in order, without touching the order.
 
         Raises CacheMissError naming every hash that is not held.
         """
+        self.expire()
         items = [self._lru.peek(h) for h in mm_hashes]
         missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
         if missing:
             raise CacheMissError(missing)
         return items  # type: ignore[return-value]
 
+    def release(self, mm_hashes: Iterable[str]) -> int:
+        """Give back one lease of each hash; how many were leased."""
+        return self._leases.release(mm_hashes)
+
+    def expire(self) -> int:
+        """End the leases past their time; how many ended."""
+        expired = self._leases.expire(self._clock())
+        if expired and self._on_expire is not None:
+            self._on_expire(expired)
+        return expired
+
     def touch(self, mm_hashes: Iterable[str]) -> int:
         """Mark hashes recently used; missing ones are ignored. Returns how many were held."""
         return sum(self._lru.touch(h) for h in mm_hashes)
 
-    def clear(self) -> int:
-        return self._lru.clear()
+    def clear(self) -> tuple[int, int]:
+        """Remove every item that no lease holds: (removed, kept because leased)."""
+        removed = self._lru.clear(keep_pinned=True)
+        for key in removed:
+            self._change(pb.CHANGE_REMOVED, key)
+        return len(removed), self._lru.pinned_count
+
+    def state(self, pending: Iterable[str] = ()) -> FeedState:
+        """The key set now, least recently used first: what a feed snapshot sends."""
+        hashes: list[str] = []
+        sizes: list[int] = []
+        for key, _, size in self._lru.items():
+            hashes.append(key)
+            sizes.append(size)
+        return FeedState(hashes, sizes, list(pending), self.capacity, self.max_items)
+
+    def _metadata_of(self, mm_hash: str) -> bytes:
+        item = self._lru.peek(mm_hash)
+        return b"" if item is None else item.metadata
+
+    def _drop(self, mm_hash: str) -> None:
+        if self._lru.pop(mm_hash) is not None:
+            self._leases.forget(mm_hash)
+            self._change(pb.CHANGE_REMOVED, mm_hash)
+
+    def _evicted_one(self, key: str, value: StoredItem, size: int) -> None:
+        self._evicted_count += 1
+        if len(self._evicted) < MAX_REPLY_EVICTIONS:
+            self._evicted.append(key)
+        if self._on_evict is not None:
+            self._on_evict(size)
+        self._change(pb.CHANGE_REMOVED, key)
+
+    def _change(self, kind: pb.ChangeKind.ValueType, mm_hash: str, size: int | None = 0) -> None:
+        if self._on_change is not None:
+            self._on_change(kind, mm_hash, size or 0)

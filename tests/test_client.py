@@ -129,7 +129,8 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
             for _ in range(300):
                 keys = rng.sample(list(pool), k=rng.randint(1, 4))
                 expected = oracle_batch(oracle, [(k, size_of(pool[k])) for k in keys])
-                results = await client.get_and_update([pool[k] for k in keys], keys)
+                # Leases keep promised items from eviction; the oracle is plain LRU.
+                results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client._mirror.keys()) == set(oracle.keys())
             assert set(client._mirror.keys()) == set(server.store._lru.keys())
@@ -148,7 +149,7 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
             for _ in range(150):
                 keys = rng.sample(list(pool), k=rng.randint(1, 3))
                 expected = oracle_batch(oracle, [(k, 1) for k in keys])
-                results = await client.get_and_update([pool[k] for k in keys], keys)
+                results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client._mirror.keys()) == set(oracle.keys())
             assert client._mirror.keys() == list(server.store._lru.keys())
@@ -161,10 +162,11 @@ async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
     async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target) as a, MMCacheClient(target) as b:
-            await b.get_and_update([items["h0"]], ["h0"])
-            # a fills the cache: h0 is evicted, but b's mirror still holds it.
+            # No leases, and b does not follow the feed: a's uploads evict h0
+            # and nothing tells b's mirror.
+            await b.get_and_update([items["h0"]], ["h0"], lease=False)
             for key in ("h1", "h2", "h3"):
-                await a.get_and_update([items[key]], [key])
+                await a.get_and_update([items[key]], [key], lease=False)
             assert b.is_cached(["h0"]) == [True] and "h0" not in server.store
             result = await b.get_and_update([items["h0"]], ["h0"])
             assert result == [items["h0"]]  # re-sent, not claimed as cached
@@ -281,10 +283,10 @@ async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> No
     a, b, c = image_item(1), image_item(2), image_item(3)
     async with MMCacheServer(server_config(capacity_bytes=2 * size_of(a) + 10)) as server:
         async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
-            await client.get_and_update([a, b], ["a", "b"])
+            await client.get_and_update([a, b], ["a", "b"], lease=False)
             client.touch("a")
             client.touch("ghost")  # not held: nothing happens
-            await client.get_and_update([c], ["c"])
+            await client.get_and_update([c], ["c"], lease=False)
             assert client.is_cached(["a", "b", "c"]) == [True, False, True]
             assert set(server.store._lru.keys()) == {"a", "c"}
 
@@ -302,9 +304,14 @@ async def test_make_stats_delta(client: MMCacheClient) -> None:
 async def test_clear_cache_empties_server_and_mirror(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
-    await client.get_and_update([image_item(1)], ["x"])
+    await client.get_and_update([image_item(1)], ["x"], lease=False)
+    await client.get_and_update([image_item(2)], ["leased"])
     await client.clear_cache()
-    assert client.is_cached(["x"]) == [False] and len(server.store) == 0
+    # A leased item is a promise to a request in flight: Clear keeps it.
+    assert client.is_cached(["x"]) == [False] and server.store.keys() == ["leased"]
+    await client.fetch(["leased"])  # the engine's read releases it
+    await client.clear_cache()
+    assert len(server.store) == 0
 
 
 async def test_fetch_of_missing_hashes_raises_typed_error(client: MMCacheClient) -> None:

@@ -64,6 +64,39 @@ OUTCOME_UNCACHED: Outcome.ValueType  # 5
 """not stored: larger than the room the batch leaves"""
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
 
+class _ChangeKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ChangeKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ChangeKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CHANGE_UNSPECIFIED: _ChangeKind.ValueType  # 0
+    CHANGE_STORED: _ChangeKind.ValueType  # 1
+    """held from now on, with this size (new or replaced)"""
+    CHANGE_REMOVED: _ChangeKind.ValueType  # 2
+    """no longer held (evicted, dropped, cleared)"""
+    CHANGE_PENDING: _ChangeKind.ValueType  # 3
+    """an upload of this hash has begun"""
+    CHANGE_SETTLED: _ChangeKind.ValueType  # 4
+    """that upload has ended (STORED precedes it on success)"""
+
+class ChangeKind(_ChangeKind, metaclass=_ChangeKindEnumTypeWrapper):
+    """---------------------------------------------------------------- the feed
+
+    What changed in the store. Every change takes the next sequence number.
+    """
+
+CHANGE_UNSPECIFIED: ChangeKind.ValueType  # 0
+CHANGE_STORED: ChangeKind.ValueType  # 1
+"""held from now on, with this size (new or replaced)"""
+CHANGE_REMOVED: ChangeKind.ValueType  # 2
+"""no longer held (evicted, dropped, cleared)"""
+CHANGE_PENDING: ChangeKind.ValueType  # 3
+"""an upload of this hash has begun"""
+CHANGE_SETTLED: ChangeKind.ValueType  # 4
+"""that upload has ended (STORED precedes it on success)"""
+Global___ChangeKind: _TypeAlias = ChangeKind  # noqa: Y015
+
 @_typing.final
 class TensorSpec(_message.Message):
     """---------------------------------------------------------------- items
@@ -397,6 +430,8 @@ class UpdateEntry(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     WITHHELD_FIELD_NUMBER: _builtins.int
     RESEND_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    WANT_METADATA_FIELD_NUMBER: _builtins.int
     mm_hash: _builtins.str
     modality: _builtins.str
     """the metrics label: "image", "video", ..."""
@@ -409,6 +444,13 @@ class UpdateEntry(_message.Message):
     """The data of an entry that an earlier call of the same get_and_update
     reported MISSING: counted as a re-send, not as a second query.
     """
+    metadata: _builtins.bytes
+    """With data: an opaque blob (at most 64 KiB, MAX_METADATA_BYTES) stored
+    with the item and charged in its size, e.g. vLLM's prompt updates by an
+    explicit schema. The server never interprets it.
+    """
+    want_metadata: _builtins.bool
+    """Hash only: put the stored metadata in the reply when the entry is held."""
     @_builtins.property
     def item(self) -> Global___ItemSpec:
         """Set when the data is sent; then `num_chunks` chunk frames follow for it."""
@@ -422,10 +464,12 @@ class UpdateEntry(_message.Message):
         num_chunks: _builtins.int = ...,
         withheld: _builtins.bool = ...,
         resend: _builtins.bool = ...,
+        metadata: _builtins.bytes = ...,
+        want_metadata: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "mm_hash", b"mm_hash", "modality", b"modality", "num_chunks", b"num_chunks", "resend", b"resend", "withheld", b"withheld"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "metadata", b"metadata", "mm_hash", b"mm_hash", "modality", b"modality", "num_chunks", b"num_chunks", "resend", b"resend", "want_metadata", b"want_metadata", "withheld", b"withheld"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -437,6 +481,13 @@ class UpdateRequest(_message.Message):
 
     TOUCHES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    lease: _builtins.bool
+    """Lease every entry the reply reports held or stored (HIT, STORED,
+    REPLACED): it stays readable by Fetch until a Fetch with `release` reads
+    it or the lease expires (the server's --lease-s). Leased bytes count in
+    the capacity; an item with no room beside them is UNCACHED.
+    """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hashes the client touched since its last call; applied first."""
@@ -448,10 +499,11 @@ class UpdateRequest(_message.Message):
         *,
         touches: _abc.Iterable[_builtins.str] | None = ...,
         entries: _abc.Iterable[Global___UpdateEntry] | None = ...,
+        lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "touches", b"touches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -497,10 +549,22 @@ class UpdateReply(_message.Message):
     OUTCOMES_FIELD_NUMBER: _builtins.int
     SIZES_FIELD_NUMBER: _builtins.int
     MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    EVICTED_FIELD_NUMBER: _builtins.int
+    EVICTED_TRUNCATED_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     max_items: _builtins.int
     """as in InfoReply"""
+    seq: _builtins.int
+    """The feed's sequence number once this batch was applied: every change up
+    to it is reflected in this reply (see Subscribe).
+    """
+    evicted_truncated: _builtins.bool
+    lease_ms: _builtins.int
+    """how long a lease of this call lasts (0: none taken)"""
     @_builtins.property
     def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___Outcome.ValueType]:
         """one per entry, in order"""
@@ -508,6 +572,18 @@ class UpdateReply(_message.Message):
     @_builtins.property
     def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the bytes charged for each entry (0 where nothing is held)"""
+
+    @_builtins.property
+    def evicted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Hashes this batch evicted to make room (at most MAX_REPLY_EVICTIONS;
+        `evicted_truncated` when there were more: the feed lists them all).
+        """
+
+    @_builtins.property
+    def metadata(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One per entry when any entry asked `want_metadata`: the stored metadata
+        of held entries that asked for it, empty elsewhere.
+        """
 
     def __init__(
         self,
@@ -517,10 +593,15 @@ class UpdateReply(_message.Message):
         outcomes: _abc.Iterable[Global___Outcome.ValueType] | None = ...,
         sizes: _abc.Iterable[_builtins.int] | None = ...,
         max_items: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        evicted: _abc.Iterable[_builtins.str] | None = ...,
+        evicted_truncated: _builtins.bool = ...,
+        metadata: _abc.Iterable[_builtins.bytes] | None = ...,
+        lease_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "max_items", b"max_items", "outcomes", b"outcomes", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "evicted", b"evicted", "evicted_truncated", b"evicted_truncated", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "max_items", b"max_items", "metadata", b"metadata", "outcomes", b"outcomes", "seq", b"seq", "sizes", b"sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -533,16 +614,22 @@ class FetchRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MM_HASHES_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
+    release: _builtins.bool
+    """Once every item has been sent, release one lease of each hash read (the
+    engine's read of what its frontend leased). Unleased hashes are ignored.
+    """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -769,18 +856,188 @@ class ClearReply(_message.Message):
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
+    KEPT_LEASED_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     removed: _builtins.int
+    kept_leased: _builtins.int
+    """leased items are kept until read or expired"""
     def __init__(
         self,
         *,
         instance_id: _builtins.str = ...,
         removed: _builtins.int = ...,
+        kept_leased: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "removed", b"removed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "kept_leased", b"kept_leased", "removed", b"removed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearReply: _TypeAlias = ClearReply  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MM_HASHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """one lease of each is released"""
+
+    def __init__(
+        self,
+        *,
+        mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    released: _builtins.int
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseReply: _TypeAlias = ReleaseReply  # noqa: Y015
+
+@_typing.final
+class SubscribeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
+
+@_typing.final
+class FeedChanges(_message.Message):
+    """Changes seq-n+1 .. seq, in order (n = len(kinds))."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KINDS_FIELD_NUMBER: _builtins.int
+    MM_HASHES_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def kinds(self) -> _containers.RepeatedScalarFieldContainer[Global___ChangeKind.ValueType]: ...
+    @_builtins.property
+    def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """0 except for STORED"""
+
+    def __init__(
+        self,
+        *,
+        kinds: _abc.Iterable[Global___ChangeKind.ValueType] | None = ...,
+        mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kinds", b"kinds", "mm_hashes", b"mm_hashes", "sizes", b"sizes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeedChanges: _TypeAlias = FeedChanges  # noqa: Y015
+
+@_typing.final
+class FeedSnapshot(_message.Message):
+    """The store's whole key set at `seq`, in parts; the changes after it follow."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MM_HASHES_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    last: _builtins.bool
+    capacity_bytes: _builtins.int
+    max_items: _builtins.int
+    @_builtins.property
+    def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """least recently used first"""
+
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def pending(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """uploads in flight (first part only)"""
+
+    def __init__(
+        self,
+        *,
+        mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+        pending: _abc.Iterable[_builtins.str] | None = ...,
+        last: _builtins.bool = ...,
+        capacity_bytes: _builtins.int = ...,
+        max_items: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "last", b"last", "max_items", b"max_items", "mm_hashes", b"mm_hashes", "pending", b"pending", "sizes", b"sizes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FeedSnapshot: _TypeAlias = FeedSnapshot  # noqa: Y015
+
+@_typing.final
+class FeedMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    seq: _builtins.int
+    @_builtins.property
+    def changes(self) -> Global___FeedChanges: ...
+    @_builtins.property
+    def snapshot(self) -> Global___FeedSnapshot: ...
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        changes: Global___FeedChanges | None = ...,
+        snapshot: Global___FeedSnapshot | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "changes", b"changes", "snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "changes", b"changes", "instance_id", b"instance_id", "seq", b"seq", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["changes", "snapshot"]  # noqa: Y015
+    _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
+
+Global___FeedMessage: _TypeAlias = FeedMessage  # noqa: Y015

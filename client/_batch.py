@@ -1,0 +1,102 @@
+"""GetAndUpdate's messages on the client: a batch's header and frames, its reply.
+
+The client decides what each entry carries (`Entry`); this module alone
+turns that into the wire's `UpdateRequest` and chunk frames, and the
+server's `UpdateReply` back into a checked `Reply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from mmcache._errors import InvalidArgumentError
+from mmcache._lru import Outcome
+from mmcache.v1 import cache_pb2 as pb
+
+from ._codec import EncodedItem, iter_chunk_frames, num_chunks
+
+__all__ = ["Batch", "Entry", "Reply", "build_batch", "read_reply"]
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One entry as it will travel."""
+
+    mm_hash: str
+    modality: str  # the metrics label
+    data: EncodedItem | None = None  # None: the hash alone
+    withheld: bool = False  # data larger than the whole cache: its spec only
+    metadata: bytes = b""
+    want_metadata: bool = False
+    resend: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    header: bytes  # a serialised UpdateRequest
+    sending: tuple[EncodedItem, ...]  # whose chunk frames follow, in order
+    chunk_bytes: int
+
+    def frames(self) -> Iterator[bytes]:
+        for encoded in self.sending:
+            yield from iter_chunk_frames(encoded, self.chunk_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What the server did with a batch, true as of `seq`."""
+
+    instance_id: str
+    capacity: int
+    max_items: int
+    seq: int
+    outcomes: list[Outcome]
+    sizes: list[int]
+    evicted: list[str]
+    metadata: list[bytes] | None  # per entry, when any entry asked
+
+
+def build_batch(
+    entries: Sequence[Entry], touches: Sequence[str], *, lease: bool, chunk_bytes: int
+) -> Batch:
+    request = pb.UpdateRequest(touches=touches, lease=lease)
+    sending: list[EncodedItem] = []
+    for entry in entries:
+        wire = request.entries.add(
+            mm_hash=entry.mm_hash,
+            modality=entry.modality,
+            resend=entry.resend,
+            want_metadata=entry.want_metadata,
+        )
+        if entry.data is None:
+            continue
+        wire.item.CopyFrom(entry.data.spec)
+        if entry.withheld:
+            wire.withheld = True
+            continue
+        wire.metadata = entry.metadata
+        wire.num_chunks = num_chunks(entry.data, chunk_bytes)
+        sending.append(entry.data)
+    return Batch(request.SerializeToString(), tuple(sending), chunk_bytes)
+
+
+def read_reply(reply: pb.UpdateReply, entries: int) -> Reply:
+    """The reply to a batch of `entries` entries, checked for shape."""
+    if len(reply.outcomes) != entries or len(reply.sizes) != entries:
+        raise InvalidArgumentError(
+            f"the server answered {len(reply.outcomes)} outcomes for {entries} entries"
+        )
+    metadata = list(reply.metadata) if reply.metadata else None
+    if metadata is not None and len(metadata) != entries:
+        raise InvalidArgumentError("the server's reply carries metadata for other entries")
+    return Reply(
+        instance_id=reply.instance_id,
+        capacity=reply.capacity_bytes,
+        max_items=reply.max_items,
+        seq=reply.seq,
+        outcomes=[Outcome(o) for o in reply.outcomes],
+        sizes=list(reply.sizes),
+        evicted=list(reply.evicted),
+        metadata=metadata,
+    )

@@ -1,0 +1,96 @@
+"""The client's end of the mirror feed: a background task that keeps the
+mirror following the server.
+
+It subscribes, applies the snapshot and then every batch of changes to the
+mirror. When the stream ends (a restart, a network fault) or skips a number
+(which a correct server never does), the mirror stops trusting itself to
+follow, and the task subscribes again after a short backoff: the new snapshot
+repairs whatever was missed. Meanwhile the replies of the client's own calls
+keep the mirror as right as it was without a feed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from mmcache._errors import MMCacheError
+from mmcache.v1 import cache_pb2 as pb
+
+from ._mirror import Mirror
+
+__all__ = ["FeedFollower"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 2.0
+
+
+class FeedFollower:
+    """Runs `subscribe()` into `mirror` until cancelled."""
+
+    def __init__(
+        self,
+        subscribe: Callable[[], AsyncIterator[pb.FeedMessage]],
+        mirror: Callable[[], Mirror],
+        on_live: Callable[[], None],
+    ) -> None:
+        self._subscribe = subscribe
+        self._mirror = mirror
+        self._on_live = on_live
+        self.live = asyncio.Event()
+        self.resubscribes = 0
+
+    async def run(self) -> None:
+        backoff = _BACKOFF_FIRST_S
+        while True:
+            try:
+                async for _ in self._follow():
+                    backoff = _BACKOFF_FIRST_S  # a snapshot arrived: healthy again
+            except MMCacheError as exc:
+                _LOGGER.debug("mirror feed interrupted: %s", exc)
+            self.live.clear()
+            self._mirror().feed_lost()
+            self.resubscribes += 1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+
+    async def _follow(self) -> AsyncIterator[None]:
+        """Apply one subscription; yields after each snapshot applied."""
+        hashes: list[str] = []
+        sizes: list[int] = []
+        pending: list[str] = []
+        stream = self._subscribe()
+        try:
+            async for message in stream:
+                mirror = self._mirror()
+                body = message.WhichOneof("body")
+                if body == "snapshot":
+                    part = message.snapshot
+                    hashes.extend(part.mm_hashes)
+                    sizes.extend(part.sizes)
+                    pending.extend(part.pending)
+                    if not part.last:
+                        continue
+                    mirror.apply_snapshot(
+                        message.instance_id,
+                        message.seq,
+                        hashes,
+                        sizes,
+                        pending,
+                        part.capacity_bytes,
+                        part.max_items,
+                    )
+                    hashes, sizes, pending = [], [], []
+                    self.live.set()
+                    self._on_live()
+                    yield
+                elif body == "changes" and not mirror.apply_changes(
+                    message.instance_id, message.seq, message.changes
+                ):
+                    _LOGGER.info("mirror feed skipped a change: subscribing again")
+                    return
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]

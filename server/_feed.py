@@ -1,0 +1,235 @@
+"""The mirror feed: the store's changes, pushed to every subscribed client.
+
+Every change (an item stored or removed, an upload begun or ended) takes the
+next sequence number. Changes are batched for `flush_s` (a few ms) into one
+serialised `FeedMessage`, kept in one ring of recent messages that every
+subscriber reads through a cursor of its own: a change costs one
+serialisation and one copy in memory however many subscribe.
+
+A subscriber starts with a snapshot of the whole key set at some sequence
+number, then reads the ring from there. One that falls so far behind that the
+ring (`ring_bytes`) has dropped messages it has not read gets a snapshot
+again: a slow reader costs a resync, never unbounded memory. A snapshot is
+built once and shared by every subscriber that can go on from it (the ring
+still holds the messages after it), so a hundred subscribers resyncing at
+once cost one snapshot.
+
+Transport-free: the gRPC handler writes what `Subscriber.messages` yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from mmcache.v1 import cache_pb2 as pb
+
+__all__ = ["Feed", "FeedState", "Subscriber"]
+
+# Changes per message, and keys per snapshot part: ~0.5-1 MiB each for
+# 64-character hashes, well inside the 8 MiB message cap.
+MAX_CHANGES_PER_MESSAGE = 8192
+SNAPSHOT_PART_KEYS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class FeedState:
+    """The store's key set at one moment: what a snapshot sends."""
+
+    mm_hashes: list[str]
+    sizes: list[int]
+    pending: list[str]
+    capacity: int
+    max_items: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    seq: int
+    parts: tuple[bytes, ...]
+
+
+class Feed:
+    """Sequence numbers, batching, the ring of recent batches, and snapshots."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        state: Callable[[], FeedState],
+        *,
+        flush_s: float = 0.003,
+        ring_bytes: int = 32 << 20,
+        on_snapshot: Callable[[str], None] | None = None,
+    ) -> None:
+        self._instance_id = instance_id
+        self._state = state
+        self._flush_s = flush_s
+        self._ring_bytes = ring_bytes
+        self._on_snapshot = on_snapshot
+        self._seq = 0
+        self._kinds: list[int] = []
+        self._hashes: list[str] = []
+        self._sizes: list[int] = []
+        self._flush_handle: asyncio.TimerHandle | None = None
+        # The ring: (first seq, last seq, message), oldest first;
+        # `_base` is the absolute index of its first message.
+        self._ring: deque[tuple[int, int, bytes]] = deque()
+        self._ring_used = 0
+        self._base = 0
+        self._snapshot: _Snapshot | None = None
+        self._building: asyncio.Lock = asyncio.Lock()
+        self._subscribers: set[Subscriber] = set()
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the latest change."""
+        return self._seq
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def emit(self, kind: pb.ChangeKind.ValueType, mm_hash: str, size: int = 0) -> None:
+        """Record one change; subscribers get it with the next batch."""
+        self._seq += 1
+        if not self._subscribers:
+            # Nobody listens: only the number moves on, and any snapshot or
+            # ring content is now stale for a newcomer.
+            self._snapshot = None
+            self._drop_ring()
+            return
+        self._kinds.append(kind)
+        self._hashes.append(mm_hash)
+        self._sizes.append(size)
+        if len(self._kinds) >= MAX_CHANGES_PER_MESSAGE:
+            self.flush()
+        elif self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(self._flush_s, self.flush)
+
+    def flush(self) -> None:
+        """Put the changes recorded so far in the ring as one message."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        if not self._kinds:
+            return
+        message = pb.FeedMessage(
+            instance_id=self._instance_id,
+            seq=self._seq,
+            changes=pb.FeedChanges(kinds=self._kinds, mm_hashes=self._hashes, sizes=self._sizes),
+        ).SerializeToString()
+        first = self._seq - len(self._kinds) + 1
+        self._kinds, self._hashes, self._sizes = [], [], []
+        self._ring.append((first, self._seq, message))
+        self._ring_used += len(message)
+        while self._ring_used > self._ring_bytes and len(self._ring) > 1:
+            _, _, dropped = self._ring.popleft()
+            self._ring_used -= len(dropped)
+            self._base += 1
+        for subscriber in self._subscribers:
+            subscriber.wake()
+
+    def subscribe(self) -> Subscriber:
+        """A new subscriber; iterate `messages()` to send its feed."""
+        subscriber = Subscriber(self)
+        self._subscribers.add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self._subscribers.discard(subscriber)
+        if not self._subscribers:
+            self.flush()
+
+    def _drop_ring(self) -> None:
+        self._base += len(self._ring)
+        self._ring.clear()
+        self._ring_used = 0
+
+    def _end(self) -> int:
+        return self._base + len(self._ring)
+
+    def _index_after(self, seq: int) -> int | None:
+        """The index of the first message with changes past `seq`, or None when
+        the ring no longer holds every change past it."""
+        if not self._ring:
+            return self._end()  # whatever came after is still being batched
+        if self._ring[0][0] > seq + 1:
+            return None
+        for offset, (_, last, _) in enumerate(self._ring):
+            if last > seq:
+                return self._base + offset
+        return self._end()
+
+    async def snapshot_for(self, subscriber: Subscriber, reason: str) -> tuple[bytes, ...]:
+        """A snapshot the subscriber can go on from, and its cursor set after it."""
+        async with self._building:
+            snapshot = self._snapshot
+            start = None if snapshot is None else self._index_after(snapshot.seq)
+            if snapshot is None or start is None:
+                snapshot = await self._build()
+                start = self._index_after(snapshot.seq)
+                assert start is not None
+            subscriber.cursor = start
+            if self._on_snapshot is not None:
+                self._on_snapshot(reason)
+            return snapshot.parts
+
+    async def _build(self) -> _Snapshot:
+        # Captured in one step: the changes recorded but not yet flushed are
+        # in the state, and the client skips changes at or below its number.
+        state = self._state()
+        seq = self._seq
+        parts: list[bytes] = []
+        n = len(state.mm_hashes)
+        for start in range(0, max(n, 1), SNAPSHOT_PART_KEYS):
+            end = min(n, start + SNAPSHOT_PART_KEYS)
+            part = pb.FeedSnapshot(
+                mm_hashes=state.mm_hashes[start:end],
+                sizes=state.sizes[start:end],
+                last=end >= n,
+                capacity_bytes=state.capacity,
+                max_items=state.max_items,
+            )
+            if start == 0:
+                part.pending.extend(state.pending)
+            parts.append(
+                pb.FeedMessage(
+                    instance_id=self._instance_id, seq=seq, snapshot=part
+                ).SerializeToString()
+            )
+            await asyncio.sleep(0)  # a large snapshot does not stall other calls
+        self._snapshot = _Snapshot(seq, tuple(parts))
+        return self._snapshot
+
+
+class Subscriber:
+    """One client's feed: a snapshot, then the ring from its cursor on."""
+
+    __slots__ = ("_event", "_feed", "cursor")
+
+    def __init__(self, feed: Feed) -> None:
+        self._feed = feed
+        self._event = asyncio.Event()
+        self.cursor = 0
+
+    def wake(self) -> None:
+        self._event.set()
+
+    async def messages(self) -> AsyncIterator[bytes]:
+        """Serialised FeedMessages, until the call ends."""
+        feed = self._feed
+        reason = "subscribe"
+        while True:
+            for part in await feed.snapshot_for(self, reason):
+                yield part
+            reason = "lag"
+            while self.cursor >= feed._base:  # else the ring dropped what it needs
+                if self.cursor < feed._end():
+                    _, _, message = feed._ring[self.cursor - feed._base]
+                    self.cursor += 1
+                    yield message
+                    continue
+                self._event.clear()
+                await self._event.wait()
