@@ -52,15 +52,26 @@ _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
 
 class UpdateResult(list[Item | None]):
     """What `get_and_update` returns: a list, None where the server held the
-    item, the item where it was sent (or could not be stored); and beside it,
-    `metadata[i]`: the metadata the server holds for a held item, when asked
-    (`want_metadata=True`), else None."""
+    item, the item where it was sent (or could not be stored). Beside it:
 
+    - `held[i]`: the server holds item i for the engine's `fetch` (leased,
+      when the call leased); where False, deliver the item inline;
+    - `metadata[i]`: the metadata the server holds for a held item, when
+      asked (`want_metadata=True`), else None.
+    """
+
+    held: list[bool]
     metadata: list[bytes | None]
 
-    def __init__(self, results: Sequence[Item | None], metadata: Sequence[bytes | None]) -> None:
+    def __init__(
+        self,
+        results: Sequence[Item | None],
+        held: Sequence[bool] | None = None,
+        metadata: Sequence[bytes | None] | None = None,
+    ) -> None:
         super().__init__(results)
-        self.metadata = list(metadata)
+        self.held = [False] * len(results) if held is None else list(held)
+        self.metadata = [None] * len(results) if metadata is None else list(metadata)
 
 
 class MMCacheClient:
@@ -436,7 +447,7 @@ class MMCacheClient:
                 f"the cache did not answer in time and no data was given for {no_data}: "
                 "process those items and pass them in",
             )
-        return UpdateResult(items, [None] * len(items))
+        return UpdateResult(items)
 
     async def _update(
         self,
@@ -464,7 +475,7 @@ class MMCacheClient:
             missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
             if missing:
                 raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
-            return UpdateResult(items, [None] * len(items))
+            return UpdateResult(items)
 
         encoded = [
             None if item is None else encode_item(item, modality=m)
@@ -493,9 +504,10 @@ class MMCacheClient:
         drifted = [
             i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
         ]
+        held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
         if drifted:
             _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
-            await self._send(
+            again = await self._send(
                 [
                     self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
                     for i in drifted
@@ -503,6 +515,8 @@ class MMCacheClient:
                 [],
                 lease,
             )
+            for i, outcome in zip(drifted, again.outcomes, strict=True):
+                held[i] = outcome == Outcome.STORED
         no_data = [
             mm_hashes[i]
             for i, o in enumerate(outcomes)
@@ -517,6 +531,7 @@ class MMCacheClient:
         returned = reply.metadata or [b""] * len(outcomes)
         return UpdateResult(
             [None if o == Outcome.HIT else item for item, o in zip(items, outcomes, strict=True)],
+            held,
             [
                 blob if o == Outcome.HIT and want_metadata and blob else None
                 for o, blob in zip(outcomes, returned, strict=True)

@@ -58,10 +58,15 @@ class FeedFollower:
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _follow(self) -> AsyncIterator[None]:
-        """Apply one subscription; yields after each snapshot applied."""
+        """Apply one subscription; yields after each snapshot applied.
+
+        `live` is set once the mirror has caught up with the feed's head as
+        of the snapshot (the snapshot may be a shared, older one).
+        """
         hashes: list[str] = []
         sizes: list[int] = []
         pending: list[str] = []
+        head: int | None = None  # caught up once the mirror has applied this far
         stream = self._subscribe()
         try:
             async for message in stream:
@@ -84,13 +89,17 @@ class FeedFollower:
                         part.max_items,
                     )
                     hashes, sizes, pending = [], [], []
+                    head = None
+                    yield
+                elif body == "changes":
+                    if not mirror.apply_changes(message.instance_id, message.seq, message.changes):
+                        _LOGGER.info("mirror feed skipped a change: subscribing again")
+                        return
+                else:  # the head after a snapshot
+                    head = message.seq
+                if head is not None and mirror.following and mirror.feed_seq >= head:
+                    head = None
                     self.live.set()
                     self._on_live()
-                    yield
-                elif body == "changes" and not mirror.apply_changes(
-                    message.instance_id, message.seq, message.changes
-                ):
-                    _LOGGER.info("mirror feed skipped a change: subscribing again")
-                    return
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

@@ -65,6 +65,7 @@ class MMCacheServer:
         self.feed = Feed(
             self.instance_id,
             lambda: self.store.state(self._cache.pending),
+            ring_bytes=config.feed_buffer_bytes,
             on_snapshot=lambda reason: self.metrics.feed_snapshots.labels(reason).inc(),
         )
         self.store = ItemStore(

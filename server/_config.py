@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 GIB = 1 << 30
+MIB = 1 << 20
 T = TypeVar("T")
 
 
@@ -44,6 +45,7 @@ class ServerConfig:
     max_items: int | None = None  # None: default_max_items(capacity_bytes)
     grace_s: float = 10.0
     lease_s: float = 30.0
+    feed_buffer_bytes: int = 32 << 20
     reflection: bool = True
     log_level: str = "INFO"
 
@@ -69,6 +71,13 @@ def _gib(raw: str) -> float:
     value = float(raw)
     if not value >= 0 or value == float("inf"):
         raise ValueError("must be a finite number of GiB >= 0")
+    return value
+
+
+def _mib(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value <= 4096:
+        raise ValueError("must be more than 0 and at most 4096 MiB")
     return value
 
 
@@ -178,6 +187,13 @@ def add_serve_arguments(
         "reads it [env MMCACHE_LEASE_S; default %(default)s]",
     )
     parser.add_argument(
+        "--feed-buffer-mb",
+        type=_argtype(_mib),
+        default=_env(e, "MMCACHE_FEED_BUFFER_MB", _mib, d.feed_buffer_bytes / MIB),
+        help="MiB of recent mirror-feed changes kept for subscribers that fall behind; one "
+        "further behind gets a snapshot [env MMCACHE_FEED_BUFFER_MB; default %(default)s]",
+    )
+    parser.add_argument(
         "--grace-s",
         type=_argtype(_seconds),
         default=_env(e, "MMCACHE_GRACE_S", _seconds, d.grace_s),
@@ -210,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_items=args.max_items,
         grace_s=args.grace_s,
         lease_s=args.lease_s,
+        feed_buffer_bytes=int(args.feed_buffer_mb * MIB),
         reflection=args.reflection,
         log_level=args.log_level,
     )

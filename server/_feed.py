@@ -69,7 +69,7 @@ class Feed:
         self._ring_bytes = ring_bytes
         self._on_snapshot = on_snapshot
         self._seq = 0
-        self._kinds: list[int] = []
+        self._kinds: list[pb.ChangeKind.ValueType] = []
         self._hashes: list[str] = []
         self._sizes: list[int] = []
         self._flush_handle: asyncio.TimerHandle | None = None
@@ -224,6 +224,7 @@ class Subscriber:
         while True:
             for part in await feed.snapshot_for(self, reason):
                 yield part
+            yield pb.FeedMessage(instance_id=feed._instance_id, seq=feed.seq).SerializeToString()
             reason = "lag"
             while self.cursor >= feed._base:  # else the ring dropped what it needs
                 if self.cursor < feed._end():

@@ -37,6 +37,8 @@ async def test_every_exported_metric_is_documented_and_every_documented_one_expo
             server.store.clear()  # the mirror still believes: the next call re-sends
             await client.get_and_update([item], ["a"])
             await client.get_and_update([image_item(2, numel=100_000)], ["too-big"])
+            async with MMCacheClient(f"127.0.0.1:{server.port}") as follower:
+                await follower.wait_following()  # a feed snapshot
             book = client.encoder_cache("engine-0")
             await book.create(cache_size=100)
             await book.check_and_update_cache("r", "h")

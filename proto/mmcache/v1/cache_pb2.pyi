@@ -1012,6 +1012,11 @@ Global___FeedSnapshot: _TypeAlias = FeedSnapshot  # noqa: Y015
 
 @_typing.final
 class FeedMessage(_message.Message):
+    """After a snapshot's last part, a message with no body: the feed's newest
+    number then. The subscriber has caught up once it has applied changes up to
+    it (a shared snapshot may be older; the changes after it follow).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     INSTANCE_ID_FIELD_NUMBER: _builtins.int

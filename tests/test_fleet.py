@@ -1,0 +1,517 @@
+"""Many frontends, one cache: leases, the mirror feed, metadata, concurrency, fail-open.
+
+Real servers on loopback, real clients; frontends in processes of their own
+where the behaviour is about several processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmcache.client import (
+    CacheMissError,
+    InvalidArgumentError,
+    MMCacheClient,
+)
+from mmcache.client._codec import encode_item
+from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.v1 import cache_pb2 as pb
+
+from .conftest import MIB, sample, scrape, server_config
+from .items import image_item
+from .raw import SERVICE, chunk, data_entry, tensor_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def size_of(seed: int, numel: int) -> int:
+    return encode_item(image_item(seed, numel=numel)).size.charged
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> float:
+    """Seconds until `check()` holds; fails the test after `timeout`."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not true within {timeout}s")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - start
+
+
+@asynccontextmanager
+async def serving(**overrides: object) -> AsyncIterator[MMCacheServer]:
+    async with MMCacheServer(server_config(**overrides)) as server:
+        yield server
+
+
+@asynccontextmanager
+async def connected(server: MMCacheServer, **options: object) -> AsyncIterator[MMCacheClient]:
+    async with MMCacheClient(f"127.0.0.1:{server.port}", **options) as client:  # type: ignore[arg-type]
+        if options.get("follow", True):
+            await client.wait_following()
+        yield client
+
+
+# ---------------------------------------------------------------- leases
+
+
+async def test_a_promised_item_survives_other_frontends_filling_the_cache() -> None:
+    # The issue's first scenario: 5 reads of 5 failed before leases.
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=8 * item_bytes) as server:
+        async with connected(server) as a, connected(server) as b, connected(server) as engine:
+            for request in range(5):
+                mine = f"a-{request}"
+                assert await a.get_and_update([image_item(request, 2000)], [mine]) is not None
+                # b serves other requests meanwhile, many times the cache.
+                for j in range(20):
+                    key = f"b-{request}-{j}"
+                    await b.get_and_update([image_item(100 + j, 2000)], [key], lease=False)
+                (got,) = await engine.fetch([mine])
+                assert got == image_item(request, 2000)
+            assert server.store.leases == 0 and server.store.leased_bytes == 0
+
+
+async def test_leased_bytes_count_in_the_capacity_and_what_cannot_fit_is_handed_back() -> None:
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=3 * item_bytes + 100) as server:
+        async with connected(server) as client:
+            items = [image_item(i, 2000) for i in range(4)]
+            hashes = [f"h{i}" for i in range(4)]
+            result = await client.get_and_update(items[:3], hashes[:3])
+            assert list(result) == items[:3] and server.store.leased_bytes == 3 * item_bytes
+            # No room beside three leased items: the fourth is handed back to
+            # be delivered inline, nothing leased is evicted.
+            result = await client.get_and_update([items[3]], [hashes[3]])
+            assert result[0] is items[3]
+            assert server.store.keys() == hashes[:3] and not client.is_cached([hashes[3]])[0]
+            assert server.store.used <= server.store.capacity
+            # Reads release: then the fourth fits.
+            await client.fetch(hashes[:3])
+            assert server.store.leases == 0
+            assert (await client.get_and_update([items[3]], [hashes[3]]))[0] is items[3]
+            assert hashes[3] in server.store
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_uncached_total", modality="image") == 1
+
+
+async def test_64_requests_in_flight_over_a_small_cache_never_fail_at_the_read() -> None:
+    # The issue's second scenario: 233 of 320 requests failed before leases.
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=40 * item_bytes) as server:
+        async with connected(server) as frontend, connected(server) as engine:
+            rng = random.Random(3)
+
+            async def request(n: int) -> None:
+                seeds = rng.sample(range(400), 3)
+                items = [image_item(s, 2000) for s in seeds]
+                hashes = [f"img-{s}" for s in seeds]
+                sent = await frontend.get_and_update(items, hashes)
+                await asyncio.sleep(rng.random() * 0.02)  # the request's way to the engine
+                # The engine reads what the server holds for it; the rest
+                # (no room beside leased items) travelled inline.
+                wanted = [i for i, held in enumerate(sent.held) if held]
+                assert all(sent[i] is not None or sent.held[i] for i in range(3))
+                got = await engine.fetch([hashes[i] for i in wanted])
+                assert got == [items[i] for i in wanted]
+
+            results = await asyncio.gather(
+                *(request(n) for n in range(320)), return_exceptions=True
+            )
+            failures = sum(isinstance(r, BaseException) for r in results)
+            assert failures == 0, [r for r in results if isinstance(r, BaseException)][:3]
+            assert server.store.used <= server.store.capacity
+
+
+async def test_a_lease_nobody_reads_expires_and_the_item_becomes_evictable() -> None:
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=2 * item_bytes + 50, lease_s=0.2) as server:
+        async with connected(server) as client:
+            await client.get_and_update([image_item(0, 2000)], ["dropped"])
+            assert server.store.leases == 1
+            await eventually(lambda: server.store.leases == 0)
+            for i in (1, 2):
+                await client.get_and_update([image_item(i, 2000)], [f"new-{i}"], lease=False)
+            assert "dropped" not in server.store
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_lease_expiries_total") == 1
+
+
+async def test_release_gives_back_a_lease_whose_read_will_not_happen(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    await client.get_and_update([image_item(1), image_item(1)], ["twice", "twice"])
+    assert server.store.leases == 2  # one grant per entry: two reads to come
+    assert await client.release(["twice", "never-leased"]) == 1
+    await client.fetch(["twice"])
+    assert server.store.leases == 0
+    await client.fetch(["twice"], release=True)  # nothing left to release: no error
+    assert server.store.leases == 0
+
+
+async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
+    async with serving(lease_s=0.5) as server:
+        target = f"127.0.0.1:{server.port}"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "tests.frontend_proc", target, "1", "2", "--hold"),
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert line.split()[0] == b"uploaded"
+            assert server.store.leases == 2 and server.store.leased_bytes > 0
+            proc.send_signal(signal.SIGKILL)  # dies before its engine reads
+            await asyncio.wait_for(proc.wait(), 10)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        await eventually(lambda: server.store.leases == 0, timeout=5)
+        assert server.store.leased_bytes == 0 and len(server.store) == 2
+
+
+async def test_after_a_server_restart_the_read_names_the_hashes_and_the_frontend_resends() -> None:
+    first = MMCacheServer(server_config())
+    await first.start()
+    port = first.port
+    items = [image_item(i) for i in range(3)]
+    hashes = [f"r{i}" for i in range(3)]
+    async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as frontend:
+        await frontend.get_and_update(items, hashes)
+        await first.stop(grace=0)
+        async with MMCacheServer(server_config(port=port)) as second:
+            async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as engine:
+                with pytest.raises(CacheMissError) as info:
+                    await engine.fetch(hashes)
+                assert info.value.missing_hashes == hashes
+                # vLLM's retry path: the frontend sends the items again.
+                assert list(await frontend.get_and_update(items, hashes)) == items
+                assert await engine.fetch(hashes) == items
+            assert second.store.leases == 0
+
+
+# ---------------------------------------------------------------- the feed
+
+
+async def test_every_mirror_learns_what_any_frontend_stored_and_what_was_evicted() -> None:
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=4 * item_bytes + 50) as server:
+        async with connected(server) as a, connected(server) as b:
+            await a.get_and_update([image_item(0, 2000)], ["x"], lease=False)
+            took = await eventually(lambda: b.is_cached(["x"]) == [True])
+            assert took < 0.5  # tens of ms on loopback; generous for a loaded CI
+            # b's own uploads evict x; a learns it from the feed.
+            for i in range(1, 5):
+                await b.get_and_update([image_item(i, 2000)], [f"y{i}"], lease=False)
+            assert "x" not in server.store
+            await eventually(lambda: a.is_cached(["x"]) == [False])
+            await eventually(lambda: sorted(a._mirror.keys()) == sorted(server.store.keys()))
+
+
+async def test_mirrors_agree_with_the_server_after_random_traffic_from_three_frontends() -> None:
+    item_bytes = size_of(0, 500)
+    rng = random.Random(5)
+    async with serving(capacity_bytes=12 * item_bytes, max_items=10) as server:
+        async with connected(server) as a, connected(server) as b, connected(server) as c:
+            clients = [a, b, c]
+
+            async def traffic(client: MMCacheClient) -> None:
+                for _ in range(60):
+                    seeds = rng.sample(range(30), rng.randint(1, 3))
+                    hashes = [f"k{s}" for s in seeds]
+                    leased = rng.random() < 0.5
+                    sent = await client.get_and_update(
+                        [image_item(s, 500) for s in seeds], hashes, lease=leased
+                    )
+                    if leased:  # what the call promised is there for the engine
+                        await client.fetch(
+                            [h for h, held in zip(hashes, sent.held, strict=True) if held]
+                        )
+
+            await asyncio.gather(*(traffic(c) for c in clients))
+            await eventually(lambda: all(c._mirror.feed_seq == server.feed.seq for c in clients))
+            truth = server.store.keys()
+            for client in clients:
+                assert client._mirror.keys() != [] and sorted(client._mirror.keys()) == sorted(
+                    truth
+                )
+                for key in truth:
+                    assert client._mirror.size_of(key) == server.store.peek(key).size  # type: ignore[union-attr]
+
+
+async def test_a_subscriber_too_slow_for_the_feed_is_resynced_not_buffered() -> None:
+    async with serving(feed_buffer_bytes=4096) as server:
+        target = f"127.0.0.1:{server.port}"
+        # No BDP probing: the stream's window stays small, so a subscriber
+        # that does not read stalls the server's writes to it.
+        options = (("grpc.http2.bdp_probe", 0),)
+        async with (
+            grpc.aio.insecure_channel(target, options=options) as channel,
+            connected(server) as writer,
+        ):
+            call = channel.unary_stream(
+                f"{SERVICE}/Subscribe",
+                request_serializer=pb.SubscribeRequest.SerializeToString,
+                response_deserializer=pb.FeedMessage.FromString,
+            )(pb.SubscribeRequest())
+            stream = aiter(call)
+            first = await anext(stream)
+            assert first.WhichOneof("body") == "snapshot" and first.snapshot.last
+            # The slow subscriber reads nothing while far more than the ring
+            # holds changes hands (each upload is a few changes).
+            for i in range(100):
+                seeds = range(10 * i, 10 * i + 10)
+                await writer.get_and_update(
+                    [image_item(s, 10) for s in seeds], [f"k{s}-" + "x" * 200 for s in seeds]
+                )
+            await asyncio.sleep(0.05)
+            snapshots = 0
+            changes_after = 0
+            seq_known = 0
+            while seq_known < server.feed.seq:
+                message = await asyncio.wait_for(anext(stream), 5)
+                if message.WhichOneof("body") == "snapshot":
+                    snapshots += 1
+                    if message.snapshot.last:
+                        seq_known = message.seq
+                else:
+                    changes_after += 1
+                    seq_known = max(seq_known, message.seq)
+            call.cancel()
+            assert snapshots >= 1
+            samples = await scrape(server.metrics_port)
+    assert (sample(samples, "mmcache_feed_snapshots_total", reason="lag") or 0) >= 1
+
+
+async def test_a_mirror_resyncs_after_a_server_restart() -> None:
+    first = MMCacheServer(server_config())
+    await first.start()
+    port = first.port
+    async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as client:
+        await client.wait_following()
+        await client.get_and_update([image_item(1)], ["old"], lease=False)
+        old = client.instance_id
+        await first.stop(grace=0)
+        await eventually(lambda: not client.following)
+        async with MMCacheServer(server_config(port=port)) as second:
+            async with MMCacheClient(f"127.0.0.1:{port}") as other:
+                await other.get_and_update([image_item(2)], ["new"], lease=False)
+            await eventually(lambda: client.following and client.instance_id == second.instance_id)
+            assert client.instance_id != old
+            await eventually(lambda: client.is_cached(["old", "new"]) == [False, True])
+
+
+async def test_mirrors_in_other_processes_see_what_each_frontend_uploaded() -> None:
+    async with serving() as server:
+        target = f"127.0.0.1:{server.port}"
+
+        def frontend(*seeds: int) -> list[str]:
+            done = subprocess.run(
+                [sys.executable, "-m", "tests.frontend_proc", target, *map(str, seeds)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            return done.stdout.split()
+
+        # Three frontend processes at once, overlapping images.
+        outs = await asyncio.gather(
+            *(asyncio.to_thread(frontend, *s) for s in ((1, 2, 3), (3, 4), (5, 1)))
+        )
+        assert all(out[0] == "uploaded" for out in outs)
+        assert sorted(server.store.keys()) == [f"img-{s}" for s in range(1, 6)]
+        # A later frontend process knows all of it before its first call.
+        out = await asyncio.to_thread(frontend, 1, 2, 3, 4, 5)
+        assert out == ["uploaded", "5", "5"]
+
+
+# ---------------------------------------------------------------- metadata
+
+
+async def test_a_frontend_that_never_processed_an_item_gets_its_metadata_with_the_hit() -> None:
+    async with serving() as server, connected(server) as a, connected(server) as b:
+        blob = b'{"prompt_updates": [{"modality": "image", "tokens": 64}]}'
+        await a.get_and_update([image_item(1)], ["img"], metadata=[blob])
+        result = await b.get_and_update([None], ["img"], want_metadata=True)
+        assert list(result) == [None] and result.metadata == [blob]
+        # Charged in the item's size, so the capacity bounds it too.
+        assert server.store.peek("img").size == size_of(1, 256) + len(blob)  # type: ignore[union-attr]
+        # Not asked for: not sent.
+        assert (await b.get_and_update([None], ["img"])).metadata == [None]
+
+
+async def test_metadata_over_the_limit_is_refused_with_the_limit(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    too_big = b"x" * (64 * 1024 + 1)
+    with pytest.raises(InvalidArgumentError, match="65536"):
+        await client.get_and_update([image_item(1)], ["m"], metadata=[too_big])
+    # The server refuses it too, for a client that does not check.
+    spec = tensor_spec("uint8", [3])
+    request = pb.UpdateRequest(entries=[data_entry("m", spec, 1, metadata=too_big)])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")
+
+        async def frames() -> AsyncIterator[bytes]:
+            yield pb.UpdateFrame(header=request).SerializeToString()
+            yield chunk(b"abc")
+
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(frames(), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "65536" in (info.value.details() or "") and "m" not in server.store
+
+
+# ---------------------------------------------------------------- one hash, two uploads
+
+
+async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight() -> None:
+    item = image_item(9, numel=MIB // 4)  # 1 MiB of pixels
+    encoded = encode_item(item)
+    async with serving() as server:
+        target = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
+            # Frontend a: a raw upload whose header is in, its bytes not yet.
+            request = pb.UpdateRequest(lease=True)
+            request.entries.add(mm_hash="same", modality="image", item=encoded.spec, num_chunks=1)
+            call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
+                metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
+            )
+            await eventually(lambda: b._mirror.is_pending("same"))
+            assert b.is_cached(["same"]) == [False]  # pending is not cached
+            # b has the item too: it sends the hash alone and the server waits.
+            b_call = asyncio.create_task(b.get_and_update([item], ["same"]))
+            await asyncio.sleep(0.1)
+            assert not b_call.done()
+            payload = b"".join(t.contiguous().view(-1).numpy().tobytes() for t in encoded.tensors)  # type: ignore[union-attr]
+            await call.write(chunk(payload))
+            await call.done_writing()
+            assert list(pb.UpdateReply.FromString(await call).outcomes) == [pb.OUTCOME_STORED]
+            assert list(await b_call) == [None]  # a hit: its bytes stayed home
+            samples = await scrape(server.metrics_port)
+            assert (await b.fetch(["same"]))[0] == item
+    assert sample(samples, "mmcache_received_bytes_total") == len(payload)
+    assert sample(samples, "mmcache_upload_waits_total") == 1
+    assert sample(samples, "mmcache_hits_total", modality="image") == 1
+
+
+async def test_the_same_new_item_from_two_frontends_at_once_is_stored_once() -> None:
+    items = [image_item(i, numel=50_000) for i in range(8)]
+    hashes = [f"both-{i}" for i in range(8)]
+    async with serving() as server:
+        async with connected(server, follow=False) as a, connected(server, follow=False) as b:
+            ra, rb = await asyncio.gather(
+                a.get_and_update(items, hashes), b.get_and_update(items, hashes)
+            )
+            assert len(server.store) == 8 and server.store.leases == 16
+            assert await a.fetch(hashes) == items
+            samples = await scrape(server.metrics_port)
+    # Every item was a query of each frontend; each stored exactly once.
+    assert sample(samples, "mmcache_queries_total", modality="image") == 16
+    assert all(x is None or x is items[i] for r in (ra, rb) for i, x in enumerate(r))
+
+
+# ---------------------------------------------------------------- one client, many tasks
+
+
+async def test_one_client_used_from_64_tasks_stays_exact() -> None:
+    item_bytes = size_of(0, 1000)
+    async with serving(capacity_bytes=30 * item_bytes) as server:
+        async with connected(server) as client, connected(server) as engine:
+            rng = random.Random(11)
+            asked = 0
+
+            async def task() -> None:
+                nonlocal asked
+                for _ in range(6):
+                    seeds = rng.sample(range(80), rng.randint(1, 4))
+                    hashes = [f"t{s}" for s in seeds]
+                    asked += len(hashes)
+                    sent = await client.get_and_update([image_item(s, 1000) for s in seeds], hashes)
+                    await engine.fetch(
+                        [h for h, held in zip(hashes, sent.held, strict=True) if held]
+                    )
+
+            await asyncio.gather(*(task() for _ in range(64)))
+            samples = await scrape(server.metrics_port)
+            await eventually(lambda: client._mirror.feed_seq == server.feed.seq)
+            assert sorted(client._mirror.keys()) == sorted(server.store.keys())
+    queries = sample(samples, "mmcache_queries_total", modality="image")
+    hits = sample(samples, "mmcache_hits_total", modality="image")
+    assert queries == asked == client.make_stats().total
+    assert hits == client.make_stats().hits
+
+
+# ---------------------------------------------------------------- fail-open
+
+
+def _silent_listener() -> tuple[socket.socket, int]:
+    """A TCP port that accepts connections and never answers (a hung server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, sock.getsockname()[1]
+
+
+async def test_fail_open_hands_items_back_fast_when_the_server_hangs() -> None:
+    sock, port = _silent_listener()
+    try:
+        async with MMCacheClient(
+            f"127.0.0.1:{port}", fail_open=True, fail_open_timeout=0.3
+        ) as client:
+            assert client.is_cached(["a"]) == [False]
+            items = [image_item(1), image_item(2)]
+            start = time.monotonic()
+            result = await client.get_and_update(items, ["a", "b"])
+            took = time.monotonic() - start
+            assert list(result) == items and took < 2.0
+            assert client.fail_opens >= 2  # the connect, then the call
+            with pytest.raises(CacheMissError):  # no data to hand back
+                await client.get_and_update([None], ["a"])
+    finally:
+        sock.close()
+
+
+async def test_fail_open_comes_back_in_touch_when_the_server_returns() -> None:
+    first = MMCacheServer(server_config())
+    await first.start()
+    port = first.port
+    async with MMCacheClient(f"127.0.0.1:{port}", fail_open=True, fail_open_timeout=0.5) as client:
+        await client.wait_following()
+        await client.get_and_update([image_item(1)], ["a"])
+        assert client.is_cached(["a"]) == [True]
+        await first.stop(grace=0)
+        result = await client.get_and_update([image_item(2)], ["b"])
+        assert list(result) == [image_item(2)] and client.fail_opens == 1
+        assert client.is_cached(["a"]) == [False]  # out of touch
+        async with MMCacheServer(server_config(port=port)) as second:
+            await eventually(lambda: client.following)
+            assert client.instance_id == second.instance_id
+            assert list(await client.get_and_update([image_item(2)], ["b"])) == [image_item(2)]
+            assert client.is_cached(["b"]) == [True] and "b" in second.store
+
+
+def test_lease_flag_and_variable() -> None:
+    from mmcache.server._config import parse_serve_args
+
+    assert parse_serve_args([]).lease_s == ServerConfig().lease_s == 30.0
+    assert parse_serve_args(["--lease-s", "2.5"]).lease_s == 2.5
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--lease-s", "0"])
