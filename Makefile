@@ -38,6 +38,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench.transfer
 	$(PY) -m bench.encoder
 	$(PY) -m bench.memory
+	$(PY) -m bench.fleet
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -245,14 +245,19 @@ class MMCacheClient:
         """How often a call failed open, or the client lost touch with the server."""
         return self._fail_opens
 
-    def is_cached(self, mm_hashes: Sequence[str]) -> list[bool]:
+    def is_cached(self, mm_hashes: Sequence[str], *, pending: bool = False) -> list[bool]:
         """Whether the mirror holds each hash. Local: no round trip, no reordering.
 
-        False for every hash while the client is out of touch (fail-open).
+        With `pending`, also True for a hash another client is uploading now
+        (seen on the feed): a frontend that skips its processor for it and
+        sends the hash alone gets a hit once that upload lands, or, should it
+        fail, a CacheMissError naming the hash (process it then). False for
+        every hash while the client is out of touch (fail-open).
         """
         if not self._in_touch:
             return [False] * len(mm_hashes)
-        return [h in self._mirror for h in mm_hashes]
+        mirror = self._mirror
+        return [h in mirror or (pending and mirror.is_pending(h)) for h in mm_hashes]
 
     def is_cached_item(self, mm_hash: str) -> bool:
         return self._in_touch and mm_hash in self._mirror

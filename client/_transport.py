@@ -18,6 +18,7 @@ import grpc
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import (
+    KEEPALIVE_MS,
     MAX_MESSAGE_BYTES,
     MAX_METADATA_HEADER_BYTES,
     UPDATE_HEADER_KEY,
@@ -35,6 +36,12 @@ _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # The feed is a stream that may carry nothing for minutes: pings find a
+    # server host that vanished without closing the connection, so the mirror
+    # stops trusting a dead feed within ~30 s (the server allows this rate).
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 

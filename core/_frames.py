@@ -19,6 +19,7 @@ __all__ = [
     "CHUNK_TAG",
     "DEFAULT_CHUNK_BYTES",
     "HEADER_TAG",
+    "KEEPALIVE_MS",
     "MAX_CHUNK_BYTES",
     "MAX_MESSAGE_BYTES",
     "MAX_METADATA_HEADER_BYTES",
@@ -40,6 +41,9 @@ MAX_CHUNK_BYTES = 4 << 20
 # Large enough for a full chunk frame and for a batch header, and far below
 # any item's size: items of any size move as many messages.
 MAX_MESSAGE_BYTES = 8 << 20
+
+# Clients ping an idle connection this often; servers accept pings this often.
+KEEPALIVE_MS = 20_000
 
 # Binary metadata of a GetAndUpdate call that carries its serialised
 # `UpdateRequest` in place of a header frame. (Fetch keeps its header frame:

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import __version__
 from mmcache._encoder import EncoderBooks
-from mmcache._frames import MAX_MESSAGE_BYTES
+from mmcache._frames import KEEPALIVE_MS, MAX_MESSAGE_BYTES
 from mmcache._memory import keep_freed_memory
 from mmcache.metrics import (
     CacheMetrics,
@@ -48,6 +48,9 @@ GRPC_OPTIONS = (
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Clients keep their feed streams alive with pings (mmcache._frames).
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.keepalive_permit_without_calls", 1),
 )
 
 
