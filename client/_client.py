@@ -15,6 +15,7 @@ from mmcache._errors import (
     CacheMissError,
     DeadlineExceededError,
     InvalidArgumentError,
+    MMCacheError,
     UnavailableError,
 )
 from mmcache._frames import (
@@ -528,6 +529,10 @@ class MMCacheClient:
             if o == Outcome.MISSING and encoded[i] is None
         ]
         if no_data:
+            if lease:  # the request fails here: nobody will read what it leased
+                await self._give_back(
+                    [h for h, leased in zip(mm_hashes, held, strict=True) if leased]
+                )
             raise CacheMissError(
                 no_data,
                 f"the server does not hold {no_data} and no data was given for them: "
@@ -560,6 +565,14 @@ class MMCacheClient:
         capacity = self._mirror.capacity
         withheld = self._in_touch and data.size.charged + len(metadata) > capacity
         return Entry(mm_hash, modality, data, withheld, metadata, resend=resend)
+
+    async def _give_back(self, mm_hashes: Sequence[str]) -> None:
+        # Best effort: a lease not given back ends by itself.
+        if mm_hashes:
+            try:
+                await self._rpc.release(mm_hashes)
+            except MMCacheError as exc:
+                _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
 
     async def _send(self, entries: Sequence[Entry], touches: Sequence[str], lease: bool) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""

@@ -161,6 +161,16 @@ async def test_release_gives_back_a_lease_whose_read_will_not_happen(
     assert server.store.leases == 0
 
 
+async def test_a_call_that_fails_for_want_of_data_gives_its_leases_back(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    await client.get_and_update([image_item(1)], ["held"], lease=False)
+    with pytest.raises(CacheMissError) as info:
+        await client.get_and_update([None, None], ["held", "gone"])
+    assert info.value.missing_hashes == ["gone"]
+    assert server.store.leases == 0  # the request failed: nothing will read "held"
+
+
 async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
     async with serving(lease_s=0.5) as server:
         target = f"127.0.0.1:{server.port}"

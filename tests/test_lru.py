@@ -193,3 +193,72 @@ def test_mirror_rule_agrees_with_cachetools_over_long_random_sequences(seed: int
         assert [o == Outcome.HIT for o in got] == expected
         assert set(lru.keys()) == set(oracle.keys())
         assert lru.used == oracle.currsize
+
+
+def test_a_pinned_entry_is_never_evicted_and_counts_in_both_bounds() -> None:
+    evicted: list[str] = []
+    lru: ByteLRU[str] = ByteLRU(9, lambda k, _v, _s: evicted.append(k), max_items=3)
+    for key in "abc":
+        lru.put(key, key, 3)
+    assert lru.pin("a") and not lru.pin("ghost")
+    assert lru.pinned_bytes == 3 and lru.pinned_count == 1 and lru.used == 9
+    lru.put("d", "d", 3)  # a is the oldest, but pinned: b goes
+    assert evicted == ["b"] and "a" in lru and lru.peek("a") == "a"
+    # Room beside the pinned entry and the batch: 9 - 3 = 6 at most.
+    assert lru.apply_batch([BatchEntry("e", 7, "e")], replace_present=True) == [Outcome.UNCACHED]
+    lru.unpin("a")  # back in the order, as the most recently used
+    assert list(lru.keys()) == ["c", "d", "a"] and lru.pinned_bytes == 0
+    lru.put("f", "f", 3)
+    assert evicted == ["b", "c"]
+
+
+def test_every_entry_pinned_leaves_no_room_and_loses_nothing() -> None:
+    lru: ByteLRU[None] = ByteLRU(6, max_items=2)
+    lru.put("a", None, 3)
+    lru.put("b", None, 3)
+    lru.pin("a")
+    lru.pin("b")
+    assert lru.apply_batch([BatchEntry("c", 1)], replace_present=True) == [Outcome.UNCACHED]
+    assert sorted(lru.keys()) == ["a", "b"] and lru.used == 6
+
+
+def test_sent_data_replaces_a_pinned_entry_which_stays_pinned() -> None:
+    lru: ByteLRU[str] = ByteLRU(10)
+    lru.put("a", "old", 3)
+    lru.pin("a")
+    assert lru.put("a", "new", 4) == Outcome.REPLACED
+    assert lru.peek("a") == "new" and lru.pinned_bytes == 4 and lru.used == 4
+
+
+def test_clear_can_keep_pinned_entries() -> None:
+    lru: ByteLRU[None] = ByteLRU(10)
+    for key in "abc":
+        lru.put(key, None, 2)
+    lru.pin("b")
+    assert sorted(lru.clear(keep_pinned=True)) == ["a", "c"]
+    assert list(lru.keys()) == ["b"] and lru.used == 2
+    assert lru.clear() == ["b"] and lru.used == 0 and lru.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pins_keep_the_bounds_and_never_lose_a_pinned_entry(seed: int) -> None:
+    rng = random.Random(seed)
+    lru: ByteLRU[None] = ByteLRU(40, max_items=6)
+    pinned: set[str] = set()
+    for _ in range(3000):
+        key = f"k{rng.randrange(20)}"
+        action = rng.random()
+        if action < 0.5:
+            lru.apply_batch([BatchEntry(key, rng.randint(1, 12))], replace_present=True)
+        elif action < 0.7 and key in lru and len(pinned) < 3:
+            lru.pin(key)
+            pinned.add(key)
+        elif action < 0.9 and pinned:
+            unpinned = rng.choice(sorted(pinned))
+            lru.unpin(unpinned)
+            pinned.discard(unpinned)
+        else:
+            lru.touch(key)
+        assert lru.used <= 40 and len(lru) <= 6
+        assert pinned <= set(lru.keys())  # a put over a pinned key replaces it, still pinned
+        assert lru.pinned_bytes == sum(lru.size_of(k) or 0 for k in pinned)

@@ -1,0 +1,92 @@
+"""The feed without gRPC: batches in order, a snapshot to start, resync on lag."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from mmcache.server._feed import Feed, FeedState
+from mmcache.v1 import cache_pb2 as pb
+
+
+class Store:
+    """Stands in for the item store: the key set a snapshot reads."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, int] = {}
+        self.reads = 0
+
+    def state(self) -> FeedState:
+        self.reads += 1
+        return FeedState(list(self.keys), list(self.keys.values()), [], 1000, 0)
+
+
+def stored(feed: Feed, store: Store, key: str, size: int = 1) -> None:
+    store.keys[key] = size
+    feed.emit(pb.CHANGE_STORED, key, size)
+
+
+async def take(stream: AsyncIterator[bytes], n: int) -> list[pb.FeedMessage]:
+    return [pb.FeedMessage.FromString(await asyncio.wait_for(anext(stream), 2)) for _ in range(n)]
+
+
+async def test_a_subscriber_gets_a_snapshot_its_head_then_every_change_in_order() -> None:
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.001)
+    stored(feed, store, "before")
+    subscriber = feed.subscribe()
+    stream = subscriber.messages()
+    snapshot, head = await take(stream, 2)
+    assert snapshot.snapshot.mm_hashes == ["before"] and snapshot.snapshot.last
+    assert snapshot.seq == 1 and head.WhichOneof("body") is None and head.seq == 1
+    for key in ("a", "b", "c"):
+        stored(feed, store, key)
+    (batch,) = await take(stream, 1)  # one batch for the three
+    assert list(batch.changes.mm_hashes) == ["a", "b", "c"] and batch.seq == 4
+    feed.unsubscribe(subscriber)
+
+
+async def test_a_subscriber_left_behind_by_the_ring_gets_a_fresh_snapshot() -> None:
+    store = Store()
+    reasons: list[str] = []
+    feed = Feed("i", store.state, flush_s=0.001, ring_bytes=300, on_snapshot=reasons.append)
+    subscriber = feed.subscribe()
+    stream = subscriber.messages()
+    await take(stream, 2)
+    for n in range(50):  # far more than 300 bytes of changes, none read
+        stored(feed, store, f"key-{n:03d}-" + "x" * 20)
+        feed.flush()
+    messages = await take(stream, 2)
+    assert [m.WhichOneof("body") for m in messages] == ["snapshot", None]
+    assert len(messages[0].snapshot.mm_hashes) == 50 and messages[0].seq == 50
+    assert reasons == ["subscribe", "lag"]
+    feed.unsubscribe(subscriber)
+
+
+async def test_subscribers_that_can_go_on_from_one_snapshot_share_it() -> None:
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.001)
+    first = feed.subscribe()
+    await take(first.messages(), 2)
+    stored(feed, store, "a")
+    feed.flush()
+    second = feed.subscribe()
+    stream = second.messages()
+    snapshot, head = await take(stream, 2)
+    # The snapshot of seq 0 is reused; the ring then brings "a".
+    assert store.reads == 1 and snapshot.seq == 0 and head.seq == 1
+    (batch,) = await take(stream, 1)
+    assert list(batch.changes.mm_hashes) == ["a"]
+    feed.unsubscribe(first)
+    feed.unsubscribe(second)
+
+
+async def test_changes_nobody_subscribes_to_cost_only_their_number() -> None:
+    store = Store()
+    feed = Feed("i", store.state)
+    for n in range(100):
+        stored(feed, store, f"k{n}")
+    assert feed.seq == 100 and not feed._ring
+    subscriber = feed.subscribe()
+    snapshot, _ = await take(subscriber.messages(), 2)
+    assert snapshot.seq == 100 and len(snapshot.snapshot.mm_hashes) == 100
