@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._lru import Outcome
@@ -16,7 +17,21 @@ from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, iter_chunk_frames, num_chunks
 
-__all__ = ["Batch", "Entry", "Reply", "build_batch", "read_reply"]
+__all__ = ["Batch", "Entry", "Lease", "Reply", "build_batch", "lease_mode", "read_reply"]
+
+# What a call leases: True (every item held or stored), "hits" (only those
+# returned as None, which the engine must read), or False.
+Lease = bool | Literal["hits"]
+
+
+def lease_mode(lease: Lease) -> pb.LeaseMode.ValueType:
+    if lease == "hits":
+        return pb.LEASE_HITS
+    if lease is True:
+        return pb.LEASE_HELD
+    if lease is False:
+        return pb.LEASE_NONE
+    raise InvalidArgumentError(f"lease must be True, False or 'hits', got {lease!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +73,11 @@ class Reply:
 
 
 def build_batch(
-    entries: Sequence[Entry], touches: Sequence[str], *, lease: bool, chunk_bytes: int
+    entries: Sequence[Entry],
+    touches: Sequence[str],
+    *,
+    lease: pb.LeaseMode.ValueType,
+    chunk_bytes: int,
 ) -> Batch:
     request = pb.UpdateRequest(touches=touches, lease=lease)
     sending: list[EncodedItem] = []

@@ -28,7 +28,7 @@ from mmcache._lru import Outcome
 from mmcache._spec import MAX_METADATA_BYTES, check_name
 from mmcache.v1 import cache_pb2 as pb
 
-from ._batch import Entry, Reply, build_batch, read_reply
+from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
 from ._codec import EncodedItem, ItemDecoder, encode_item
 from ._encoder import (
     EncoderBudget,
@@ -322,7 +322,7 @@ class MMCacheClient:
         modality: str | None = None,
         metadata: Sequence[bytes | None] | None = None,
         want_metadata: bool = False,
-        lease: bool = True,
+        lease: Lease = True,
     ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
@@ -333,8 +333,10 @@ class MMCacheClient:
         `metadata[i]` (at most 64 KiB) is stored with an uploaded item; with
         `want_metadata`, `result.metadata[i]` is what the server holds for a
         held item, so a frontend that never processed it can still use it.
-        `lease`: every item reported held or stored stays readable by the
-        engine's `fetch` until that read (or the server's lease time).
+        `lease=True`: every item reported held or stored stays readable by
+        the engine's `fetch` until that read (or the server's lease time);
+        `lease="hits"`: only the items returned as None (vLLM's P0, which
+        sends the data of the others inline); `lease=False`: none.
         """
         if metadata is not None and len(metadata) != len(items):
             raise InvalidArgumentError(
@@ -359,8 +361,10 @@ class MMCacheClient:
 
         For each modality and index where an item is present, the item goes
         through get_and_update (one round trip for the whole call) and the
-        caller's list entry is replaced in place by what it returned. Never
-        raises: a failure is logged as a warning.
+        caller's list entry is replaced in place by what it returned: None
+        where the server held it (leased until the engine's `fetch` reads it),
+        the item where it goes to the engine inline. Never raises: a failure
+        is logged as a warning.
         """
         if self._transport is None or self._caching_disabled():
             return
@@ -380,7 +384,7 @@ class MMCacheClient:
             if not hashes:
                 return
             results = await self._update_or_fail_open(
-                items, hashes, modalities, [b""] * len(items), want_metadata=False, lease=True
+                items, hashes, modalities, [b""] * len(items), want_metadata=False, lease="hits"
             )
             for (listed, i), result in zip(places, results, strict=True):
                 listed[i] = result
@@ -436,7 +440,7 @@ class MMCacheClient:
         metadata: Sequence[bytes],
         *,
         want_metadata: bool,
-        lease: bool,
+        lease: Lease,
     ) -> UpdateResult:
         try:
             return await self._update(
@@ -463,8 +467,9 @@ class MMCacheClient:
         metadata: Sequence[bytes],
         *,
         want_metadata: bool,
-        lease: bool,
+        lease: Lease,
     ) -> UpdateResult:
+        mode = lease_mode(lease)
         if len(items) != len(mm_hashes):
             raise InvalidArgumentError(
                 f"{len(items)} items but {len(mm_hashes)} hashes: give one hash per item"
@@ -500,7 +505,7 @@ class MMCacheClient:
                 )
             ],
             self._mirror.take_touches(),
-            lease,
+            mode,
         )
         outcomes = reply.outcomes
         hits = sum(o in _HELD for o in outcomes)
@@ -519,7 +524,7 @@ class MMCacheClient:
                     for i in drifted
                 ],
                 [],
-                lease,
+                mode,
             )
             for i, outcome in zip(drifted, again.outcomes, strict=True):
                 held[i] = outcome == Outcome.STORED
@@ -529,9 +534,12 @@ class MMCacheClient:
             if o == Outcome.MISSING and encoded[i] is None
         ]
         if no_data:
-            if lease:  # the request fails here: nobody will read what it leased
+            # The request fails here: nobody will read what it leased.
+            if mode == pb.LEASE_HELD:
+                await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
+            elif mode == pb.LEASE_HITS:
                 await self._give_back(
-                    [h for h, leased in zip(mm_hashes, held, strict=True) if leased]
+                    [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
                 )
             raise CacheMissError(
                 no_data,
@@ -574,7 +582,9 @@ class MMCacheClient:
             except MMCacheError as exc:
                 _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
 
-    async def _send(self, entries: Sequence[Entry], touches: Sequence[str], lease: bool) -> Reply:
+    async def _send(
+        self, entries: Sequence[Entry], touches: Sequence[str], lease: pb.LeaseMode.ValueType
+    ) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""
         batch = build_batch(entries, touches, lease=lease, chunk_bytes=self._chunk_bytes)
         mirror = self._mirror

@@ -186,7 +186,7 @@ class CacheServicer:
             evicted=result.evicted,
             evicted_truncated=result.evicted_truncated,
             metadata=result.metadata or (),
-            lease_ms=int(self._store.lease_s * 1000) if request.lease else 0,
+            lease_ms=int(self._store.lease_s * 1000) if request.lease != pb.LEASE_NONE else 0,
         )
         for entry, outcome in zip(request.entries, result.outcomes, strict=True):
             self._count(entry, outcome)

@@ -129,7 +129,11 @@ class ItemStore:
         return self._lru.peek(mm_hash)
 
     def update(
-        self, touches: Iterable[str], entries: Sequence[UploadEntry], *, lease: bool = False
+        self,
+        touches: Iterable[str],
+        entries: Sequence[UploadEntry],
+        *,
+        lease: pb.LeaseMode.ValueType = pb.LEASE_NONE,
     ) -> BatchResult:
         """Apply a client's pending touches, then one get_and_update batch."""
         self.expire()
@@ -167,10 +171,11 @@ class ItemStore:
             (self._lru.size_of(e.mm_hash) or 0) if o in _HELD else 0
             for e, o in zip(entries, outcomes, strict=True)
         ]
-        if lease:
-            now = self._clock()
+        if lease != pb.LEASE_NONE:
+            leased = _HELD if lease == pb.LEASE_HELD else (Outcome.HIT,)
             self._leases.grant(
-                (e.mm_hash for e, o in zip(entries, outcomes, strict=True) if o in _HELD), now
+                (e.mm_hash for e, o in zip(entries, outcomes, strict=True) if o in leased),
+                self._clock(),
             )
         metadata = None
         if any(e.want_metadata for e in entries):

@@ -149,6 +149,24 @@ async def test_a_lease_nobody_reads_expires_and_the_item_becomes_evictable() -> 
     assert sample(samples, "mmcache_lease_expiries_total") == 1
 
 
+async def test_hits_only_leases_what_the_engine_must_read(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    old, new = image_item(1), image_item(2)
+    await client.get_and_update([old], ["old"], lease=False)
+    sent = await client.get_and_update([old, new], ["old", "new"], lease="hits")
+    assert list(sent) == [None, new] and sent.held == [True, True]
+    assert server.store.leases == 1 and server.store.leased_items == 1  # "old" alone
+    # inject (a frontend that processed the items itself) leases the same way.
+    listed: list[object] = [old, image_item(3)]
+    await client.inject_into_mm_cache({"image": ["old", "third"]}, {"image": listed})
+    assert listed[0] is None and server.store.leases == 2
+    await client.fetch(["old", "old"])
+    assert server.store.leases == 0
+    with pytest.raises(InvalidArgumentError, match="lease"):
+        await client.get_and_update([old], ["old"], lease="all")  # type: ignore[arg-type]
+
+
 async def test_release_gives_back_a_lease_whose_read_will_not_happen(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
@@ -399,7 +417,7 @@ async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
             # Frontend a: a raw upload whose header is in, its bytes not yet.
-            request = pb.UpdateRequest(lease=True)
+            request = pb.UpdateRequest(lease=pb.LEASE_HELD)
             request.entries.add(mm_hash="same", modality="image", item=encoded.spec, num_chunks=1)
             call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
                 metadata=(("mmcache-update-header-bin", request.SerializeToString()),)

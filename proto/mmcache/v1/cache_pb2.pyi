@@ -64,6 +64,40 @@ OUTCOME_UNCACHED: Outcome.ValueType  # 5
 """not stored: larger than the room the batch leaves"""
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
 
+class _LeaseMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LeaseModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaseMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LEASE_NONE: _LeaseMode.ValueType  # 0
+    LEASE_HELD: _LeaseMode.ValueType  # 1
+    """Every entry reported held or stored (HIT, STORED, REPLACED): the engine
+    reads every item of the request from the cache (Dynamo-style workers).
+    """
+    LEASE_HITS: _LeaseMode.ValueType  # 2
+    """HIT entries only: those the caller sends no data for, so the engine must
+    read them; data that was sent travels to the engine inline (vLLM's P0).
+    """
+
+class LeaseMode(_LeaseMode, metaclass=_LeaseModeEnumTypeWrapper):
+    """Which entries of a call are leased: kept readable by Fetch (never
+    evicted) until a Fetch with `release` reads them or the lease expires (the
+    server's --lease-s). Leased bytes count in the capacity; an item with no
+    room beside them is UNCACHED.
+    """
+
+LEASE_NONE: LeaseMode.ValueType  # 0
+LEASE_HELD: LeaseMode.ValueType  # 1
+"""Every entry reported held or stored (HIT, STORED, REPLACED): the engine
+reads every item of the request from the cache (Dynamo-style workers).
+"""
+LEASE_HITS: LeaseMode.ValueType  # 2
+"""HIT entries only: those the caller sends no data for, so the engine must
+read them; data that was sent travels to the engine inline (vLLM's P0).
+"""
+Global___LeaseMode: _TypeAlias = LeaseMode  # noqa: Y015
+
 class _ChangeKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -482,12 +516,7 @@ class UpdateRequest(_message.Message):
     TOUCHES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
-    lease: _builtins.bool
-    """Lease every entry the reply reports held or stored (HIT, STORED,
-    REPLACED): it stays readable by Fetch until a Fetch with `release` reads
-    it or the lease expires (the server's --lease-s). Leased bytes count in
-    the capacity; an item with no room beside them is UNCACHED.
-    """
+    lease: Global___LeaseMode.ValueType
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hashes the client touched since its last call; applied first."""
@@ -499,7 +528,7 @@ class UpdateRequest(_message.Message):
         *,
         touches: _abc.Iterable[_builtins.str] | None = ...,
         entries: _abc.Iterable[Global___UpdateEntry] | None = ...,
-        lease: _builtins.bool = ...,
+        lease: Global___LeaseMode.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
