@@ -9,42 +9,44 @@ request, and runs the same code. Subscribe streams the feed's messages,
 serialised once by the feed for every subscriber. The other methods are
 ordinary protobuf.
 
-Uploads of one hash from two calls at once: the first call's header marks
-the hash pending (and the feed says so); a call that names a pending hash
-without data waits for that upload to end, then finds it held. A client
-whose mirror saw the pending mark sends the hash alone, so the bytes travel
-once. A second call that already sends data is stored over the first
-(REPLACED): both succeed, the item is stored once.
+GetAndUpdate's messages are read and written by `_upload`; uploads of one
+hash from two calls at once meet in `_pending` (a call that already sends
+data when another upload of the hash is in flight is stored over it,
+REPLACED: both succeed, the item is stored once).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from mmcache._errors import InvalidArgumentError
-from mmcache._frames import (
-    HEADER_TAG,
-    MAX_CHUNK_BYTES,
-    UPDATE_HEADER_KEY,
-    chunk_payload_offset,
-    header_frame,
-    header_frame_body,
-)
+from mmcache._frames import MAX_CHUNK_BYTES, header_frame
 from mmcache._lru import Outcome
-from mmcache._spec import MAX_METADATA_BYTES, check_name, item_size
+from mmcache._spec import check_name
 from mmcache.metrics import CacheMetrics
 from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import Feed
 from ._inflight import InflightBudget
+from ._pending import PendingUploads
 from ._status import guard
-from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
+from ._store import BatchResult, ItemStore
+from ._upload import (
+    EntryHeader,
+    build_reply,
+    check_no_surplus,
+    data_hashes,
+    frames_of,
+    parse_header,
+    read_chunks,
+    read_request,
+    upload_entry,
+)
 
 __all__ = ["SERVICE_NAME", "CacheServicer"]
 
@@ -73,13 +75,12 @@ class CacheServicer:
         self._feed = feed
         self._instance_id = instance_id
         self._version = version
-        # Hashes whose upload has begun and not ended, with what ends it.
-        self._pending: dict[str, asyncio.Future[None]] = {}
+        self._pending = PendingUploads(feed.emit)
 
     @property
     def pending(self) -> list[str]:
         """Hashes being uploaded now."""
-        return list(self._pending)
+        return self._pending.hashes()
 
     def handler(self) -> grpc.GenericRpcHandler:
         g = guard(self._instance_id)
@@ -156,94 +157,56 @@ class CacheServicer:
             self._feed.unsubscribe(subscriber)
 
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
-        request = _metadata_header(context)
-        in_metadata = request is not None
-        if request is None:
-            request = _parse_header(await anext(frames, None))
-        plan = [_plan_entry(i, entry) for i, entry in enumerate(request.entries)]
-        for h in request.touches:
-            check_name("touched mm_hash", h)
-        await self._await_uploads(
-            [e.mm_hash for e, p in zip(request.entries, plan, strict=True) if not p.spec_present],
-            context,
+        request, in_metadata = await read_request(context, frames)
+        entries = parse_header(request)
+        remaining = context.time_remaining()
+        # Past the wait the entry is simply MISSING: leave the call time to answer.
+        waited = await self._pending.wait(
+            [e.mm_hash for e in entries if e.spec is None],
+            None if remaining is None else max(0.0, remaining - 0.05),
         )
-        # Registered only after waiting: a call never waits while it holds a
-        # mark another call may be waiting for, so no two calls wait on each other.
-        mine = self._mark_pending(
-            [e.mm_hash for e, p in zip(request.entries, plan, strict=True) if p.chunks is not None]
-        )
+        self._metrics.upload_waits.inc(waited)
+        marked = self._pending.mark(data_hashes(entries))
         try:
-            result = await self._receive_and_apply(request, plan, frames, in_metadata)
+            result = await self._receive_and_apply(request, entries, frames, in_metadata)
         finally:
-            self._settle(mine)
-        reply = pb.UpdateReply(
-            instance_id=self._instance_id,
-            capacity_bytes=self._store.capacity,
-            max_items=self._store.max_items,
-            outcomes=[o.value for o in result.outcomes],  # type: ignore[misc]
-            sizes=result.sizes,
-            seq=self._feed.seq,
-            evicted=result.evicted,
-            evicted_truncated=result.evicted_truncated,
-            metadata=result.metadata or (),
-            lease_ms=int(self._store.lease_s * 1000) if request.lease != pb.LEASE_NONE else 0,
-        )
-        for entry, outcome in zip(request.entries, result.outcomes, strict=True):
+            self._pending.settle(marked)
+        for entry, outcome in zip(entries, result.outcomes, strict=True):
             self._count(entry, outcome)
-        return reply.SerializeToString()
+        leased = request.lease != pb.LEASE_NONE
+        return build_reply(
+            self._instance_id,
+            self._store.capacity,
+            self._store.max_items,
+            self._feed.seq,
+            int(self._store.lease_s * 1000) if leased else 0,
+            result,
+        )
 
     async def _receive_and_apply(
         self,
         request: pb.UpdateRequest,
-        plan: list[_EntryPlan],
+        entries: list[EntryHeader],
         frames: AsyncIterator[bytes],
         in_metadata: bool,
     ) -> BatchResult:
-        payload = sum(p.payload for p in plan if p.chunks is not None)
+        payload = sum(e.payload for e in entries if e.chunks is not None)
         # Made only now: an iterator never started (a call refused on its
         # header) would warn when collected. grpc hands back the same one.
         stream = aiter(frames)
         # Nothing is stored until every byte has arrived and been checked, so
         # a cancelled or malformed upload leaves the cache as it was.
         async with self._inflight.reserve(payload):
-            for i, p in enumerate(plan):
-                if p.chunks is not None:
-                    p.frames = await _read_chunks(stream, i, request.entries[i], p)
-            surplus = await anext(stream, None)
-            if surplus is not None:
-                raise InvalidArgumentError(_surplus_message(surplus, in_metadata))
+            uploads = [
+                upload_entry(e, () if e.chunks is None else await read_chunks(stream, e))
+                for e in entries
+            ]
+            await check_no_surplus(stream, in_metadata)
             self._metrics.received_bytes.inc(payload)
-            entries = [p.to_upload_entry(request.entries[i]) for i, p in enumerate(plan)]
-            return self._store.update(request.touches, entries, lease=request.lease)
-
-    async def _await_uploads(self, mm_hashes: Sequence[str], context: Context) -> None:
-        """Wait, within the call's deadline, for other calls' uploads of these hashes."""
-        waits = {self._pending[h] for h in mm_hashes if h in self._pending}
-        if not waits:
-            return
-        self._metrics.upload_waits.inc(len(waits))
-        remaining = context.time_remaining()
-        # Leave the call time to answer; past that the entry is simply MISSING.
-        timeout = None if remaining is None else max(0.0, remaining - 0.05)
-        await asyncio.wait(waits, timeout=timeout)
-
-    def _mark_pending(self, mm_hashes: Sequence[str]) -> list[str]:
-        mine: list[str] = []
-        loop = asyncio.get_running_loop()
-        for h in mm_hashes:
-            if h not in self._pending:
-                self._pending[h] = loop.create_future()
-                self._feed.emit(pb.CHANGE_PENDING, h)
-                mine.append(h)
-        return mine
-
-    def _settle(self, mine: Sequence[str]) -> None:
-        for h in mine:
-            self._pending.pop(h).set_result(None)
-            self._feed.emit(pb.CHANGE_SETTLED, h)
+            return self._store.update(request.touches, uploads, lease=request.lease)
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
-        return await self.get_and_update(_frames_of(frame), context)
+        return await self.get_and_update(frames_of(frame), context)
 
     async def fetch(self, request_bytes: bytes, context: Context) -> None:
         try:
@@ -266,138 +229,10 @@ class CacheServicer:
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(request.mm_hashes)
 
-    def _count(self, entry: pb.UpdateEntry, outcome: Outcome) -> None:
+    def _count(self, entry: EntryHeader, outcome: Outcome) -> None:
         if entry.resend:
             self._metrics.resends.labels(entry.modality or "unknown").inc()
         else:
             self._metrics.queried(entry.modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
         if outcome == Outcome.UNCACHED:
             self._metrics.uncached.labels(entry.modality or "unknown").inc()
-
-
-class _EntryPlan:
-    """What the header says one entry brings, checked before any byte is read."""
-
-    __slots__ = ("charged", "chunks", "frames", "payload", "spec_present", "withheld")
-
-    # charged: the item's size plus its metadata's, what the LRU charges
-
-    def __init__(self, entry: pb.UpdateEntry, index: int) -> None:
-        self.spec_present = entry.HasField("item")
-        self.withheld = entry.withheld
-        self.payload = 0
-        self.charged = 0
-        self.chunks: int | None = None  # chunk frames to read; None: no data follows
-        self.frames: tuple[bytes, ...] = ()
-        where = f"entry {index} ({entry.mm_hash!r})"
-        if not self.spec_present:
-            if entry.withheld or entry.num_chunks or entry.resend or entry.metadata:
-                raise InvalidArgumentError(
-                    f"{where} has no item spec, so withheld, num_chunks, resend and metadata "
-                    "must be unset"
-                )
-            return
-        if len(entry.metadata) > MAX_METADATA_BYTES:
-            raise InvalidArgumentError(
-                f"{where} carries {len(entry.metadata)} bytes of metadata; the limit is "
-                f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
-            )
-        try:
-            size = item_size(entry.item)
-        except InvalidArgumentError as exc:
-            raise InvalidArgumentError(f"{where}: {exc}") from None
-        self.payload, self.charged = size.payload, size.charged + len(entry.metadata)
-        if entry.withheld:
-            if entry.num_chunks:
-                raise InvalidArgumentError(f"{where} is withheld but declares chunks")
-            return
-        least = -(-size.payload // MAX_CHUNK_BYTES)
-        if not least <= entry.num_chunks <= size.payload:
-            raise InvalidArgumentError(
-                f"{where}: {size.payload} payload bytes cannot travel in {entry.num_chunks} "
-                f"chunks of 1 to {MAX_CHUNK_BYTES} bytes (need {least} to {size.payload})"
-            )
-        self.chunks = entry.num_chunks
-
-    def to_upload_entry(self, entry: pb.UpdateEntry) -> UploadEntry:
-        if not self.spec_present:
-            return UploadEntry(entry.mm_hash, want_metadata=entry.want_metadata)
-        if self.withheld:
-            return UploadEntry(entry.mm_hash, withheld=True)
-        item = StoredItem(entry.item, self.frames, self.payload, self.charged, entry.metadata)
-        return UploadEntry(entry.mm_hash, item)
-
-
-def _plan_entry(index: int, entry: pb.UpdateEntry) -> _EntryPlan:
-    check_name(f"mm_hash of entry {index}", entry.mm_hash)
-    check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
-    return _EntryPlan(entry, index)
-
-
-async def _frames_of(request: bytes) -> AsyncIterator[bytes]:
-    """A GetAndUpdateOne request as the frames of a GetAndUpdate: it or none."""
-    if request:  # a frame is never empty: it holds at least a tag and a length
-        yield request
-
-
-def _metadata_header(context: Context) -> pb.UpdateRequest | None:
-    """The request the call's metadata carries, if it carries one."""
-    for key, value in context.invocation_metadata() or ():
-        if key == UPDATE_HEADER_KEY and isinstance(value, bytes):  # "-bin" values are bytes
-            try:
-                return pb.UpdateRequest.FromString(value)
-            except DecodeError as exc:
-                raise InvalidArgumentError(
-                    f"the {UPDATE_HEADER_KEY} metadata is not a serialised UpdateRequest: {exc}"
-                ) from None
-    return None
-
-
-def _surplus_message(frame: bytes, header_in_metadata: bool) -> str:
-    if header_in_metadata and frame[:1] == bytes((HEADER_TAG,)):
-        return (
-            f"a header frame arrived, but the header came as {UPDATE_HEADER_KEY} metadata: "
-            "send one or the other"
-        )
-    return "more chunk frames arrived than the header's num_chunks declare"
-
-
-def _parse_header(frame: bytes | None) -> pb.UpdateRequest:
-    """The request in the first frame (when the metadata carried none)."""
-    what = f"the first GetAndUpdate frame (the call has no {UPDATE_HEADER_KEY} metadata)"
-    if frame is None:
-        raise InvalidArgumentError(f"GetAndUpdate got no header: {what} is missing")
-    body = header_frame_body(frame, what)
-    try:
-        return pb.UpdateRequest.FromString(body)
-    except DecodeError as exc:
-        raise InvalidArgumentError(f"the header does not parse: {exc}") from None
-
-
-async def _read_chunks(
-    stream: AsyncIterator[bytes], index: int, entry: pb.UpdateEntry, plan: _EntryPlan
-) -> tuple[bytes, ...]:
-    assert plan.chunks is not None
-    frames: list[bytes] = []
-    received = 0
-    for n in range(plan.chunks):
-        frame = await anext(stream, None)
-        if frame is None:
-            raise InvalidArgumentError(
-                f"the upload ended after {n} of the {plan.chunks} chunks of entry {index} "
-                f"({entry.mm_hash!r})"
-            )
-        length = len(frame) - chunk_payload_offset(frame)
-        if not 0 < length <= MAX_CHUNK_BYTES:
-            raise InvalidArgumentError(
-                f"chunk {n} of entry {index} carries {length} bytes; chunks carry 1 to "
-                f"{MAX_CHUNK_BYTES}"
-            )
-        received += length
-        frames.append(frame)
-    if received != plan.payload:
-        raise InvalidArgumentError(
-            f"entry {index} ({entry.mm_hash!r}) declares {plan.payload} payload bytes "
-            f"(from its dtypes and shapes) but its {plan.chunks} chunks carry {received}"
-        )
-    return tuple(frames)

@@ -1,0 +1,51 @@
+"""Uploads in flight, by hash: so that a new item's bytes travel once.
+
+A call that uploads a hash nobody is uploading marks it pending (the feed
+says so, and mirrors that see it send the hash alone); a call that names a
+pending hash without data waits for that upload to end, then finds the item
+held. A call marks only after its own waits, so it never waits while holding
+a mark another call may be waiting for: no two calls can wait on each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+
+from mmcache.v1 import cache_pb2 as pb
+
+__all__ = ["PendingUploads"]
+
+
+class PendingUploads:
+    def __init__(self, emit: Callable[[pb.ChangeKind.ValueType, str], None]) -> None:
+        self._emit = emit
+        self._ends: dict[str, asyncio.Future[None]] = {}
+
+    def hashes(self) -> list[str]:
+        """Hashes being uploaded now."""
+        return list(self._ends)
+
+    async def wait(self, mm_hashes: Iterable[str], timeout: float | None) -> int:
+        """Wait (at most `timeout` s) for the uploads of these hashes; how many there were."""
+        ends = {self._ends[h] for h in mm_hashes if h in self._ends}
+        if ends:
+            await asyncio.wait(ends, timeout=timeout)
+        return len(ends)
+
+    def mark(self, mm_hashes: Sequence[str]) -> list[str]:
+        """Mark the hashes nobody uploads yet; the ones marked, to `settle` when done."""
+        marked: list[str] = []
+        loop = asyncio.get_running_loop()
+        for h in mm_hashes:
+            if h not in self._ends:
+                self._ends[h] = loop.create_future()
+                self._emit(pb.CHANGE_PENDING, h)
+                marked.append(h)
+        return marked
+
+    def settle(self, marked: Iterable[str]) -> None:
+        """The upload ended (stored or not): wake its waiters."""
+        for h in marked:
+            self._ends.pop(h).set_result(None)
+            self._emit(pb.CHANGE_SETTLED, h)

@@ -1,0 +1,236 @@
+"""GetAndUpdate's messages on the server: the header, the chunk frames, the reply.
+
+The header comes from the call's metadata or its first frame; `parse_header`
+turns each of its entries into one frozen `EntryHeader`, checked before any
+byte is read; `read_chunks` reads one entry's frames; `upload_entry` joins
+the two into what the store applies; `build_reply` writes the answer. No
+other module reads or writes these wire messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import InvalidArgumentError
+from mmcache._frames import (
+    HEADER_TAG,
+    MAX_CHUNK_BYTES,
+    UPDATE_HEADER_KEY,
+    chunk_payload_offset,
+    header_frame_body,
+)
+from mmcache._spec import MAX_METADATA_BYTES, check_name, item_size
+from mmcache.v1 import cache_pb2 as pb
+
+from ._store import BatchResult, StoredItem, UploadEntry
+
+__all__ = [
+    "EntryHeader",
+    "build_reply",
+    "check_no_surplus",
+    "data_hashes",
+    "frames_of",
+    "parse_header",
+    "read_chunks",
+    "read_request",
+    "upload_entry",
+]
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class EntryHeader:
+    """One entry as its header describes it, checked."""
+
+    index: int
+    mm_hash: str
+    modality: str  # the metrics label
+    spec: pb.ItemSpec | None  # None: the hash alone
+    chunks: int | None  # chunk frames that follow for it; None: no data follows
+    payload: int  # tensor bytes those frames carry
+    charged: int  # what the LRU charges: the spec's size plus the metadata's
+    withheld: bool  # data larger than the whole cache, kept home by the client
+    resend: bool
+    metadata: bytes
+    want_metadata: bool
+
+    @property
+    def where(self) -> str:
+        return f"entry {self.index} ({self.mm_hash!r})"
+
+
+async def read_request(
+    context: Context, frames: AsyncIterator[bytes]
+) -> tuple[pb.UpdateRequest, bool]:
+    """The call's UpdateRequest, and whether it came as metadata (else as the first frame)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == UPDATE_HEADER_KEY and isinstance(value, bytes):  # "-bin" values are bytes
+            try:
+                return pb.UpdateRequest.FromString(value), True
+            except DecodeError as exc:
+                raise InvalidArgumentError(
+                    f"the {UPDATE_HEADER_KEY} metadata is not a serialised UpdateRequest: {exc}"
+                ) from None
+    what = f"the first GetAndUpdate frame (the call has no {UPDATE_HEADER_KEY} metadata)"
+    frame = await anext(frames, None)
+    if frame is None:
+        raise InvalidArgumentError(f"GetAndUpdate got no header: {what} is missing")
+    try:
+        return pb.UpdateRequest.FromString(header_frame_body(frame, what)), False
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the header does not parse: {exc}") from None
+
+
+def parse_header(request: pb.UpdateRequest) -> list[EntryHeader]:
+    """Check the touches and every entry; raises InvalidArgumentError naming the fault."""
+    for h in request.touches:
+        check_name("touched mm_hash", h)
+    return [_entry_header(i, entry) for i, entry in enumerate(request.entries)]
+
+
+def _entry_header(index: int, entry: pb.UpdateEntry) -> EntryHeader:
+    check_name(f"mm_hash of entry {index}", entry.mm_hash)
+    check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
+    where = f"entry {index} ({entry.mm_hash!r})"
+    if not entry.HasField("item"):
+        if entry.withheld or entry.num_chunks or entry.resend or entry.metadata:
+            raise InvalidArgumentError(
+                f"{where} has no item spec, so withheld, num_chunks, resend and metadata "
+                "must be unset"
+            )
+        return EntryHeader(
+            index=index,
+            mm_hash=entry.mm_hash,
+            modality=entry.modality,
+            spec=None,
+            chunks=None,
+            payload=0,
+            charged=0,
+            withheld=False,
+            resend=False,
+            metadata=b"",
+            want_metadata=entry.want_metadata,
+        )
+    if len(entry.metadata) > MAX_METADATA_BYTES:
+        raise InvalidArgumentError(
+            f"{where} carries {len(entry.metadata)} bytes of metadata; the limit is "
+            f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
+        )
+    try:
+        size = item_size(entry.item)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from None
+    chunks: int | None = None
+    if entry.withheld:
+        if entry.num_chunks:
+            raise InvalidArgumentError(f"{where} is withheld but declares chunks")
+    else:
+        least = -(-size.payload // MAX_CHUNK_BYTES)
+        if not least <= entry.num_chunks <= size.payload:
+            raise InvalidArgumentError(
+                f"{where}: {size.payload} payload bytes cannot travel in {entry.num_chunks} "
+                f"chunks of 1 to {MAX_CHUNK_BYTES} bytes (need {least} to {size.payload})"
+            )
+        chunks = entry.num_chunks
+    return EntryHeader(
+        index=index,
+        mm_hash=entry.mm_hash,
+        modality=entry.modality,
+        spec=entry.item,
+        chunks=chunks,
+        payload=size.payload,
+        charged=size.charged + len(entry.metadata),
+        withheld=entry.withheld,
+        resend=entry.resend,
+        metadata=entry.metadata,
+        want_metadata=entry.want_metadata,
+    )
+
+
+async def read_chunks(stream: AsyncIterator[bytes], entry: EntryHeader) -> tuple[bytes, ...]:
+    """The chunk frames of one entry, each checked, their bytes totalled."""
+    assert entry.chunks is not None
+    frames: list[bytes] = []
+    received = 0
+    for n in range(entry.chunks):
+        frame = await anext(stream, None)
+        if frame is None:
+            raise InvalidArgumentError(
+                f"the upload ended after {n} of the {entry.chunks} chunks of {entry.where}"
+            )
+        length = len(frame) - chunk_payload_offset(frame)
+        if not 0 < length <= MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(
+                f"chunk {n} of entry {entry.index} carries {length} bytes; chunks carry 1 to "
+                f"{MAX_CHUNK_BYTES}"
+            )
+        received += length
+        frames.append(frame)
+    if received != entry.payload:
+        raise InvalidArgumentError(
+            f"{entry.where} declares {entry.payload} payload bytes (from its dtypes and "
+            f"shapes) but its {entry.chunks} chunks carry {received}"
+        )
+    return tuple(frames)
+
+
+async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: bool) -> None:
+    """Fail when frames follow the last declared chunk."""
+    frame = await anext(stream, None)
+    if frame is None:
+        return
+    if header_in_metadata and frame[:1] == bytes((HEADER_TAG,)):
+        raise InvalidArgumentError(
+            f"a header frame arrived, but the header came as {UPDATE_HEADER_KEY} metadata: "
+            "send one or the other"
+        )
+    raise InvalidArgumentError("more chunk frames arrived than the header's num_chunks declare")
+
+
+def upload_entry(entry: EntryHeader, frames: tuple[bytes, ...]) -> UploadEntry:
+    """What the store applies for one entry, its frames read."""
+    if entry.spec is None:
+        return UploadEntry(entry.mm_hash, want_metadata=entry.want_metadata)
+    if entry.withheld:
+        return UploadEntry(entry.mm_hash, withheld=True)
+    item = StoredItem(entry.spec, frames, entry.payload, entry.charged, entry.metadata)
+    return UploadEntry(entry.mm_hash, item)
+
+
+def build_reply(
+    instance_id: str,
+    capacity: int,
+    max_items: int,
+    seq: int,
+    lease_ms: int,
+    result: BatchResult,
+) -> bytes:
+    return pb.UpdateReply(
+        instance_id=instance_id,
+        capacity_bytes=capacity,
+        max_items=max_items,
+        outcomes=[o.value for o in result.outcomes],  # type: ignore[misc]
+        sizes=result.sizes,
+        seq=seq,
+        evicted=result.evicted,
+        evicted_truncated=result.evicted_truncated,
+        metadata=result.metadata or (),
+        lease_ms=lease_ms,
+    ).SerializeToString()
+
+
+async def frames_of(request: bytes) -> AsyncIterator[bytes]:
+    """A GetAndUpdateOne request as the frames of a GetAndUpdate: it or none."""
+    if request:  # a frame is never empty: it holds at least a tag and a length
+        yield request
+
+
+def data_hashes(entries: Sequence[EntryHeader]) -> list[str]:
+    """The hashes whose data this call uploads."""
+    return [e.mm_hash for e in entries if e.chunks is not None]
