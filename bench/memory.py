@@ -108,7 +108,7 @@ async def run_workload(w: Workload, capacity: int, inflight: int, churn: float) 
                     batch = [{"pixel_values": rng.choice(tensors)} for _ in range(w.per_call)]
                     keys = [f"{made + i:064x}" for i in range(w.per_call)]
                     made += w.per_call
-                    await client.get_and_update(batch, keys)
+                    await client.get_and_update(batch, keys, lease=False)  # churn: no reader
 
             await asyncio.gather(*(upload() for _ in range(w.tasks)))
             info = await client._rpc.info()

@@ -126,7 +126,10 @@ async def mmcache_ops(client: MMCacheClient, nbytes: int) -> tuple[dict[str, Op]
     counter = iter(range(1 << 30))
 
     async def put() -> None:
-        (sent,) = await client.get_and_update([item], [f"put-{nbytes}-{next(counter)}"])
+        # Nobody reads these: no lease, or the full cache could not evict.
+        (sent,) = await client.get_and_update(
+            [item], [f"put-{nbytes}-{next(counter)}"], lease=False
+        )
         assert sent is item  # a miss each time: the bytes really move
 
     # Steady state, as in production: the cache is full and every put evicts.
@@ -141,7 +144,7 @@ async def mmcache_ops(client: MMCacheClient, nbytes: int) -> tuple[dict[str, Op]
     async def upload_fetched() -> None:
         # The puts of the burst before evicted it: upload it again, untimed.
         if not client.is_cached_item(fetched):
-            await client.get_and_update([item], [fetched])
+            await client.get_and_update([item], [fetched], lease=False)
 
     return {"put": put, "fetch": get}, {"fetch": upload_fetched}
 

@@ -117,6 +117,8 @@ class Mirror:
 
     def call_ended(self, token: int) -> None:
         self._calls.pop(token, None)
+        if not self._gone:
+            return
         # A removal need be remembered only while an older fact can still
         # arrive: from a reply of a call begun before it, or from the feed.
         floor = min(self._calls.values(), default=self._seen + 1)

@@ -186,8 +186,29 @@ class ByteLRU(Generic[V]):
         self._evict_until(0, 0)
 
     def put(self, key: str, value: V, size: int) -> Outcome:
-        """Store `value` under `key` (replacing any entry), evicting as needed."""
-        return self.apply_batch([BatchEntry(key, size, value)], replace_present=True)[0]
+        """Store `value` under `key` (replacing any entry), evicting as needed.
+
+        The batch rule for a batch of one entry, without the batch's
+        bookkeeping (the mirror calls this for every fact it learns).
+        """
+        pinned = self._pinned.get(key)
+        held = self._data.get(key) if pinned is None else pinned
+        old_size = 0 if held is None else held[1]
+        # What must stay: every pinned entry, less the one being replaced.
+        others = len(self._pinned) - (pinned is not None)
+        full = self._max_items is not None and others >= self._max_items
+        if full or size > self._capacity - (self._pinned_bytes - (pinned is not None) * old_size):
+            if held is not None:
+                self.pop(key)
+            return Outcome.UNCACHED
+        if held is not None:
+            self.pop(key)
+        self._evict_until(size, 1)
+        self._data[key] = (value, size)
+        self._used += size
+        if pinned is not None:  # sent data replaces a leased entry, which stays leased
+            self.pin(key)
+        return Outcome.STORED if held is None else Outcome.REPLACED
 
     def apply_batch(
         self, entries: Sequence[BatchEntry[V]], *, replace_present: bool

@@ -59,7 +59,7 @@ class Feed:
         instance_id: str,
         state: Callable[[], FeedState],
         *,
-        flush_s: float = 0.003,
+        flush_s: float = 0.01,
         ring_bytes: int = 32 << 20,
         on_snapshot: Callable[[str], None] | None = None,
     ) -> None:
@@ -97,8 +97,9 @@ class Feed:
         if not self._subscribers:
             # Nobody listens: only the number moves on, and any snapshot or
             # ring content is now stale for a newcomer.
-            self._snapshot = None
-            self._drop_ring()
+            if self._snapshot is not None or self._ring:
+                self._snapshot = None
+                self._drop_ring()
             return
         self._kinds.append(kind)
         self._hashes.append(mm_hash)

@@ -28,6 +28,8 @@ class PendingUploads:
 
     async def wait(self, mm_hashes: Iterable[str], timeout: float | None) -> int:
         """Wait (at most `timeout` s) for the uploads of these hashes; how many there were."""
+        if not self._ends:
+            return 0
         ends = {self._ends[h] for h in mm_hashes if h in self._ends}
         if ends:
             await asyncio.wait(ends, timeout=timeout)

@@ -165,7 +165,8 @@ class CacheServicer:
             [e.mm_hash for e in entries if e.spec is None],
             None if remaining is None else max(0.0, remaining - 0.05),
         )
-        self._metrics.upload_waits.inc(waited)
+        if waited:
+            self._metrics.upload_waits.inc(waited)
         marked = self._pending.mark(data_hashes(entries))
         try:
             result = await self._receive_and_apply(request, entries, frames, in_metadata)

@@ -262,3 +262,25 @@ def test_pins_keep_the_bounds_and_never_lose_a_pinned_entry(seed: int) -> None:
         assert lru.used <= 40 and len(lru) <= 6
         assert pinned <= set(lru.keys())  # a put over a pinned key replaces it, still pinned
         assert lru.pinned_bytes == sum(lru.size_of(k) or 0 for k in pinned)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_put_is_the_batch_rule_for_one_entry(seed: int) -> None:
+    rng = random.Random(seed)
+    fast: ByteLRU[int] = ByteLRU(30, max_items=5)
+    batch: ByteLRU[int] = ByteLRU(30, max_items=5)
+    for step in range(3000):
+        key = f"k{rng.randrange(12)}"
+        if rng.random() < 0.15 and key in fast:
+            assert fast.pin(key) == batch.pin(key)
+        elif rng.random() < 0.15:
+            fast.unpin(key)
+            batch.unpin(key)
+        else:
+            size = rng.randint(0, 14)
+            outcome = fast.put(key, step, size)
+            assert [outcome] == batch.apply_batch(
+                [BatchEntry(key, size, step)], replace_present=True
+            )
+        assert list(fast.keys()) == list(batch.keys())
+        assert (fast.used, fast.pinned_bytes) == (batch.used, batch.pinned_bytes)
