@@ -67,6 +67,7 @@ class FeedFollower:
         sizes: list[int] = []
         pending: list[str] = []
         head: int | None = None  # caught up once the mirror has applied this far
+        self._mirror().syncing = True
         stream = self._subscribe()
         try:
             async for message in stream:

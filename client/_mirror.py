@@ -48,9 +48,15 @@ class Mirror:
         self._calls: dict[int, int] = {}
         self._next_call = 0
         self._seen = 0  # the newest sequence number of any fact applied
-        self._pending: set[str] = set()  # uploads in flight on the server (feed)
+        # Uploads in flight on the server (feed), with the number of their mark:
+        # any newer fact about the key ends the mark, so a mark the feed has
+        # not yet settled never outlives what a reply already told.
+        self._pending: dict[str, int] = {}
         self._touched: list[str] = []
         self.following = False  # the feed is live: the server's evictions arrive
+        # A subscription is under way and its snapshot (which may be older
+        # than what replies told) is yet to come: keep every removal till then.
+        self.syncing = False
         self.feed_seq = 0  # the number of the last feed change applied
 
     @property
@@ -117,7 +123,7 @@ class Mirror:
 
     def call_ended(self, token: int) -> None:
         self._calls.pop(token, None)
-        if not self._gone:
+        if not self._gone or self.syncing:
             return
         # A removal need be remembered only while an older fact can still
         # arrive: from a reply of a call begun before it, or from the feed.
@@ -182,8 +188,9 @@ class Mirror:
         for mm_hash, fact_seq, size in old.items():
             if fact_seq > seq:  # learnt from a reply ahead of the snapshot
                 self._lru.put(mm_hash, fact_seq, size)
-        self._pending = set(pending)
+        self._pending = {h: seq for h in pending}
         self._capacity, self._max_items = capacity, max_items
+        self.syncing = False
         self.feed_seq = seq
         self._seen = max(self._seen, seq)
         self.following = True
@@ -206,9 +213,10 @@ class Mirror:
             elif kind == pb.CHANGE_REMOVED:
                 self._absent(mm_hash, seq)
             elif kind == pb.CHANGE_PENDING:
-                self._pending.add(mm_hash)
+                if max(self._lru.peek(mm_hash) or -1, self._gone.get(mm_hash, -1)) < seq:
+                    self._pending[mm_hash] = seq
             elif kind == pb.CHANGE_SETTLED:
-                self._pending.discard(mm_hash)
+                self._pending.pop(mm_hash, None)
         self.feed_seq = max(self.feed_seq, last_seq)
         self._seen = max(self._seen, last_seq)
         return True
@@ -216,6 +224,7 @@ class Mirror:
     def feed_lost(self) -> None:
         """The feed went quiet: bound the mirror by the server's limits again."""
         self.following = False
+        self.syncing = False
         self._pending.clear()
         self._lru.resize(self._capacity, self._max_items or None)
 
@@ -229,6 +238,7 @@ class Mirror:
         self._pending.clear()
         self._touched.clear()
         self.following = False
+        self.syncing = False
         self.feed_seq = 0
         self._seen = 0
 
@@ -239,7 +249,12 @@ class Mirror:
         if not self.following:
             self._lru.resize(capacity, max_items or None)
 
+    def _end_pending(self, mm_hash: str, seq: int) -> None:
+        if self._pending.get(mm_hash, seq) < seq:
+            del self._pending[mm_hash]
+
     def _present(self, mm_hash: str, size: int, seq: int) -> None:
+        self._end_pending(mm_hash, seq)
         known = self._lru.peek(mm_hash)
         if (known is not None and known > seq) or self._gone.get(mm_hash, -1) > seq:
             return  # a newer fact is known
@@ -247,9 +262,10 @@ class Mirror:
         self._lru.put(mm_hash, seq, size)  # its fact's number, its size, and recency
 
     def _absent(self, mm_hash: str, seq: int) -> None:
+        self._end_pending(mm_hash, seq)
         known = self._lru.peek(mm_hash)
         if known is not None and known > seq:
             return
         self._lru.pop(mm_hash)
-        if self._calls or self.following:
+        if self._calls or self.following or self.syncing:
             self._gone[mm_hash] = max(seq, self._gone.get(mm_hash, -1))

@@ -130,6 +130,17 @@ def test_a_snapshot_keeps_newer_facts_from_replies() -> None:
     assert sorted(mirror.keys()) == ["new", "old"] and mirror.is_pending("up")
 
 
+def test_an_older_snapshot_does_not_bring_back_what_replies_removed() -> None:
+    mirror = Mirror("i", BIG)
+    mirror.syncing = True  # subscribed; the snapshot is on its way
+    for seq, outcome in ((3, Outcome.STORED), (7, Outcome.MISSING)):
+        token = mirror.call_started()
+        mirror.apply_reply("i", BIG, 0, seq, ["k"], [outcome], [5])
+        mirror.call_ended(token)  # no call in flight: but the removal is kept
+    mirror.apply_snapshot("i", 5, ["k"], [5], [], BIG, 0)  # shared, taken at 5
+    assert "k" not in mirror
+
+
 def test_pending_marks_come_and_go_with_the_feed() -> None:
     mirror = Mirror("i", BIG)
     mirror.apply_snapshot("i", 0, [], [], [], BIG, 0)
@@ -141,6 +152,21 @@ def test_pending_marks_come_and_go_with_the_feed() -> None:
     assert not mirror.is_pending("x") and mirror.size_of("x") == 5
     mirror.feed_lost()
     assert not mirror.following and "x" in mirror
+
+
+def test_a_reply_newer_than_a_pending_mark_ends_it() -> None:
+    # The feed says "pending" late: the upload's own reply (seq 4) came first.
+    mirror = Mirror("i", BIG)
+    mirror.apply_snapshot("i", 0, [], [], [], BIG, 0)
+    mirror.apply_reply("i", BIG, 0, 4, ["x"], [Outcome.STORED], [5])
+    mark = pb.FeedChanges(kinds=[pb.CHANGE_PENDING], mm_hashes=["x"], sizes=[0])
+    assert mirror.apply_changes("i", 1, mark)
+    assert not mirror.is_pending("x")
+    # A mark newer than everything known stands until a newer fact.
+    again = pb.FeedChanges(kinds=[pb.CHANGE_PENDING], mm_hashes=["y"], sizes=[0])
+    assert mirror.apply_changes("i", 2, again) and mirror.is_pending("y")
+    mirror.apply_reply("i", BIG, 0, 6, ["y"], [Outcome.MISSING], [0])
+    assert not mirror.is_pending("y")
 
 
 def test_a_new_instance_resets_the_mirror() -> None:
