@@ -34,7 +34,7 @@ from mmcache.v1 import cache_pb2 as pb
 from ._feed import Feed
 from ._inflight import InflightBudget
 from ._pending import PendingUploads
-from ._status import guard
+from ._status import guard, write
 from ._store import BatchResult, ItemStore
 from ._upload import (
     EntryHeader,
@@ -152,7 +152,7 @@ class CacheServicer:
         subscriber = self._feed.subscribe()
         try:
             async for message in subscriber.messages():
-                await context.write(message)
+                await write(context, message)
         finally:
             self._feed.unsubscribe(subscriber)
 
@@ -220,12 +220,12 @@ class CacheServicer:
         header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
             header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
-        await context.write(header_frame(header.SerializeToString()))
+        await write(context, header_frame(header.SerializeToString()))
         # The frames are the very objects that arrived: held references keep
         # them alive even if the items are evicted meanwhile.
         for item in items:
             for frame in item.frames:
-                await context.write(frame)
+                await write(context, frame)
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(request.mm_hashes)

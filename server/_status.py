@@ -21,7 +21,7 @@ from grpc_status import rpc_status
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["INSTANCE_ID_KEY", "guard", "status_code_of"]
+__all__ = ["INSTANCE_ID_KEY", "guard", "status_code_of", "write"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -53,6 +53,26 @@ def _status_of(exc: errors.MMCacheError) -> grpc.Status:
     return rpc_status.to_status(status)
 
 
+class _ClientGone(Exception):
+    """A server stream's client left: its messages have nowhere to go."""
+
+
+async def write(context: grpc.aio.ServicerContext[Any, Any], message: Any) -> None:
+    """Write one message of a server stream.
+
+    grpc's aio server fails the write of a stream whose client has gone
+    (a crash, a cancel) with an internal error, before it marks the call
+    cancelled; that is no failure of the server, so `guard` ends the call
+    quietly instead of logging an error.
+    """
+    try:
+        await context.write(message)
+    except (asyncio.CancelledError, grpc.aio.AbortError):
+        raise
+    except Exception as exc:
+        raise _ClientGone from exc
+
+
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
 
 
@@ -68,6 +88,9 @@ def guard(instance_id: str) -> Callable[[H], H]:
                 status = _status_of(exc)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
+            except _ClientGone:
+                _LOGGER.debug("%s: the client left the stream", handler.__qualname__)
+                return None
             except Exception:
                 _LOGGER.exception("handler %s failed", handler.__qualname__)
                 status = rpc_status.to_status(

@@ -7,6 +7,7 @@ where the behaviour is about several processes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import signal
 import socket
@@ -342,6 +343,40 @@ async def test_a_mirror_resyncs_after_a_server_restart() -> None:
             await eventually(lambda: client.following and client.instance_id == second.instance_id)
             assert client.instance_id != old
             await eventually(lambda: client.is_cached(["old", "new"]) == [False, True])
+
+
+_SLOW_SUBSCRIBER = """
+import asyncio, sys, grpc
+from mmcache.v1 import cache_pb2 as pb
+async def main():
+    options = [("grpc.http2.bdp_probe", 0)]
+    async with grpc.aio.insecure_channel(sys.argv[1], options=options) as channel:
+        call = channel.unary_stream("/mmcache.v1.MMCache/Subscribe")(b"")
+        await anext(aiter(call))
+        print("subscribed", flush=True)
+        await asyncio.sleep(600)  # reads nothing more
+asyncio.run(main())
+"""
+
+
+async def test_a_subscriber_that_dies_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    async with serving() as server, connected(server, follow=False) as writer:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-c", _SLOW_SUBSCRIBER, f"127.0.0.1:{server.port}"),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"subscribed\n"
+        assert server.feed.subscribers == 1
+        for i in range(300):  # more than its window: the server's writes to it stall
+            await writer.get_and_update([image_item(i, 10)], [f"k{i}" + "x" * 200], lease=False)
+        proc.kill()
+        await proc.wait()
+        for i in range(300, 400):
+            await writer.get_and_update([image_item(i, 10)], [f"k{i}" + "x" * 200], lease=False)
+        await eventually(lambda: server.feed.subscribers == 0)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_mirrors_in_other_processes_see_what_each_frontend_uploaded() -> None:

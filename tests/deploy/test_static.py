@@ -260,6 +260,9 @@ def test_dashboard_queries_name_only_contract_metrics_and_labels() -> None:
         "grpc_server_handling_seconds_bucket",
         "mmcache_encoder_free_tokens",
         "mmcache_encoder_referenced_tokens",
+        "mmcache_leased_bytes",
+        "mmcache_lease_expiries_total",
+        "mmcache_feed_snapshots_total",
     ):
         assert needed in used, f"no panel shows {needed}"
 
