@@ -12,12 +12,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmcache._errors import InvalidArgumentError
+from mmcache._frames import MAX_MESSAGE_BYTES
 from mmcache._lru import Outcome
 from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, iter_chunk_frames, num_chunks
 
 __all__ = ["Batch", "Entry", "Lease", "Reply", "build_batch", "lease_mode", "read_reply"]
+
+# A header must fit one message, with room for the frame's own prefix.
+MAX_HEADER_BYTES = MAX_MESSAGE_BYTES - 1024
 
 # What a call leases: True (every item held or stored), "hits" (only those
 # returned as None, which the engine must read), or False.
@@ -97,7 +101,13 @@ def build_batch(
         wire.metadata = entry.metadata
         wire.num_chunks = num_chunks(entry.data, chunk_bytes)
         sending.append(entry.data)
-    return Batch(request.SerializeToString(), tuple(sending), chunk_bytes)
+    header = request.SerializeToString()
+    if len(header) > MAX_HEADER_BYTES:
+        raise InvalidArgumentError(
+            f"this batch's header is {len(header)} bytes (its specs and metadata); one call's "
+            f"header must fit {MAX_HEADER_BYTES}: send fewer items per call"
+        )
+    return Batch(header, tuple(sending), chunk_bytes)
 
 
 def read_reply(reply: pb.UpdateReply, entries: int) -> Reply:

@@ -310,9 +310,21 @@ class MMCacheClient:
     # -- calls -------------------------------------------------------------
 
     async def clear_cache(self) -> None:
-        """Empty the server's cache and the mirror."""
+        """Empty the server's cache (leased items stay until read) and the mirror.
+
+        A following mirror waits (at most 2 s) for the feed to bring the
+        removals, so it keeps the leased items; otherwise it forgets everything.
+        """
         reply = await self._rpc.clear()
-        self._mirror.clear(reply.instance_id)
+        mirror = self._mirror
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while mirror.following and mirror.instance_id == reply.instance_id:
+            if mirror.feed_seq >= reply.seq:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.002)
+        mirror.clear(reply.instance_id)
 
     async def get_and_update(
         self,

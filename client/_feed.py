@@ -51,6 +51,10 @@ class FeedFollower:
                     backoff = _BACKOFF_FIRST_S  # a snapshot arrived: healthy again
             except MMCacheError as exc:
                 _LOGGER.debug("mirror feed interrupted: %s", exc)
+            except Exception:
+                # A message this client cannot apply (a bug somewhere): the
+                # mirror must not go on believing it follows. Subscribe again.
+                _LOGGER.warning("mirror feed failed; subscribing again", exc_info=True)
             self.live.clear()
             self._mirror().feed_lost()
             self.resubscribes += 1

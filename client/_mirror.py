@@ -163,7 +163,14 @@ class Mirror:
             self._lru.pop(mm_hash)
 
     def clear(self, instance_id: str) -> None:
-        self._reset(instance_id)
+        """The server was cleared and the feed did not tell: forget everything."""
+        following = self.following and instance_id == self.instance_id
+        self._lru.clear()
+        self._gone.clear()
+        self._pending.clear()
+        self._touched.clear()
+        if not following:
+            self._reset(instance_id)
 
     # -- the feed ------------------------------------------------------------
 
@@ -219,6 +226,9 @@ class Mirror:
                 self._pending.pop(mm_hash, None)
         self.feed_seq = max(self.feed_seq, last_seq)
         self._seen = max(self._seen, last_seq)
+        if self._gone and not self._calls and not self.syncing:
+            # No reply in flight: only removals ahead of the feed still matter.
+            self._gone = {k: s for k, s in self._gone.items() if s > self.feed_seq}
         return True
 
     def feed_lost(self) -> None:

@@ -120,6 +120,14 @@ class ByteLRU(Generic[V]):
         for key, (value, size) in self._pinned.items():
             yield key, value, size
 
+    def sizes(self) -> tuple[list[str], list[int]]:
+        """Every key and its size, in the order of `keys` (C-speed loops: a
+        million entries in tens of milliseconds)."""
+        keys = [*self._data, *self._pinned]
+        sizes = [entry[1] for entry in self._data.values()]
+        sizes += [entry[1] for entry in self._pinned.values()]
+        return keys, sizes
+
     def _get(self, key: str) -> tuple[V, int] | None:
         entry = self._data.get(key)
         return self._pinned.get(key) if entry is None else entry
@@ -138,6 +146,9 @@ class ByteLRU(Generic[V]):
         if key in self._data:
             self._data.move_to_end(key)
             return True
+        return key in self._pinned
+
+    def is_pinned(self, key: str) -> bool:
         return key in self._pinned
 
     def pin(self, key: str) -> bool:
@@ -198,7 +209,7 @@ class ByteLRU(Generic[V]):
         others = len(self._pinned) - (pinned is not None)
         full = self._max_items is not None and others >= self._max_items
         if full or size > self._capacity - (self._pinned_bytes - (pinned is not None) * old_size):
-            if held is not None:
+            if held is not None and pinned is None:
                 self.pop(key)
             return Outcome.UNCACHED
         if held is not None:
@@ -222,7 +233,8 @@ class ByteLRU(Generic[V]):
         evicts only entries the batch does not refer to: an item that would
         need more room than that (bytes, or an entry slot under `max_items`)
         is UNCACHED, and an entry it was meant to replace is dropped rather
-        than left serving old data.
+        than left serving old data, unless that entry is pinned (promised to
+        a reader): a pinned entry leaves only by `unpin`, `pop` or `clear`.
         """
         data = self._data
         batch_keys = {e.key for e in entries}
@@ -251,7 +263,9 @@ class ByteLRU(Generic[V]):
             others = pinned_items - (held is not None)  # entries that must stay
             full = limit is not None and others >= limit
             if full or entry.size > self._capacity - (pinned - old_size):
-                if held is not None:
+                # The old entry goes rather than serve stale data, unless it is
+                # pinned: a pinned entry was promised to a reader.
+                if held is not None and key not in self._pinned:
                     self.pop(key)
                     pinned -= old_size
                     pinned_items -= 1

@@ -168,10 +168,11 @@ class Feed:
         async with self._building:
             snapshot = self._snapshot
             start = None if snapshot is None else self._index_after(snapshot.seq)
-            if snapshot is None or start is None:
+            while snapshot is None or start is None:
+                # Built in parts with the loop free between them: if the ring
+                # dropped what follows it meanwhile, build again.
                 snapshot = await self._build()
                 start = self._index_after(snapshot.seq)
-                assert start is not None
             subscriber.cursor = start
             if self._on_snapshot is not None:
                 self._on_snapshot(reason)

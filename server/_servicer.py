@@ -48,11 +48,16 @@ from ._upload import (
     upload_entry,
 )
 
-__all__ = ["SERVICE_NAME", "CacheServicer"]
+__all__ = ["SERVICE_NAME", "UPLOAD_WAIT_S", "CacheServicer"]
 
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MMCache"].full_name
+
+# How long a hash-only entry waits for another call's upload of the same hash:
+# enough for items up to tens of MiB on loopback; a longer upload, or a
+# stalled one, costs the waiter a re-send, never a hang.
+UPLOAD_WAIT_S = 0.5
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -135,7 +140,9 @@ class CacheServicer:
     async def clear(self, request: pb.ClearRequest, context: Context) -> pb.ClearReply:
         removed, kept = self._store.clear()
         _LOGGER.info("cache cleared: %d items removed, %d leased items kept", removed, kept)
-        return pb.ClearReply(instance_id=self._instance_id, removed=removed, kept_leased=kept)
+        return pb.ClearReply(
+            instance_id=self._instance_id, removed=removed, kept_leased=kept, seq=self._feed.seq
+        )
 
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
         for h in request.mm_hashes:
@@ -159,11 +166,12 @@ class CacheServicer:
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
         request, in_metadata = await read_request(context, frames)
         entries = parse_header(request)
+        # Past the wait the entry is simply MISSING and its sender re-sends it:
+        # a stalled upload elsewhere never holds this call up for long.
         remaining = context.time_remaining()
-        # Past the wait the entry is simply MISSING: leave the call time to answer.
+        wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
         waited = await self._pending.wait(
-            [e.mm_hash for e in entries if e.spec is None],
-            None if remaining is None else max(0.0, remaining - 0.05),
+            [e.mm_hash for e in entries if e.spec is None], max(0.0, wait_s)
         )
         if waited:
             self._metrics.upload_waits.inc(waited)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mmcache._errors import CacheMissError
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
@@ -23,6 +23,8 @@ __all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
 
 # Evicted hashes named in one reply; the feed names every one.
 MAX_REPLY_EVICTIONS = 4096
+# Metadata put in one reply, so that it fits one 8 MiB message.
+MAX_REPLY_METADATA_BYTES = 6 << 20
 
 _HELD = (Outcome.HIT, Outcome.STORED, Outcome.REPLACED)
 
@@ -61,6 +63,7 @@ class BatchResult:
     evicted: list[str]  # hashes evicted to make room (at most MAX_REPLY_EVICTIONS)
     evicted_truncated: bool
     metadata: list[bytes] | None  # per entry when any asked for it
+    metadata_truncated: bool = False  # some blobs left out (MAX_REPLY_METADATA_BYTES)
 
 
 class ItemStore:
@@ -140,11 +143,12 @@ class ItemStore:
         for key in touches:
             self._lru.touch(key)
         # Withheld data could never be stored: UNCACHED, and any older entry
-        # under the hash is dropped rather than left serving old data.
+        # under the hash is dropped rather than left serving old data, unless
+        # it is leased (promised to a reader; the hash names the same content).
         for entry in entries:
-            if entry.withheld:
+            if entry.withheld and not self._lru.is_pinned(entry.mm_hash):
                 self._drop(entry.mm_hash)
-        rest = [e for e in entries if not e.withheld]
+        rest = [self._keep_metadata(e) for e in entries if not e.withheld]
         held_before = {e.mm_hash for e in rest if e.item is not None and e.mm_hash in self._lru}
         self._evicted, self._evicted_count = [], 0
         applied = iter(
@@ -164,7 +168,11 @@ class ItemStore:
         for entry, outcome in zip(entries, outcomes, strict=True):
             if outcome in (Outcome.STORED, Outcome.REPLACED):
                 self._change(pb.CHANGE_STORED, entry.mm_hash, self._lru.size_of(entry.mm_hash))
-            elif outcome == Outcome.UNCACHED and entry.mm_hash in held_before:
+            elif (
+                outcome == Outcome.UNCACHED
+                and entry.mm_hash in held_before
+                and entry.mm_hash not in self._lru
+            ):
                 self._leases.forget(entry.mm_hash)
                 self._change(pb.CHANGE_REMOVED, entry.mm_hash)
         sizes = [
@@ -178,12 +186,16 @@ class ItemStore:
                 self._clock(),
             )
         metadata = None
+        budget = MAX_REPLY_METADATA_BYTES
         if any(e.want_metadata for e in entries):
-            metadata = [
-                self._metadata_of(e.mm_hash) if e.want_metadata and o == Outcome.HIT else b""
-                for e, o in zip(entries, outcomes, strict=True)
-            ]
-        return BatchResult(outcomes, sizes, evicted, truncated, metadata)
+            metadata = []
+            for e, o in zip(entries, outcomes, strict=True):
+                blob = self._metadata_of(e.mm_hash) if e.want_metadata and o == Outcome.HIT else b""
+                if len(blob) > budget:
+                    blob, budget = b"", -1  # the rest of the reply goes without
+                budget -= len(blob)
+                metadata.append(blob)
+        return BatchResult(outcomes, sizes, evicted, truncated, metadata, budget < 0)
 
     def fetch(self, mm_hashes: Sequence[str]) -> list[StoredItem]:
         """The items under `mm_hashes`, in order, without touching the order.
@@ -221,12 +233,19 @@ class ItemStore:
 
     def state(self, pending: Iterable[str] = ()) -> FeedState:
         """The key set now, least recently used first: what a feed snapshot sends."""
-        hashes: list[str] = []
-        sizes: list[int] = []
-        for key, _, size in self._lru.items():
-            hashes.append(key)
-            sizes.append(size)
+        hashes, sizes = self._lru.sizes()
         return FeedState(hashes, sizes, list(pending), self.capacity, self.max_items)
+
+    def _keep_metadata(self, entry: UploadEntry) -> UploadEntry:
+        """Data sent again without metadata keeps the metadata stored with it."""
+        item = entry.item
+        if item is None or item.metadata:
+            return entry
+        held = self._lru.peek(entry.mm_hash)
+        if held is None or not held.metadata:
+            return entry
+        kept = replace(item, metadata=held.metadata, size=item.size + len(held.metadata))
+        return replace(entry, item=kept)
 
     def _metadata_of(self, mm_hash: str) -> bytes:
         item = self._lru.peek(mm_hash)

@@ -221,6 +221,7 @@ def build_reply(
         evicted=result.evicted,
         evicted_truncated=result.evicted_truncated,
         metadata=result.metadata or (),
+        metadata_truncated=result.metadata_truncated,
         lease_ms=lease_ms,
     ).SerializeToString()
 

@@ -90,3 +90,31 @@ async def test_changes_nobody_subscribes_to_cost_only_their_number() -> None:
     subscriber = feed.subscribe()
     snapshot, _ = await take(subscriber.messages(), 2)
     assert snapshot.seq == 100 and len(snapshot.snapshot.mm_hashes) == 100
+
+
+async def test_a_snapshot_outrun_by_the_ring_while_it_is_built_is_built_again() -> None:
+    store = Store()
+    for n in range(3 * 8192):  # three parts: the build yields twice
+        store.keys[f"k{n}"] = 1
+    feed = Feed("i", store.state, flush_s=1, ring_bytes=200)
+    subscriber = feed.subscribe()
+    stream = subscriber.messages()
+
+    async def churn() -> None:
+        for n in range(200):
+            stored(feed, store, f"new-{n}-" + "x" * 40)
+            feed.flush()  # each flush overflows the ring: what follows a build is gone
+            await asyncio.sleep(0)
+
+    writer = asyncio.create_task(churn())
+    parts = []
+    while True:
+        message = pb.FeedMessage.FromString(await asyncio.wait_for(anext(stream), 5))
+        if message.WhichOneof("body") is None:
+            break
+        parts.append(message)
+    await writer
+    assert store.reads >= 2 and parts[-1].snapshot.last
+    # Whatever snapshot it got, the ring holds every change after it.
+    assert feed._index_after(parts[-1].seq) is not None
+    feed.unsubscribe(subscriber)

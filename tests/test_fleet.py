@@ -7,6 +7,7 @@ where the behaviour is about several processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import signal
@@ -168,6 +169,55 @@ async def test_hits_only_leases_what_the_engine_must_read(
         await client.get_and_update([old], ["old"], lease="all")  # type: ignore[arg-type]
 
 
+async def test_a_leased_item_survives_a_reupload_that_cannot_be_stored() -> None:
+    item_bytes = size_of(0, 2000)
+    async with serving(capacity_bytes=2 * item_bytes + 1000) as server:
+        async with connected(server) as a, connected(server, follow=False) as b:
+            x, w = image_item(0, 2000), image_item(1, 2000)
+            await a.get_and_update([x, w], ["x", "w"])  # both leased: the cache is full
+            # b (which never heard of x) sends x again with metadata: no room
+            # beside the leases, so its copy is UNCACHED and goes inline...
+            sent = await b.get_and_update([x], ["x"], metadata=[b"m" * 60_000])
+            assert sent[0] is x and sent.held == [False]
+            # ... and withheld data (a client that believes x larger than the
+            # whole cache keeps its bytes home): the same.
+            async with connected(server, follow=False) as c:
+                c._mirror._capacity = item_bytes - 1  # c believes x larger than the cache
+                assert (await c.get_and_update([x], ["x"])).held == [False]
+            # The promise to a's request holds.
+            assert await a.fetch(["x", "w"]) == [x, w]
+            assert server.store.leases == 0
+
+
+async def test_data_sent_again_without_metadata_keeps_the_stored_metadata() -> None:
+    async with serving() as server, connected(server) as a, connected(server) as b:
+        await a.get_and_update([image_item(1)], ["x"], metadata=[b"prompt-updates"])
+        await b.get_and_update([image_item(1)], ["x"], lease=False)  # REPLACED, no metadata
+        hit = await a.get_and_update([None], ["x"], want_metadata=True, lease=False)
+        assert hit.metadata == [b"prompt-updates"]
+
+
+async def test_a_reply_carries_at_most_6_mib_of_metadata() -> None:
+    blob = b"z" * (64 * 1024)
+    hashes = [f"m{i}" for i in range(120)]
+    async with serving(capacity_bytes=64 * MIB) as server, connected(server) as client:
+        for start in (0, 60):  # a call's header must fit 8 MiB: 60 blobs at a time
+            part = hashes[start : start + 60]
+            await client.get_and_update(
+                [image_item(i, 16) for i in range(len(part))], part, metadata=[blob] * 60,
+                lease=False,
+            )  # fmt: skip
+        hit = await client.get_and_update([None] * 120, hashes, want_metadata=True, lease=False)
+        got = [m for m in hit.metadata if m is not None]
+        assert list(hit) == [None] * 120 and got == [blob] * len(got)
+        assert 80 <= len(got) < 120  # 6 MiB of blobs; the others come back None
+        with pytest.raises(InvalidArgumentError, match="send fewer items per call"):
+            await client.get_and_update(
+                [image_item(i, 16) for i in range(130)], [f"n{i}" for i in range(130)],
+                metadata=[blob] * 130,
+            )  # fmt: skip
+
+
 async def test_release_gives_back_a_lease_whose_read_will_not_happen(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
@@ -327,6 +377,43 @@ async def test_a_subscriber_too_slow_for_the_feed_is_resynced_not_buffered() -> 
     assert (sample(samples, "mmcache_feed_snapshots_total", reason="lag") or 0) >= 1
 
 
+async def test_a_mirror_stopped_past_the_feeds_ring_is_resynced_to_the_servers_state() -> None:
+    item_bytes = size_of(0, 10)
+    async with serving(capacity_bytes=50 * item_bytes, feed_buffer_bytes=4096) as server:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *("-m", "tests.mirror_proc", f"127.0.0.1:{server.port}"),
+            cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        try:
+            assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"live\n"
+            proc.send_signal(signal.SIGSTOP)
+            async with connected(server, follow=False) as writer:
+                # ~9 MB of changes, past what the stopped client's window
+                # holds; 200x the cache, so most are evicted again.
+                item = image_item(0, 10)
+                for i in range(0, 10_000, 50):
+                    keys = [f"k{n}-" + "x" * 200 for n in range(i, i + 50)]
+                    await writer.get_and_update([item] * 50, keys, lease=False)
+            proc.send_signal(signal.SIGCONT)
+            while True:  # until its mirror has caught up with the server
+                proc.stdin.write(b"dump\n")
+                await proc.stdin.drain()
+                state = json.loads(await asyncio.wait_for(proc.stdout.readline(), 30))
+                if state["seq"] == server.feed.seq:
+                    break
+                await asyncio.sleep(0.02)
+            assert state["keys"] == sorted(server.store.keys())
+            samples = await scrape(server.metrics_port)
+            assert (sample(samples, "mmcache_feed_snapshots_total", reason="lag") or 0) >= 1
+        finally:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_a_mirror_resyncs_after_a_server_restart() -> None:
     first = MMCacheServer(server_config())
     await first.start()
@@ -357,6 +444,32 @@ async def main():
         await asyncio.sleep(600)  # reads nothing more
 asyncio.run(main())
 """
+
+
+async def test_an_idle_follower_forgets_removals_the_feed_has_passed() -> None:
+    item_bytes = size_of(0, 100)
+    async with serving(capacity_bytes=20 * item_bytes) as server:
+        async with connected(server) as idle, connected(server, follow=False) as busy:
+            for i in range(300):  # every upload past the 20th evicts one
+                await busy.get_and_update([image_item(i, 100)], [f"k{i}"], lease=False)
+            await eventually(lambda: idle._mirror.feed_seq == server.feed.seq)
+            assert len(idle._mirror._gone) == 0
+            assert sorted(idle._mirror.keys()) == sorted(server.store.keys())
+
+
+async def test_clear_on_a_following_client_keeps_it_following(
+    server: MMCacheServer,
+) -> None:
+    async with connected(server) as client:
+        await client.get_and_update([image_item(1)], ["kept"])  # leased: Clear keeps it
+        await client.get_and_update([image_item(2)], ["gone"], lease=False)
+        await client.clear_cache()
+        await eventually(lambda: client.is_cached(["kept", "gone"]) == [True, False])
+        assert client.following and client._follower is not None
+        assert client._follower.resubscribes == 0
+        samples = await scrape(server.metrics_port)
+        assert sample(samples, "mmcache_leases") == 1
+        assert sample(samples, "mmcache_leased_bytes") == server.store.peek("kept").size  # type: ignore[union-attr]
 
 
 async def test_a_subscriber_that_dies_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
@@ -473,6 +586,32 @@ async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight
     assert sample(samples, "mmcache_received_bytes_total") == len(payload)
     assert sample(samples, "mmcache_upload_waits_total") == 1
     assert sample(samples, "mmcache_hits_total", modality="image") == 1
+
+
+async def test_a_stalled_upload_costs_a_waiter_a_resend_not_a_hang() -> None:
+    item = image_item(5, numel=1000)
+    encoded = encode_item(item)
+    async with serving() as server:
+        target = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
+            request = pb.UpdateRequest()
+            request.entries.add(mm_hash="stuck", modality="image", item=encoded.spec, num_chunks=1)
+            stalled = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
+                metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
+            )  # its header is in; its bytes never come
+            await eventually(lambda: b.is_cached(["stuck"], pending=True) == [True])
+            assert b.is_cached(["stuck"]) == [False]
+            # A frontend that trusted the pending mark and skipped its processor:
+            start = time.monotonic()
+            with pytest.raises(CacheMissError) as info:
+                await b.get_and_update([None], ["stuck"])
+            assert info.value.missing_hashes == ["stuck"]
+            # One with the data: sends the hash alone, waits, then re-sends.
+            sent = await b.get_and_update([item], ["stuck"])
+            took = time.monotonic() - start
+            assert sent[0] is item and sent.held == [True] and took < 3
+            stalled.cancel()
+            assert (await b.fetch(["stuck"]))[0] == item
 
 
 async def test_the_same_new_item_from_two_frontends_at_once_is_stored_once() -> None:

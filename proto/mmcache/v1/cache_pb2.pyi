@@ -582,6 +582,7 @@ class UpdateReply(_message.Message):
     EVICTED_FIELD_NUMBER: _builtins.int
     EVICTED_TRUNCATED_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
+    METADATA_TRUNCATED_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
@@ -592,6 +593,7 @@ class UpdateReply(_message.Message):
     to it is reflected in this reply (see Subscribe).
     """
     evicted_truncated: _builtins.bool
+    metadata_truncated: _builtins.bool
     lease_ms: _builtins.int
     """how long a lease of this call lasts (0: none taken)"""
     @_builtins.property
@@ -611,7 +613,9 @@ class UpdateReply(_message.Message):
     @_builtins.property
     def metadata(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """One per entry when any entry asked `want_metadata`: the stored metadata
-        of held entries that asked for it, empty elsewhere.
+        of held entries that asked for it, empty elsewhere. A reply carries at
+        most MAX_REPLY_METADATA_BYTES of it (6 MiB, within the 8 MiB message):
+        past that, blobs are left out and `metadata_truncated` is set.
         """
 
     def __init__(
@@ -626,11 +630,12 @@ class UpdateReply(_message.Message):
         evicted: _abc.Iterable[_builtins.str] | None = ...,
         evicted_truncated: _builtins.bool = ...,
         metadata: _abc.Iterable[_builtins.bytes] | None = ...,
+        metadata_truncated: _builtins.bool = ...,
         lease_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "evicted", b"evicted", "evicted_truncated", b"evicted_truncated", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "max_items", b"max_items", "metadata", b"metadata", "outcomes", b"outcomes", "seq", b"seq", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "evicted", b"evicted", "evicted_truncated", b"evicted_truncated", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "max_items", b"max_items", "metadata", b"metadata", "metadata_truncated", b"metadata_truncated", "outcomes", b"outcomes", "seq", b"seq", "sizes", b"sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -886,20 +891,24 @@ class ClearReply(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _builtins.int
     REMOVED_FIELD_NUMBER: _builtins.int
     KEPT_LEASED_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     removed: _builtins.int
     kept_leased: _builtins.int
     """leased items are kept until read or expired"""
+    seq: _builtins.int
+    """the feed's number once the removals were made"""
     def __init__(
         self,
         *,
         instance_id: _builtins.str = ...,
         removed: _builtins.int = ...,
         kept_leased: _builtins.int = ...,
+        seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "kept_leased", b"kept_leased", "removed", b"removed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "kept_leased", b"kept_leased", "removed", b"removed", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
