@@ -129,6 +129,9 @@ class Feed:
             _, _, dropped = self._ring.popleft()
             self._ring_used -= len(dropped)
             self._base += 1
+        snapshot = self._snapshot
+        if snapshot is not None and self._ring[0][0] > snapshot.seq + 1:
+            self._snapshot = None  # nobody can go on from it any more: free it
         for subscriber in self._subscribers:
             subscriber.wake()
 

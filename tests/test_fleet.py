@@ -414,6 +414,20 @@ async def test_a_mirror_stopped_past_the_feeds_ring_is_resynced_to_the_servers_s
             await proc.wait()
 
 
+async def test_a_gap_in_the_feed_makes_the_client_subscribe_again() -> None:
+    async with serving() as server, connected(server) as client:
+        assert client._follower is not None
+        await client.get_and_update([image_item(1)], ["before"], lease=False)
+        server.feed._seq += 1  # a number never sent: what a faulty server would do
+        async with connected(server, follow=False) as other:
+            await other.get_and_update([image_item(2)], ["after"], lease=False)
+        await eventually(lambda: client._follower is not None and client._follower.resubscribes)
+        await eventually(
+            lambda: client.following and client.is_cached(["before", "after"]) == [True, True]
+        )
+        assert client._mirror.feed_seq == server.feed.seq
+
+
 async def test_a_mirror_resyncs_after_a_server_restart() -> None:
     first = MMCacheServer(server_config())
     await first.start()
