@@ -1,12 +1,13 @@
 # Set-up is two commands on a fresh machine:
 #   make serve   installs into .venv and runs the server with its defaults
 #   make test    installs the test tools (and Debian's prometheus, kubectl,
-#                docker-compose when missing) and runs every check CI runs
+#                docker-compose when missing; and vLLM, in .venv-vllm) and runs
+#                every check CI runs
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: serve test lint typecheck unit bench clean
+.PHONY: serve test lint typecheck unit test-vllm bench clean
 
 $(VENV)/.server: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -32,7 +33,12 @@ unit: $(VENV)/.test
 	scripts/install-system-deps.sh
 	$(PY) -m pytest
 
-test: lint typecheck unit
+# The vLLM plugin's tests, in an environment of their own (vLLM is 3.5 GB).
+test-vllm:
+	scripts/vllm-env.sh
+	.venv-vllm/bin/python -m pytest -p no:cacheprovider tests/vllm
+
+test: lint typecheck unit test-vllm
 
 bench: $(VENV)/.test
 	$(PY) -m bench.transfer
@@ -41,4 +47,4 @@ bench: $(VENV)/.test
 	$(PY) -m bench.fleet
 
 clean:
-	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm build .mypy_cache .ruff_cache .pytest_cache

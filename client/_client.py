@@ -335,6 +335,7 @@ class MMCacheClient:
         metadata: Sequence[bytes | None] | None = None,
         want_metadata: bool = False,
         lease: Lease = True,
+        resend: Sequence[bool] | None = None,
     ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
@@ -349,6 +350,8 @@ class MMCacheClient:
         the engine's `fetch` until that read (or the server's lease time);
         `lease="hits"`: only the items returned as None (vLLM's P0, which
         sends the data of the others inline); `lease=False`: none.
+        `resend[i]`: item i is data for a hash a `lookup` of the same request
+        found missing: counted as a re-send, not as a second query.
         """
         if metadata is not None and len(metadata) != len(items):
             raise InvalidArgumentError(
@@ -362,6 +365,36 @@ class MMCacheClient:
             [b"" if m is None else m for m in metadata or [None] * len(items)],
             want_metadata=want_metadata,
             lease=lease,
+            resend=resend,
+        )
+
+    async def lookup(
+        self,
+        mm_hashes: Sequence[str],
+        *,
+        modality: str | None = None,
+        want_metadata: bool = False,
+        lease: Lease = "hits",
+    ) -> UpdateResult:
+        """Ask the server which hashes it holds, sending no data.
+
+        One query per hash, counted as `get_and_update` counts it; what is
+        held is leased (by default) for the engine's read, with its metadata
+        when asked. Unlike `get_and_update` with None items, a hash the server
+        lacks is no error: `held[i]` is False (send its data later with
+        `resend`). Usage, a frontend that wants to skip its processor::
+
+            found = await client.lookup(hashes, want_metadata=True)
+            for h, held, meta in zip(hashes, found.held, found.metadata): ...
+        """
+        return await self._update_or_fail_open(
+            [None] * len(mm_hashes),
+            mm_hashes,
+            [modality] * len(mm_hashes),
+            [b""] * len(mm_hashes),
+            want_metadata=want_metadata,
+            lease=lease,
+            missing_ok=True,
         )
 
     async def inject_into_mm_cache(
@@ -453,17 +486,26 @@ class MMCacheClient:
         *,
         want_metadata: bool,
         lease: Lease,
+        resend: Sequence[bool] | None = None,
+        missing_ok: bool = False,
     ) -> UpdateResult:
         try:
             return await self._update(
-                items, mm_hashes, modalities, metadata, want_metadata=want_metadata, lease=lease
+                items,
+                mm_hashes,
+                modalities,
+                metadata,
+                want_metadata=want_metadata,
+                lease=lease,
+                resend=resend,
+                missing_ok=missing_ok,
             )
         except _OUT_OF_TOUCH as exc:
             if not self._fail_open:
                 raise
             self._fell_open(exc)
         no_data = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
-        if no_data:
+        if no_data and not missing_ok:
             raise CacheMissError(
                 no_data,
                 f"the cache did not answer in time and no data was given for {no_data}: "
@@ -480,11 +522,15 @@ class MMCacheClient:
         *,
         want_metadata: bool,
         lease: Lease,
+        resend: Sequence[bool] | None = None,
+        missing_ok: bool = False,
     ) -> UpdateResult:
         mode = lease_mode(lease)
-        if len(items) != len(mm_hashes):
+        resent = [False] * len(items) if resend is None else list(resend)
+        if len(items) != len(mm_hashes) or len(resent) != len(items):
             raise InvalidArgumentError(
-                f"{len(items)} items but {len(mm_hashes)} hashes: give one hash per item"
+                f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
+                "give one hash (and flag) per item"
             )
         for h in mm_hashes:
             check_name("mm_hash", h)
@@ -511,9 +557,11 @@ class MMCacheClient:
         send = self._mirror.plan(mm_hashes, [e is not None for e in encoded])
         reply = await self._send(
             [
-                self._entry(h, label, enc if s else None, blob, want_metadata=want_metadata)
-                for h, label, enc, blob, s in zip(
-                    mm_hashes, labels, encoded, metadata, send, strict=True
+                self._entry(
+                    h, label, enc if s else None, blob, want_metadata=want_metadata, resend=r and s
+                )
+                for h, label, enc, blob, s, r in zip(
+                    mm_hashes, labels, encoded, metadata, send, resent, strict=True
                 )
             ],
             self._mirror.take_touches(),
@@ -545,7 +593,7 @@ class MMCacheClient:
             for i, o in enumerate(outcomes)
             if o == Outcome.MISSING and encoded[i] is None
         ]
-        if no_data:
+        if no_data and not missing_ok:
             # The request fails here: nobody will read what it leased.
             if mode == pb.LEASE_HELD:
                 await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])

@@ -547,6 +547,20 @@ async def test_a_frontend_that_never_processed_an_item_gets_its_metadata_with_th
         assert (await b.get_and_update([None], ["img"])).metadata == [None]
 
 
+async def test_lookup_asks_without_data_and_a_later_upload_is_no_second_query() -> None:
+    async with serving() as server, connected(server) as a, connected(server) as b:
+        await a.get_and_update([image_item(1)], ["held"], metadata=[b"m"], lease=False)
+        found = await b.lookup(["held", "absent"], modality="image", want_metadata=True)
+        assert found.held == [True, False] and found.metadata == [b"m", None]
+        assert server.store.leases == 1  # the hit, for the engine's read
+        # The frontend processes what was absent and sends it, as a re-send.
+        await b.get_and_update([image_item(2)], ["absent"], resend=[True], lease=False)
+        samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") == 3  # held x2, absent
+    assert sample(samples, "mmcache_hits_total", modality="image") == 1
+    assert sample(samples, "mmcache_resends_total", modality="image") == 1
+
+
 async def test_metadata_over_the_limit_is_refused_with_the_limit(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:

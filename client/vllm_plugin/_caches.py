@@ -1,0 +1,273 @@
+"""vLLM's P0 and P1 multimodal caches, backed by one mmcache server.
+
+P0 (`MMCacheProcessorCache`, in every API-server process). vLLM asks it, per
+request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
+`release_sender_touches` once, in a `finally`. So:
+
+- `is_cached`: the mirror names the candidates; one `lookup` round trip
+  confirms them with the server, leases them for the engine's read (hits
+  only) and brings the prompt updates of those this process never processed.
+  Only confirmed hits with usable prompt updates are cached: vLLM skips the
+  processor for them and sends no data, and the engine's read finds them.
+  A server that does not answer in time confirms nothing (fail-open).
+- `get_and_update_item(None, h)`: a confirmed hit, (None, its updates).
+  With data: the item goes inline to the engine, as vLLM's miss does, and is
+  queued for upload, so other processes can hit it.
+- `release_sender_touches`: the request's uploads leave in one call, in the
+  background (the engine has the data already); touches reach the server with
+  the next call.
+
+Per-request state is thread-local: vLLM runs requests on a thread pool.
+Counters are vLLM's: one query per item, a hit per item sent without data.
+
+P1 (`MMCacheReceiverCache`, in the engine core): features that came with data
+are used as they are (P0 uploaded them); those without are read through in
+one `fetch` per request, releasing their leases. Hashes the server does not
+hold raise vLLM's `MultiModalCacheMissError` naming each, in request order,
+so vLLM's own retry path has P0 invalidate them and the client re-send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from typing_extensions import override
+from vllm.multimodal.cache import (
+    BaseMultiModalProcessorCache,
+    BaseMultiModalReceiverCache,
+    MultiModalCacheMissError,
+)
+from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+from vllm.utils.cache import CacheInfo
+
+from mmcache._errors import CacheMissError, MMCacheError
+
+from ._convert import decode_updates, encode_updates, from_vllm, to_vllm
+from ._sync import SyncClient
+
+__all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# Prompt updates kept for items this process processed (entries, not bytes:
+# a few hundred bytes each).
+LOCAL_UPDATES = 65536
+# Uploads in flight at once; past that a request's upload is skipped (its
+# data went inline anyway): memory stays bounded when the server is slow.
+MAX_UPLOADS_IN_FLIGHT = 8
+
+
+@dataclass
+class _Request:
+    """What one request's calls share, from is_cached to release_sender_touches."""
+
+    confirmed: dict[str, Any] = field(default_factory=dict)  # hash -> prompt updates
+    looked_up: set[str] = field(default_factory=set)
+    uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
+
+
+class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
+    def __init__(self, sync: SyncClient, scope: str) -> None:
+        super().__init__()
+        self._sync = sync
+        self._scope = scope
+        self._updates: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._uploads_in_flight = 0
+        self._hits = 0
+        self._total = 0
+        self._last = (0, 0)
+
+    def key(self, mm_hash: str) -> str:
+        """The server's key for vLLM's hash: scoped to model and processor."""
+        return f"{self._scope}:{mm_hash}"
+
+    def _request(self) -> _Request:
+        request: _Request | None = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = _Request()
+        return request
+
+    def _local_updates(self, mm_hash: str) -> Any:
+        with self._lock:
+            updates = self._updates.get(mm_hash)
+            if updates is not None:
+                self._updates.move_to_end(mm_hash)
+            return updates
+
+    def _remember(self, mm_hash: str, updates: Any) -> None:
+        with self._lock:
+            self._updates[mm_hash] = updates
+            self._updates.move_to_end(mm_hash)
+            while len(self._updates) > LOCAL_UPDATES:
+                self._updates.popitem(last=False)
+
+    @override
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return bool(self.is_cached([mm_hash])[0])
+
+    @override
+    def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        request = self._request()
+        client = self._sync.client
+        keys = [self.key(h) for h in mm_hashes]
+        ask = [
+            i
+            for i, known in enumerate(client.is_cached(keys, pending=True))
+            if known and mm_hashes[i] not in request.confirmed
+        ]
+        if ask:
+            try:
+                found = self._sync.call(client.lookup([keys[i] for i in ask], want_metadata=True))
+            except MMCacheError as exc:
+                _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
+                return [h in request.confirmed for h in mm_hashes]
+            unusable: list[str] = []
+            for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
+                mm_hash = mm_hashes[i]
+                request.looked_up.add(mm_hash)
+                if not held:
+                    continue
+                updates = self._local_updates(mm_hash)
+                if updates is None and blob is not None:
+                    updates = decode_updates(blob)
+                if updates is None:  # held, but not usable here: process it
+                    unusable.append(keys[i])
+                else:
+                    request.confirmed[mm_hash] = updates
+            if unusable:
+                self._sync.submit(client.release(unusable))
+        return [h in request.confirmed for h in mm_hashes]
+
+    @override
+    def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
+        request = self._request()
+        with self._lock:
+            self._total += 1
+        if mm_item is None:
+            updates = request.confirmed.get(mm_hash)
+            if updates is None:  # vLLM sends None only where is_cached said True
+                raise MultiModalCacheMissError([mm_hash])
+            with self._lock:
+                self._hits += 1
+            return None, updates
+        item, updates = mm_item
+        self._remember(mm_hash, updates)
+        modality = next((u.modality for u in updates), None) or "unknown"
+        request.uploads.append((mm_hash, modality, item, updates))
+        return mm_item
+
+    @override
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        self._sync.client.touch(self.key(mm_hash))
+
+    @override
+    def release_sender_touches(self) -> None:
+        """The end of a request: its uploads leave, in one call, in the background."""
+        request = self._request()
+        self._local.request = None
+        if not request.uploads:
+            return
+        with self._lock:
+            if self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT:
+                _LOGGER.debug(
+                    "mmcache uploads backed up: %d items not shared", len(request.uploads)
+                )
+                return
+            self._uploads_in_flight += 1
+        hashes, modalities, items, updates = zip(*request.uploads, strict=True)
+        future = self._sync.submit(
+            self._sync.client.get_and_update(
+                [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
+                [self.key(h) for h in hashes],
+                metadata=[encode_updates(u) for u in updates],
+                resend=[h in request.looked_up for h in hashes],
+                lease=False,  # the engine has this data inline
+            )
+        )
+        future.add_done_callback(self._upload_done)
+
+    def _upload_done(self, future: Any) -> None:
+        with self._lock:
+            self._uploads_in_flight -= 1
+        if not future.cancelled() and future.exception() is not None:
+            _LOGGER.debug("mmcache upload failed: %s", future.exception())
+
+    @override
+    def invalidate(self, mm_hash: str) -> None:
+        self._sync.client._mirror.forget([self.key(mm_hash)])
+        with self._lock:
+            self._updates.pop(mm_hash, None)
+
+    @override
+    def clear_cache(self) -> None:
+        # The server is shared by every frontend: only this process forgets.
+        with self._lock:
+            self._updates.clear()
+
+    @override
+    def make_stats(self, *, delta: bool = False) -> CacheInfo:
+        with self._lock:
+            hits, total = self._hits, self._total
+            if delta:
+                last_hits, last_total = self._last
+                self._last = (hits, total)
+                hits, total = hits - last_hits, total - last_total
+        return CacheInfo(hits=hits, total=total)
+
+
+class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
+    def __init__(self, sync: SyncClient, scope: str) -> None:
+        super().__init__()
+        self._sync = sync
+        self._scope = scope
+
+    def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
+        keys = [f"{self._scope}:{h}" for h in hashes]
+        try:
+            items = self._sync.call(self._sync.client.fetch(keys, release=True))
+        except CacheMissError as exc:
+            missing = set(exc.missing_hashes)
+            raise MultiModalCacheMissError(
+                [h for h, k in zip(hashes, keys, strict=True) if k in missing]
+            ) from None
+        except MMCacheError as exc:  # the server did not answer: vLLM's retry path
+            _LOGGER.warning("mmcache read failed: %s", exc)
+            raise MultiModalCacheMissError(list(hashes)) from None
+        return [to_vllm(item) for item in items]
+
+    @override
+    def get_and_update_features(
+        self, mm_features: list[MultiModalFeatureSpec]
+    ) -> list[MultiModalFeatureSpec]:
+        need = [f for f in mm_features if f.data is None]
+        if need:
+            hashes = [f.mm_hash or f.identifier for f in need]
+            items = self._read(hashes, [f.modality for f in need])
+            for feature, item in zip(need, items, strict=True):
+                feature.data = item
+        return mm_features
+
+    @override
+    def get_and_update_item(
+        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
+    ) -> MultiModalKwargsItem:
+        if mm_item is not None:
+            return mm_item
+        return self._read([mm_hash], ["unknown"])[0]
+
+    @override
+    def touch_receiver_cache_item(
+        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
+    ) -> None:
+        return None  # the server orders by its own calls
+
+    @override
+    def clear_cache(self) -> None:
+        return None

@@ -1,0 +1,150 @@
+"""vLLM's types to mmcache's and back: items, and prompt updates as data.
+
+Items: a `MultiModalKwargsItem` (key -> `MultiModalFieldElem(data, field)`) is
+an `MMItem` whose field kinds (batched, flat, shared, each with
+`keep_on_cpu`) map one to one; the modality comes from the request.
+
+Prompt updates: a P0 that gets a hit for an item it never processed needs
+that item's `ResolvedPromptUpdate`s to place its tokens. They travel as the
+item's metadata, in an explicit JSON schema, never pickled:
+
+    {"v": 1, "updates": [{"modality": "image", "item_idx": 0,
+                          "mode": "replace", "target": [151655],
+                          "full": [151652, 151655, ...], "embed": [0, 1, ...]}]}
+
+`target` is a token sequence; `embed` is the result of the update's
+`is_embed(full)` (None: every position is embedded), which is all vLLM ever
+asks of it for that content. An update whose target is a `PromptIndex` (a
+position given by a closure) cannot be described by data: such items are
+shared as data but their updates stay local to the process that made them
+(`encode_updates` returns None), so another process processes them itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+)
+from vllm.multimodal.processing.processor import (
+    PromptUpdateDetails,
+    ResolvedPromptUpdate,
+    UpdateMode,
+)
+
+from mmcache._errors import InvalidArgumentError
+from mmcache._items import BatchedField, Field, FieldElem, FlatField, Item, MMItem, SharedField
+
+__all__ = ["decode_updates", "encode_updates", "from_vllm", "to_vllm"]
+
+SCHEMA_VERSION = 1
+
+
+def from_vllm(item: MultiModalKwargsItem, modality: str) -> MMItem:
+    """vLLM's item as an MMItem (the tensors are shared, not copied)."""
+    return MMItem(
+        {
+            key: FieldElem(modality, key, elem.data, _field_from_vllm(elem.field))
+            for key, elem in item.items()
+        }
+    )
+
+
+def to_vllm(item: Item) -> MultiModalKwargsItem:
+    """A fetched MMItem as vLLM's item."""
+    if not isinstance(item, MMItem):
+        raise InvalidArgumentError("the cache holds a plain mapping where vLLM stores items")
+    return MultiModalKwargsItem(
+        {
+            key: MultiModalFieldElem(data=elem.data, field=_field_to_vllm(elem.field))
+            for key, elem in item.items()
+        }
+    )
+
+
+def _field_from_vllm(field: Any) -> Field:
+    if isinstance(field, MultiModalFlatField):
+        return FlatField(slices=field.slices, dim=field.dim, keep_on_cpu=field.keep_on_cpu)
+    if isinstance(field, MultiModalSharedField):
+        return SharedField(batch_size=field.batch_size, keep_on_cpu=field.keep_on_cpu)
+    if isinstance(field, MultiModalBatchedField):
+        return BatchedField(keep_on_cpu=field.keep_on_cpu)
+    raise InvalidArgumentError(f"vLLM field kind {type(field).__name__} has no mmcache form")
+
+
+def _field_to_vllm(field: Field) -> Any:
+    if isinstance(field, FlatField):
+        return MultiModalFlatField(
+            slices=field.slices, dim=field.dim, keep_on_cpu=field.keep_on_cpu
+        )
+    if isinstance(field, SharedField):
+        return MultiModalSharedField(batch_size=field.batch_size, keep_on_cpu=field.keep_on_cpu)
+    return MultiModalBatchedField(keep_on_cpu=field.keep_on_cpu)
+
+
+def encode_updates(updates: Sequence[ResolvedPromptUpdate]) -> bytes | None:
+    """The updates as schema-1 JSON, or None when one cannot be described by data."""
+    described: list[dict[str, Any]] = []
+    for update in updates:
+        if not isinstance(update.target, list):
+            return None  # a PromptIndex: a closure, kept local
+        content = update.content
+        embed = None
+        if content.is_embed is not None:
+            embed = [int(bool(x)) for x in content.is_embed(content.full).tolist()]
+        described.append(
+            {
+                "modality": update.modality,
+                "item_idx": update.item_idx,
+                "mode": UpdateMode(update.mode).value,
+                "target": [int(t) for t in update.target],
+                "full": [int(t) for t in content.full],
+                "embed": embed,
+            }
+        )
+    return json.dumps({"v": SCHEMA_VERSION, "updates": described}).encode()
+
+
+def decode_updates(blob: bytes) -> list[ResolvedPromptUpdate] | None:
+    """The updates a schema-1 blob describes; None for anything else (process it then)."""
+    try:
+        document = json.loads(blob)
+        if document.get("v") != SCHEMA_VERSION:
+            return None
+        return [_decode_update(u) for u in document["updates"]]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+class _Mask:
+    """`is_embed` for one content: the mask its owner computed."""
+
+    __slots__ = ("_mask",)
+
+    def __init__(self, mask: list[int]) -> None:
+        self._mask = mask
+
+    def __call__(self, full: list[int]) -> torch.Tensor:
+        return torch.tensor(self._mask, dtype=torch.bool)
+
+
+def _decode_update(u: dict[str, Any]) -> ResolvedPromptUpdate:
+    full = [int(t) for t in u["full"]]
+    embed = u["embed"]
+    if embed is not None and len(embed) != len(full):
+        raise ValueError("an embed mask must be as long as its content")
+    return ResolvedPromptUpdate(
+        modality=str(u["modality"]),
+        item_idx=int(u["item_idx"]),
+        mode=UpdateMode(u["mode"]),
+        target=[int(t) for t in u["target"]],
+        content=PromptUpdateDetails(full=full, is_embed=None if embed is None else _Mask(embed)),
+    )

@@ -1,0 +1,72 @@
+"""`SyncClient`: an `MMCacheClient` for synchronous callers, such as vLLM's caches.
+
+vLLM calls its caches synchronously: P0 from the renderer's thread pool, P1
+from the engine core's input thread. A `SyncClient` runs one async client on
+an event loop of its own, in a daemon thread, and every call waits for its
+result with a deadline, from any thread. A call that does not finish in time
+raises DeadlineExceededError (it is cancelled on the loop), so a caller never
+hangs on its cache; the client itself fails open (`fail_open=True`), so a
+server that is down or slow makes `get_and_update` hand the items back.
+
+Local reads of the mirror (`client.is_cached`) need no round trip to the loop:
+the mirror's maps are read under the GIL while the loop thread updates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from mmcache._errors import DeadlineExceededError
+
+from .._client import MMCacheClient
+
+__all__ = ["SyncClient"]
+
+T = TypeVar("T")
+
+
+class SyncClient:
+    """Usage::
+
+    sync = SyncClient("127.0.0.1:50051", deadline_s=1.0)
+    sent = sync.call(sync.client.get_and_update(items, hashes))
+    sync.close()
+    """
+
+    def __init__(self, target: str, *, deadline_s: float = 1.0, **options: Any) -> None:
+        self.deadline_s = deadline_s
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="mmcache-client", daemon=True
+        )
+        self._thread.start()
+        self.client = MMCacheClient(target, fail_open=True, fail_open_timeout=deadline_s, **options)
+        # Fails open: a server that does not answer is no error here.
+        self.call(self.client.connect(), timeout=deadline_s + 5)
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the client's loop and wait for it (default: twice the deadline)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        wait_s = 2 * self.deadline_s if timeout is None else timeout
+        try:
+            return future.result(wait_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise DeadlineExceededError(f"mmcache did not answer within {wait_s:g}s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run `coro` on the client's loop without waiting for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        try:
+            self.call(self.client.close(), timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)

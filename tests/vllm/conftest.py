@@ -1,0 +1,68 @@
+"""The vLLM plugin's tests: a real mmcache server process, vLLM's real types.
+
+They run in the vLLM environment (scripts/vllm-env.sh; `make test-vllm`),
+never in the main one, whose pytest does not collect this folder.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MMCACHE = str(Path(sys.executable).with_name("mmcache"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Sidecar:
+    """`mmcache serve` in a process of its own, restartable on the same port."""
+
+    def __init__(self, capacity_gb: float = 0.25) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.capacity_gb = capacity_gb
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen(
+            [
+                *(MMCACHE, "serve", "--host", "127.0.0.1", "--port", str(self.port)),
+                *("--metrics-port", str(self.metrics_port)),
+                *("--capacity-gb", str(self.capacity_gb), "--grace-s", "0"),
+            ],
+            env=env,
+        )
+        deadline = time.monotonic() + 30
+        while subprocess.run([MMCACHE, "health", self.target], check=False).returncode != 0:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError("the mmcache sidecar did not start")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture
+def sidecar() -> Iterator[Sidecar]:
+    server = Sidecar()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

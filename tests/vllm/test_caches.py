@@ -1,0 +1,242 @@
+"""vLLM's cache semantics, on the plugin's P0 and P1 caches and a real server.
+
+The semantics of vLLM's own cache tests (tests/multimodal/test_cache.py in
+vLLM's repository), written anew for mmcache's classes with vLLM's real
+`MultiModalKwargsItem`, field types and `ResolvedPromptUpdate`s: `is_cached`
+without reordering, hits without data, P1 misses as vLLM's typed error naming
+every hash in order, sent data over a stale entry, oversize items served
+uncached, touches of missing keys, exact stats, fail-open.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from vllm.multimodal.cache import MultiModalCacheMissError
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+    PlaceholderRange,
+)
+from vllm.multimodal.processing.processor import (
+    PromptIndexTargets,
+    PromptUpdateDetails,
+    ResolvedPromptUpdate,
+    UpdateMode,
+)
+
+from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache, MMCacheReceiverCache
+from mmcache.client.vllm_plugin._convert import (
+    decode_updates,
+    encode_updates,
+    from_vllm,
+    to_vllm,
+)
+from mmcache.client.vllm_plugin._sync import SyncClient
+
+from .conftest import Sidecar
+
+SCOPE = "test-scope"
+IMAGE_PAD = 151655
+
+
+def item(seed: int, numel: int = 1024) -> MultiModalKwargsItem:
+    gen = torch.Generator().manual_seed(seed)
+    return MultiModalKwargsItem(
+        {
+            "pixel_values": MultiModalFieldElem(
+                data=torch.randn(numel, generator=gen),
+                field=MultiModalFlatField(slices=[slice(0, numel)], dim=0),
+            ),
+            "image_grid_thw": MultiModalFieldElem(
+                data=torch.tensor([1, 2, seed + 1]), field=MultiModalBatchedField()
+            ),
+            "shared": MultiModalFieldElem(
+                data=torch.tensor([seed]),
+                field=MultiModalSharedField(batch_size=1, keep_on_cpu=True),
+            ),
+        }
+    )
+
+
+def updates(n_tokens: int = 4) -> list[ResolvedPromptUpdate]:
+    full = [151652, *[IMAGE_PAD] * n_tokens, 151653]
+    return [
+        ResolvedPromptUpdate(
+            modality="image",
+            item_idx=0,
+            mode=UpdateMode.REPLACE,
+            target=[IMAGE_PAD],
+            content=PromptUpdateDetails.select_token_id(full, IMAGE_PAD),
+        )
+    ]
+
+
+def same_updates(a: list[ResolvedPromptUpdate], b: list[ResolvedPromptUpdate]) -> bool:
+    def described(u: ResolvedPromptUpdate) -> tuple[object, ...]:
+        mask = None if u.content.is_embed is None else u.content.is_embed(u.content.full).tolist()
+        return (u.modality, u.item_idx, u.mode, u.target, u.content.full, mask)
+
+    return [described(u) for u in a] == [described(u) for u in b]
+
+
+def feature(mm_hash: str, data: MultiModalKwargsItem | None) -> MultiModalFeatureSpec:
+    return MultiModalFeatureSpec(
+        data=data,
+        modality="image",
+        identifier=mm_hash,
+        mm_position=PlaceholderRange(offset=0, length=4),
+        mm_hash=mm_hash,
+    )
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout}s")
+        time.sleep(0.005)
+
+
+def request(
+    cache: MMCacheProcessorCache, pairs: list[tuple[str, MultiModalKwargsItem]]
+) -> list[tuple[MultiModalKwargsItem | None, list[ResolvedPromptUpdate]]]:
+    """One request through P0, the calls in vLLM's order (processor.py)."""
+    hashes = [h for h, _ in pairs]
+    cached = cache.is_cached(hashes)
+    for h in hashes:
+        cache.touch_sender_cache_item(h)
+    try:
+        return [
+            cache.get_and_update_item(None if hit else (data, updates()), h)
+            for (h, data), hit in zip(pairs, cached, strict=True)
+        ]
+    finally:
+        cache.release_sender_touches()
+
+
+@pytest.fixture
+def clients(sidecar: Sidecar) -> Iterator[Callable[[], SyncClient]]:
+    made: list[SyncClient] = []
+
+    def make() -> SyncClient:
+        sync = SyncClient(sidecar.target, deadline_s=1.0)
+        sync.call(sync.client.wait_following())
+        made.append(sync)
+        return sync
+
+    yield make
+    for sync in made:
+        sync.close()
+
+
+def test_items_and_prompt_updates_convert_both_ways() -> None:
+    original = item(3)
+    back = to_vllm(from_vllm(original, "image"))
+    assert back == original
+    assert [type(e.field) for e in back.values()] == [type(e.field) for e in original.values()]
+    assert back["shared"].field.keep_on_cpu and back["pixel_values"].field.dim == 0
+    blob = encode_updates(updates())
+    assert blob is not None and b"pickle" not in blob
+    decoded = decode_updates(blob)
+    assert decoded is not None and same_updates(decoded, updates())
+    # A target given by a closure is no data: such updates stay local.
+    by_index = [
+        ResolvedPromptUpdate("image", 0, UpdateMode.INSERT, PromptIndexTargets.start(),
+                             PromptUpdateDetails.from_seq([1, 2]))
+    ]  # fmt: skip
+    assert encode_updates(by_index) is None
+    assert decode_updates(b"not json") is None and decode_updates(b'{"v": 99}') is None
+
+
+def test_a_hit_in_a_process_that_never_processed_the_item(
+    clients: Callable[[], SyncClient],
+) -> None:
+    p0_a = MMCacheProcessorCache(clients(), SCOPE)
+    p0_b = MMCacheProcessorCache(clients(), SCOPE)  # another API server
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    red = item(1)
+    (out,) = request(p0_a, [("red", red)])
+    assert out[0] is red  # a miss: the data goes to the engine inline
+    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("red")]) == [True])
+    (out,) = request(p0_b, [("red", red)])
+    assert out[0] is None and same_updates(list(out[1]), updates())  # no tensor re-shipped
+    features = p1.get_and_update_features([feature("red", None)])
+    assert features[0].data == red  # the engine read through
+    stats_a, stats_b = p0_a.make_stats(), p0_b.make_stats()
+    assert (stats_a.hits, stats_a.total, stats_b.hits, stats_b.total) == (0, 1, 1, 1)
+
+
+def test_p1_names_every_missing_hash_in_request_order(clients: Callable[[], SyncClient]) -> None:
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    request(p0, [("held", item(1))])
+    eventually(lambda: p0._sync.client.is_cached([p0.key("held")]) == [True])
+    with pytest.raises(MultiModalCacheMissError) as info:
+        p1.get_and_update_features(
+            [feature("z", None), feature("held", None), feature("a", None), feature("x", item(2))]
+        )
+    assert info.value.mm_hashes == ["z", "a"]
+
+
+def test_is_cached_does_not_reorder_and_touching_a_missing_key_does_nothing(
+    clients: Callable[[], SyncClient],
+) -> None:
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    assert p0.is_cached(["ghost", "ghost"]) == [False, False]
+    p0.touch_sender_cache_item("ghost")
+    p0.release_sender_touches()
+    assert p0._sync.client._mirror.keys() == []
+    assert p0.make_stats().total == 0
+
+
+def test_sent_data_overwrites_a_stale_entry(clients: Callable[[], SyncClient]) -> None:
+    p0_a, p0_b = MMCacheProcessorCache(clients(), SCOPE), MMCacheProcessorCache(clients(), SCOPE)
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    request(p0_a, [("h", item(1))])
+    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("h")]) == [True])
+    p0_b.invalidate("h")  # vLLM's retry path: P0 forgets, sends the data again
+    request(p0_b, [("h", item(2))])
+    eventually(lambda: p1.get_and_update_features([feature("h", None)])[0].data == item(2))
+
+
+def test_an_item_larger_than_the_cache_is_served_uncached(
+    clients: Callable[[], SyncClient],
+) -> None:
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    big = item(1, numel=80 << 20)  # 320 MiB, over the 256 MiB sidecar
+    (out,) = request(p0, [("big", big)])
+    assert out[0] is big
+    time.sleep(0.5)
+    assert p0.is_cached(["big"]) == [False]  # never a hit, and the service goes on
+    (out,) = request(p0, [("small", item(2))])
+    assert out[0] is not None
+
+
+def test_stats_count_queries_and_hits_like_vllm(clients: Callable[[], SyncClient]) -> None:
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    for name in ("red", "red", "blue", "red"):
+        request(p0, [(name, item(len(name)))])
+        if name == "red":
+            eventually(lambda: p0._sync.client.is_cached([p0.key("red")]) == [True])
+    stats = p0.make_stats(delta=True)
+    assert (stats.hits, stats.total) == (2, 4)
+    assert (p0.make_stats(delta=True).total, p0.make_stats().total) == (0, 4)
+
+
+def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], SyncClient]) -> None:
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    request(p0, [("red", item(1))])
+    eventually(lambda: p0._sync.client.is_cached([p0.key("red")]) == [True])
+    sidecar.stop()
+    start = time.monotonic()
+    (out,) = request(p0, [("red", item(1))])
+    assert out[0] is not None and time.monotonic() - start < 3  # data inline, no hang
+    assert p0._sync.client.fail_opens >= 1
