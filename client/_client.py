@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -96,7 +96,8 @@ class MMCacheClient:
     `fail_open_timeout`: when the server cannot answer in time,
     `get_and_update` hands every item back as a miss (for inline delivery),
     `is_cached` answers False until the client is back in touch, and
-    `fail_opens` counts how often that happened.
+    `fail_opens` counts how often that happened (`on_fail_open` is called
+    each time, e.g. to count it in a metric of the caller's).
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class MMCacheClient:
         follow: bool = True,
         fail_open: bool = False,
         fail_open_timeout: float = 1.0,
+        on_fail_open: Callable[[], None] | None = None,
     ) -> None:
         if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgumentError(
@@ -125,6 +127,7 @@ class MMCacheClient:
         self._follow = follow
         self._fail_open = fail_open
         self._fail_open_timeout = fail_open_timeout
+        self._on_fail_open = on_fail_open
         self._channel: grpc.aio.Channel | None = None
         self._transport: CacheTransport | None = None
         self._mirror = Mirror()
@@ -473,6 +476,8 @@ class MMCacheClient:
 
     def _fell_open(self, exc: Exception) -> None:
         self._fail_opens += 1
+        if self._on_fail_open is not None:
+            self._on_fail_open()
         if self._in_touch or self._fail_opens == 1:
             _LOGGER.warning("mmcache did not answer in time, failing open: %s", exc)
         self._in_touch = False

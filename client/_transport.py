@@ -42,6 +42,12 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # A restarted sidecar is back within seconds: reconnect within 2 s, not
+    # grpc's default of up to 120 s, which would keep a failing-open client
+    # (whose calls do not wait for the channel) off its cache that long.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
 

