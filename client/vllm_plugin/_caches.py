@@ -66,6 +66,7 @@ MAX_UPLOADS_IN_FLIGHT = 8
 class _Request:
     """What one request's calls share, from is_cached to release_sender_touches."""
 
+    started: bool = False  # by is_cached: release_sender_touches will end it
     confirmed: dict[str, Any] = field(default_factory=dict)  # hash -> prompt updates
     looked_up: set[str] = field(default_factory=set)
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
@@ -115,6 +116,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     @override
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
         request = self._request()
+        request.started = True
         client = self._sync.client
         keys = [self.key(h) for h in mm_hashes]
         ask = [
@@ -159,8 +161,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             return None, updates
         item, updates = mm_item
         self._remember(mm_hash, updates)
-        modality = next((u.modality for u in updates), None) or "unknown"
+        modality = next((u.modality for u in updates), None) or _modality_of(item)
         request.uploads.append((mm_hash, modality, item, updates))
+        if not request.started:
+            # Outside a request (vLLM's inject_into_mm_cache): nothing will
+            # call release_sender_touches, so the item leaves now.
+            self.release_sender_touches()
         return mm_item
 
     @override
@@ -220,6 +226,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._last = (hits, total)
                 hits, total = hits - last_hits, total - last_total
         return CacheInfo(hits=hits, total=total)
+
+
+def _modality_of(item: MultiModalKwargsItem) -> str:
+    # vLLM 0.32's field elements carry no modality; the updates usually do.
+    return "unknown"
 
 
 class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]

@@ -231,6 +231,22 @@ def test_stats_count_queries_and_hits_like_vllm(clients: Callable[[], SyncClient
     assert (p0.make_stats(delta=True).total, p0.make_stats().total) == (0, 4)
 
 
+def test_inject_outside_a_request_shares_the_items_and_counts_like_vllm(
+    clients: Callable[[], SyncClient],
+) -> None:
+    worker, frontend = (
+        MMCacheProcessorCache(clients(), SCOPE),
+        MMCacheProcessorCache(clients(), SCOPE),
+    )
+    red = item(1)
+    # What vLLM's inject_into_mm_cache does: get_and_update_item with data and
+    # empty prompt updates, no is_cached before and no release after.
+    assert worker.get_and_update_item((red, []), "red") == (red, [])
+    assert (worker.make_stats().hits, worker.make_stats().total) == (0, 1)
+    eventually(lambda: frontend._sync.client.is_cached([frontend.key("red")]) == [True])
+    assert worker._request().uploads == []  # nothing left queued
+
+
 def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], SyncClient]) -> None:
     p0 = MMCacheProcessorCache(clients(), SCOPE)
     request(p0, [("red", item(1))])
