@@ -74,7 +74,7 @@ def main(model_dir: str, target: str) -> None:
 
     hashes, items = process(model_dir, ["red", "blue"])
     held = asyncio.run(frontend(target, hashes, items))
-    fetched = asyncio.run(worker_read(target, [h for h, k in zip(hashes, held) if k]))
+    fetched = asyncio.run(worker_read(target, [h for h, k in zip(hashes, held, strict=True) if k]))
     llm = LLM(model=model_dir, enforce_eager=True, max_model_len=256, dtype="bfloat16",
               disable_log_stats=False, max_num_seqs=4, max_num_batched_tokens=256,
               limit_mm_per_prompt={"image": 1})  # fmt: skip
@@ -85,7 +85,7 @@ def main(model_dir: str, target: str) -> None:
     message = {"role": "user", "content": [image, {"type": "text", "text": "Describe it."}]}
     llm.chat([message], use_tqdm=False)
     counters = {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:mm_cache")}
-    same = all(f == i for f, i in zip(fetched, items))
+    same = all(f == i for f, i in zip(fetched, items, strict=True))
     print(json.dumps({"held": held, "fetched_equal": same, "vllm": counters}), flush=True)
 
 
