@@ -2,10 +2,11 @@
 
 A tiny random-weight Qwen2-VL is built at test time. One engine: the same
 image twice is a hit, and greedy outputs are the same token for token as
-without the plugin. `vllm serve --api-server-count 2`, where vLLM alone
-falls back to per-process caches: every repeat of an image is a hit, no
-tensor is shipped twice, the engine reads through; requests still succeed
-across a sidecar restart and with the sidecar stopped (fail-open, counted).
+without the plugin. `vllm serve --api-server-count 2` and
+`--data-parallel-size 2`, where vLLM alone falls back to per-process caches:
+every repeat of an image is a hit, no tensor is shipped twice, the engines
+read through; requests still succeed across a sidecar restart and with the
+sidecar stopped (fail-open, counted).
 """
 
 from __future__ import annotations
@@ -81,14 +82,14 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
 
 
 @contextmanager
-def serving(model: Path, sidecar: Sidecar, api_servers: int) -> Iterator[int]:
+def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[int]:
     port = free_port()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "tests.vllm.launch", "serve", str(model)),
             *("--port", str(port), "--enforce-eager", "--max-model-len", "256"),
             *("--dtype", "bfloat16", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"),
-            *("--limit-mm-per-prompt", '{"image": 1}', "--api-server-count", str(api_servers)),
+            *("--limit-mm-per-prompt", '{"image": 1}', *options),
         ],
         cwd=ROOT,
         env={**os.environ, **ENGINE_ENV, "MMCACHE_TARGET": sidecar.target},
@@ -133,7 +134,7 @@ def chat(port: int, color: str) -> int:
 def test_two_api_servers_share_one_cache_through_restarts_and_outages(
     model: Path, sidecar: Sidecar
 ) -> None:
-    with serving(model, sidecar, api_servers=2) as port:
+    with serving(model, sidecar, "--api-server-count", "2") as port:
         vllm_metrics = f"http://127.0.0.1:{port}/metrics"
         sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
         assert [chat(port, c) for c in ("red", "red", "blue", "red")] == [200] * 4
@@ -156,3 +157,20 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         assert [chat(port, c) for c in ("red", "blue", "red")] == [200] * 3
         assert time.monotonic() - start < 30
         assert metrics(vllm_metrics).get("mmcache_vllm_fail_opens_total", 0) >= 1
+
+
+def test_data_parallel_engines_read_through_what_either_engine_was_sent(
+    model: Path, sidecar: Sidecar
+) -> None:
+    # Internal-LB data parallelism: vLLM alone keeps tensors in the API
+    # process and ships them to whichever engine takes the request.
+    with serving(model, sidecar, "--data-parallel-size", "2") as port:
+        colors = ("red", "red", "blue", "red", "green", "red")
+        assert [chat(port, c) for c in colors] == [200] * 6
+        seen = metrics(f"http://127.0.0.1:{port}/metrics")
+        assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (6, 3)
+        served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+        assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (6, 3)
+        # Three images uploaded once each; the engines read the three hits.
+        assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
+        assert served["mmcache_leases"] == 0
