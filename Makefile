@@ -45,6 +45,9 @@ bench: $(VENV)/.test
 	$(PY) -m bench.encoder
 	$(PY) -m bench.memory
 	$(PY) -m bench.fleet
+	$(PY) -m bench.feed
+	scripts/vllm-env.sh
+	.venv-vllm/bin/python -m bench.vllm
 
 clean:
 	rm -rf $(VENV) .venv-vllm build .mypy_cache .ruff_cache .pytest_cache

@@ -46,7 +46,8 @@ class Sidecar:
             env=env,
         )
         deadline = time.monotonic() + 30
-        while subprocess.run([MMCACHE, "health", self.target], check=False).returncode != 0:
+        probe = [MMCACHE, "health", self.target]
+        while subprocess.run(probe, check=False, capture_output=True).returncode != 0:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("the mmcache sidecar did not start")
             time.sleep(0.1)
