@@ -94,7 +94,7 @@ def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[int]:
         cwd=ROOT,
         env={**os.environ, **ENGINE_ENV, "MMCACHE_TARGET": sidecar.target},
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,  # a pipe nobody reads could stall a chatty vLLM
     )
     try:
         deadline = time.monotonic() + 240
