@@ -122,7 +122,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         ask = [
             i
             for i, known in enumerate(client.is_cached(keys, pending=True))
-            if known and mm_hashes[i] not in request.confirmed
+            # vLLM may ask more than once per request: each hash is looked up once.
+            if known and mm_hashes[i] not in request.looked_up
         ]
         if ask:
             try:

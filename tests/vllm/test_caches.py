@@ -106,11 +106,14 @@ def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 def request(
-    cache: MMCacheProcessorCache, pairs: list[tuple[str, MultiModalKwargsItem]]
+    cache: MMCacheProcessorCache,
+    pairs: list[tuple[str, MultiModalKwargsItem]],
+    is_cached_calls: int = 1,
 ) -> list[tuple[MultiModalKwargsItem | None, list[ResolvedPromptUpdate]]]:
     """One request through P0, the calls in vLLM's order (processor.py)."""
     hashes = [h for h, _ in pairs]
-    cached = cache.is_cached(hashes)
+    for _ in range(is_cached_calls):  # vLLM may ask more than once
+        cached = cache.is_cached(hashes)
     for h in hashes:
         cache.touch_sender_cache_item(h)
     try:
@@ -220,15 +223,58 @@ def test_an_item_larger_than_the_cache_is_served_uncached(
     assert out[0] is not None
 
 
-def test_stats_count_queries_and_hits_like_vllm(clients: Callable[[], SyncClient]) -> None:
+@pytest.mark.parametrize("is_cached_calls", [1, 3])
+def test_stats_count_queries_and_hits_like_vllm(
+    clients: Callable[[], SyncClient], sidecar: Sidecar, is_cached_calls: int
+) -> None:
     p0 = MMCacheProcessorCache(clients(), SCOPE)
     for name in ("red", "red", "blue", "red"):
-        request(p0, [(name, item(len(name)))])
+        request(p0, [(name, item(len(name)))], is_cached_calls)
         if name == "red":
             eventually(lambda: p0._sync.client.is_cached([p0.key("red")]) == [True])
     stats = p0.make_stats(delta=True)
     assert (stats.hits, stats.total) == (2, 4)
     assert (p0.make_stats(delta=True).total, p0.make_stats().total) == (0, 4)
+    # The sidecar counted the same traffic, however often vLLM asked.
+    eventually(lambda: sidecar_counts(sidecar) == (4, 2))
+
+
+def test_a_stale_mirror_entry_is_looked_up_once_however_often_vllm_asks(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    from mmcache._lru import Outcome
+
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    mirror = p0._sync.client._mirror
+    # The mirror believes the sidecar holds "gone" (drift); it does not.
+    p0._sync.call(_believe(mirror, p0.key("gone"), Outcome))
+    (out,) = request(p0, [("gone", item(1))], is_cached_calls=3)
+    assert out[0] is not None  # processed, sent inline
+    # One query (the lookup); the upload that follows is a re-send, not a second one.
+    eventually(lambda: sidecar_counts(sidecar) == (1, 0))
+
+
+async def _believe(mirror: object, key: str, outcome: object) -> None:
+    mirror.apply_reply(  # type: ignore[attr-defined]
+        mirror.instance_id, mirror.capacity, mirror.max_items, mirror.feed_seq,  # type: ignore[attr-defined]
+        [key], [outcome.STORED], [1],  # type: ignore[attr-defined]
+    )  # fmt: skip
+
+
+def sidecar_counts(sidecar: Sidecar) -> tuple[float, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    sums = {"mmcache_queries_total": 0.0, "mmcache_hits_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name] += sample.value
+    return sums["mmcache_queries_total"], sums["mmcache_hits_total"]
 
 
 def test_inject_outside_a_request_shares_the_items_and_counts_like_vllm(
