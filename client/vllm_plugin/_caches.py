@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from typing_extensions import override
+from vllm.logger import init_logger
 from vllm.multimodal.cache import (
     BaseMultiModalProcessorCache,
     BaseMultiModalReceiverCache,
@@ -84,6 +85,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._hits = 0
         self._total = 0
         self._last = (0, 0)
+        self._serving = False
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
@@ -115,6 +117,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     @override
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
+        if not self._serving:
+            self._serving = True
+            # Through vLLM's logger: its lines name the process (ApiServer_N).
+            init_logger("vllm.mmcache").info("mmcache: this process's first request")
         request = self._request()
         request.started = True
         client = self._sync.client

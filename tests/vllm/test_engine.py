@@ -15,12 +15,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -81,10 +84,44 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     assert served["mmcache_leases"] == 0
 
 
+@dataclass
+class Served:
+    port: int
+    log: Path  # vLLM's log, at INFO
+
+    def processes_that_served(self) -> set[str]:
+        """The API processes whose mmcache P0 cache took a request."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        return {line.split()[0] for line in lines if "this process's first request" in line}
+
+
 @contextmanager
-def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[int]:
+def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[Served]:
     port = free_port()
-    proc = subprocess.Popen(
+    log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+    with log.open("wb") as sink:
+        proc = _start(model, sidecar, port, sink, options)
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                        break
+                except (urllib.error.URLError, OSError):
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError("vllm serve did not start") from None
+                    time.sleep(1)
+            yield Served(port, log)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    log.unlink()
+
+
+def _start(
+    model: Path, sidecar: Sidecar, port: int, sink: IO[bytes], options: Sequence[str]
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
         [
             *(sys.executable, "-m", "tests.vllm.launch", "serve", str(model)),
             *("--port", str(port), "--enforce-eager", "--max-model-len", "256"),
@@ -92,24 +129,15 @@ def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[int]:
             *("--limit-mm-per-prompt", '{"image": 1}', *options),
         ],
         cwd=ROOT,
-        env={**os.environ, **ENGINE_ENV, "MMCACHE_TARGET": sidecar.target},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,  # a pipe nobody reads could stall a chatty vLLM
+        env={
+            **os.environ,
+            **ENGINE_ENV,
+            "VLLM_LOGGING_LEVEL": "INFO",
+            "MMCACHE_TARGET": sidecar.target,
+        },
+        stdout=sink,
+        stderr=subprocess.STDOUT,
     )
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError("vllm serve did not start") from None
-                time.sleep(1)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def chat(port: int, color: str) -> int:
@@ -134,7 +162,8 @@ def chat(port: int, color: str) -> int:
 def test_two_api_servers_share_one_cache_through_restarts_and_outages(
     model: Path, sidecar: Sidecar
 ) -> None:
-    with serving(model, sidecar, "--api-server-count", "2") as port:
+    with serving(model, sidecar, "--api-server-count", "2") as vllm_serve:
+        port = vllm_serve.port
         vllm_metrics = f"http://127.0.0.1:{port}/metrics"
         sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
         assert [chat(port, c) for c in ("red", "red", "blue", "red")] == [200] * 4
@@ -157,6 +186,9 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         assert [chat(port, c) for c in ("red", "blue", "red")] == [200] * 3
         assert time.monotonic() - start < 30
         assert metrics(vllm_metrics).get("mmcache_vllm_fail_opens_total", 0) >= 1
+        # The requests were spread over both API processes (the OS hands out
+        # connections; all ten on one would be a 1-in-500 chance).
+        assert len(vllm_serve.processes_that_served()) == 2
 
 
 def test_data_parallel_engines_read_through_what_either_engine_was_sent(
@@ -164,7 +196,8 @@ def test_data_parallel_engines_read_through_what_either_engine_was_sent(
 ) -> None:
     # Internal-LB data parallelism: vLLM alone keeps tensors in the API
     # process and ships them to whichever engine takes the request.
-    with serving(model, sidecar, "--data-parallel-size", "2") as port:
+    with serving(model, sidecar, "--data-parallel-size", "2") as vllm_serve:
+        port = vllm_serve.port
         colors = ("red", "red", "blue", "red", "green", "red")
         assert [chat(port, c) for c in colors] == [200] * 6
         seen = metrics(f"http://127.0.0.1:{port}/metrics")
