@@ -37,7 +37,7 @@ from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache._spec import check_name
 from mmcache.v1 import encoder_pb2 as epb
 
-from ._status import guard, status_code_of
+from ._status import protobuf_method, status_code_of
 
 __all__ = ["ENCODER_SERVICE_NAME", "EncoderServicer"]
 
@@ -177,7 +177,6 @@ class EncoderServicer:
         self._instance_id = instance_id
 
     def handler(self) -> grpc.GenericRpcHandler:
-        g = guard(self._instance_id)
         own: tuple[tuple[str, Handler, type[Message], type[Message]], ...] = (
             (
                 "ComputeEncoderBudget",
@@ -207,12 +206,8 @@ class EncoderServicer:
         )
         ops = tuple((k.method, self._op_handler(k), k.request, k.reply) for k in _KINDS)
         methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            name: grpc.unary_unary_rpc_method_handler(
-                g(handle),
-                request_deserializer=request.FromString,
-                response_serializer=reply.SerializeToString,
-            )
-            for name, handle, request, reply in (*own, *ops)
+            name: protobuf_method(handle, request, self._instance_id)
+            for name, handle, request, _ in (*own, *ops)
         }
         return grpc.method_handlers_generic_handler(ENCODER_SERVICE_NAME, methods)
 

@@ -34,7 +34,7 @@ from mmcache.v1 import cache_pb2 as pb
 from ._feed import Feed
 from ._inflight import InflightBudget
 from ._pending import PendingUploads
-from ._status import guard, write
+from ._status import guard, protobuf_method, write
 from ._store import BatchResult, ItemStore
 from ._upload import (
     EntryHeader,
@@ -90,30 +90,14 @@ class CacheServicer:
     def handler(self) -> grpc.GenericRpcHandler:
         g = guard(self._instance_id)
         methods: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "Info": grpc.unary_unary_rpc_method_handler(
-                g(self.info),
-                request_deserializer=pb.InfoRequest.FromString,
-                response_serializer=pb.InfoReply.SerializeToString,
-            ),
+            "Info": protobuf_method(self.info, pb.InfoRequest, self._instance_id),
             # Raw bytes in and out: see the module docstring.
             "GetAndUpdate": grpc.stream_unary_rpc_method_handler(g(self.get_and_update)),
             "GetAndUpdateOne": grpc.unary_unary_rpc_method_handler(g(self.get_and_update_one)),
             "Fetch": grpc.unary_stream_rpc_method_handler(g(self.fetch)),
-            "Touch": grpc.unary_unary_rpc_method_handler(
-                g(self.touch),
-                request_deserializer=pb.TouchRequest.FromString,
-                response_serializer=pb.TouchReply.SerializeToString,
-            ),
-            "Clear": grpc.unary_unary_rpc_method_handler(
-                g(self.clear),
-                request_deserializer=pb.ClearRequest.FromString,
-                response_serializer=pb.ClearReply.SerializeToString,
-            ),
-            "Release": grpc.unary_unary_rpc_method_handler(
-                g(self.release),
-                request_deserializer=pb.ReleaseRequest.FromString,
-                response_serializer=pb.ReleaseReply.SerializeToString,
-            ),
+            "Touch": protobuf_method(self.touch, pb.TouchRequest, self._instance_id),
+            "Clear": protobuf_method(self.clear, pb.ClearRequest, self._instance_id),
+            "Release": protobuf_method(self.release, pb.ReleaseRequest, self._instance_id),
             # The feed serialises each message once for every subscriber.
             "Subscribe": grpc.unary_stream_rpc_method_handler(g(self.subscribe)),
         }

@@ -15,13 +15,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, status_pb2
 from grpc_status import rpc_status
 
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["INSTANCE_ID_KEY", "guard", "status_code_of", "write"]
+__all__ = ["INSTANCE_ID_KEY", "guard", "protobuf_method", "status_code_of", "write"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -105,3 +106,29 @@ def guard(instance_id: str) -> Callable[[H], H]:
         return guarded  # type: ignore[return-value]
 
     return decorate
+
+
+def protobuf_method(
+    handler: Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]],
+    request_type: type[Message],
+    instance_id: str,
+) -> grpc.RpcMethodHandler[bytes, bytes]:
+    """A unary protobuf method whose request is parsed inside `guard`.
+
+    grpc answers a request its own deserializer cannot parse with UNKNOWN;
+    parsed here, it is INVALID_ARGUMENT naming the message expected.
+    """
+    expected = request_type.DESCRIPTOR.full_name
+
+    async def parse_and_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as exc:
+            raise errors.InvalidArgumentError(
+                f"the request does not parse as a {expected}: {exc}"
+            ) from None
+        reply = await handler(request, context)
+        return reply.SerializeToString()
+
+    parse_and_handle.__qualname__ = getattr(handler, "__qualname__", expected)
+    return grpc.unary_unary_rpc_method_handler(guard(instance_id)(parse_and_handle))
