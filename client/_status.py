@@ -15,16 +15,12 @@ __all__ = ["error_from_rpc", "error_from_status", "translate_errors"]
 
 _DETAILS_KEY = "grpc-status-details-bin"
 
+# A status's class, read from the classes themselves (mmcache._errors): the
+# server derives its statuses from the same attributes.
 _CLASSES: dict[grpc.StatusCode, type[errors.MMCacheError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidArgumentError,
-    grpc.StatusCode.OUT_OF_RANGE: errors.InvalidArgumentError,
-    grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: errors.AlreadyExistsError,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.FailedPreconditionError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: errors.UnavailableError,
-    grpc.StatusCode.CANCELLED: errors.UnavailableError,  # the server went away mid-call
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceededError,
+    getattr(grpc.StatusCode, name): cls
+    for cls in errors.ERROR_CLASSES
+    for name in (cls.code, *cls.also)
 }
 
 

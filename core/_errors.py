@@ -1,17 +1,21 @@
 """The error types of mmcache, shared by the server core and the client.
 
-The server core raises these; the servicer maps each to a gRPC status in one
-place (`mmcache.server._status`), and the client maps statuses back to the
-same classes in one place (`mmcache.client._status`). A caller therefore
-catches the same exception whether the failure came from its own input
-checks or from the server.
+Each class carries the gRPC status it travels as (`code`, the name of a
+`grpc.StatusCode`: the core imports no gRPC) and any other statuses that
+mean the same to a caller (`also`). The server derives the status of an
+error from its class (`mmcache.server._status`) and the client the class of
+a status from the same attributes (`mmcache.client._status`): one mapping,
+read both ways. A caller therefore catches the same exception whether the
+failure came from its own input checks or from the server.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 __all__ = [
+    "ERROR_CLASSES",
     "AlreadyExistsError",
     "CacheMissError",
     "DeadlineExceededError",
@@ -28,13 +32,21 @@ __all__ = [
 class MMCacheError(Exception):
     """Base class of every error mmcache raises."""
 
+    code: ClassVar[str] = "INTERNAL"  # the grpc.StatusCode it travels as
+    also: ClassVar[tuple[str, ...]] = ()  # other statuses a client reads as this class
+
 
 class InvalidArgumentError(MMCacheError, ValueError):
     """The request is malformed: nothing was changed."""
 
+    code = "INVALID_ARGUMENT"
+    also = ("OUT_OF_RANGE",)
+
 
 class NotFoundError(MMCacheError, LookupError):
     """A named thing (an engine's encoder book, say) does not exist."""
+
+    code = "NOT_FOUND"
 
 
 class CacheMissError(NotFoundError):
@@ -52,22 +64,48 @@ class CacheMissError(NotFoundError):
 class AlreadyExistsError(MMCacheError):
     """The thing to create exists already."""
 
+    code = "ALREADY_EXISTS"
+
 
 class FailedPreconditionError(MMCacheError):
     """The request is well formed but the current state does not allow it."""
+
+    code = "FAILED_PRECONDITION"
 
 
 class ResourceExhaustedError(MMCacheError):
     """There is not enough room (encoder tokens, in-flight bytes) for the request."""
 
+    code = "RESOURCE_EXHAUSTED"
+
 
 class UnavailableError(MMCacheError):
     """The server could not be reached, or went away during the call."""
+
+    code = "UNAVAILABLE"
+    also = ("CANCELLED",)  # the server went away mid-call
 
 
 class DeadlineExceededError(MMCacheError):
     """The call did not finish within its deadline."""
 
+    code = "DEADLINE_EXCEEDED"
+
 
 class InternalError(MMCacheError):
     """The server failed in a way the request did not cause (a bug: please report it)."""
+
+    code = "INTERNAL"
+
+
+# Every class a status names, the most specific first where two share one.
+ERROR_CLASSES: tuple[type[MMCacheError], ...] = (
+    InvalidArgumentError,
+    NotFoundError,
+    AlreadyExistsError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    UnavailableError,
+    DeadlineExceededError,
+    InternalError,
+)

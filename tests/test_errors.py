@@ -1,0 +1,26 @@
+"""One mapping of errors to statuses, read both ways."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from mmcache import _errors as errors
+from mmcache.client._status import error_from_status
+from mmcache.server._status import status_code_of
+
+
+@pytest.mark.parametrize("cls", errors.ERROR_CLASSES, ids=lambda c: c.__name__)
+def test_every_error_comes_back_as_its_own_class(cls: type[errors.MMCacheError]) -> None:
+    code = status_code_of(cls("boom"))
+    assert code.name == cls.code
+    back = error_from_status(code, "boom")
+    assert type(back) is cls
+
+
+def test_a_cache_miss_travels_as_not_found_and_other_statuses_read_sensibly() -> None:
+    assert status_code_of(errors.CacheMissError(["h"])) == grpc.StatusCode.NOT_FOUND
+    assert type(error_from_status(grpc.StatusCode.OUT_OF_RANGE, "x")) is errors.InvalidArgumentError
+    assert type(error_from_status(grpc.StatusCode.CANCELLED, "x")) is errors.UnavailableError
+    unknown = error_from_status(grpc.StatusCode.UNKNOWN, "x")
+    assert type(unknown) is errors.InternalError and str(unknown) == "UNKNOWN: x"
