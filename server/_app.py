@@ -9,6 +9,7 @@ finish, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import signal
 import uuid
@@ -139,6 +140,16 @@ class MMCacheServer:
         self._expiry = asyncio.create_task(self._expire_leases())
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if not _is_loopback(self.config.host):
+            _LOGGER.warning(
+                "mmcache serves gRPC on %s:%d with neither TLS nor client authentication: any "
+                "client that reaches this address can write items under any hash, clear the "
+                "cache and read every item. For a sidecar, bind to 127.0.0.1 (--host); "
+                "otherwise let only the engine's own clients reach the port (e.g. a "
+                "Kubernetes NetworkPolicy).",
+                self.config.host,
+                self.port,
+            )
         _LOGGER.info(
             "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes, "
             "at most %d items, leases of %gs; instance %s",
@@ -184,6 +195,15 @@ class MMCacheServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop(grace=0)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
 
 
 async def serve(config: ServerConfig) -> int:
