@@ -209,17 +209,9 @@ class ByteLRU(Generic[V]):
         others = len(self._pinned) - (pinned is not None)
         full = self._max_items is not None and others >= self._max_items
         if full or size > self._capacity - (self._pinned_bytes - (pinned is not None) * old_size):
-            if held is not None and pinned is None:
-                self.pop(key)
+            self._refuse(key, held)
             return Outcome.UNCACHED
-        if held is not None:
-            self.pop(key)
-        self._evict_until(size, 1)
-        self._data[key] = (value, size)
-        self._used += size
-        if pinned is not None:  # sent data replaces a leased entry, which stays leased
-            self.pin(key)
-        return Outcome.STORED if held is None else Outcome.REPLACED
+        return self._store(key, value, size, held)
 
     def apply_batch(
         self, entries: Sequence[BatchEntry[V]], *, replace_present: bool
@@ -263,26 +255,36 @@ class ByteLRU(Generic[V]):
             others = pinned_items - (held is not None)  # entries that must stay
             full = limit is not None and others >= limit
             if full or entry.size > self._capacity - (pinned - old_size):
-                # The old entry goes rather than serve stale data, unless it is
-                # pinned: a pinned entry was promised to a reader.
-                if held is not None and key not in self._pinned:
-                    self.pop(key)
+                if self._refuse(key, held):
                     pinned -= old_size
                     pinned_items -= 1
                 outcomes.append(Outcome.UNCACHED)
                 continue
-            was_pinned = key in self._pinned
-            if held is not None:
-                self.pop(key)
-            self._evict_until(entry.size, 1)
-            data[key] = (entry.value, entry.size)  # type: ignore[assignment]
-            self._used += entry.size
-            if was_pinned:  # sent data replaces a leased entry, which stays leased
-                self.pin(key)
+            outcomes.append(self._store(key, entry.value, entry.size, held))  # type: ignore[arg-type]
             pinned += entry.size - old_size
             pinned_items = others + 1
-            outcomes.append(Outcome.STORED if held is None else Outcome.REPLACED)
         return outcomes
+
+    def _refuse(self, key: str, held: tuple[V, int] | None) -> bool:
+        """New data for `key` cannot be stored: the old entry goes rather than
+        serve stale data, unless it is pinned (promised to a reader). Whether
+        it went."""
+        if held is None or key in self._pinned:
+            return False
+        self.pop(key)
+        return True
+
+    def _store(self, key: str, value: V, size: int, held: tuple[V, int] | None) -> Outcome:
+        """Store one entry that fits, evicting unpinned entries as needed."""
+        was_pinned = key in self._pinned
+        if held is not None:
+            self.pop(key)
+        self._evict_until(size, 1)
+        self._data[key] = (value, size)
+        self._used += size
+        if was_pinned:  # sent data replaces a leased entry, which stays leased
+            self.pin(key)
+        return Outcome.STORED if held is None else Outcome.REPLACED
 
     def _evict_until(self, incoming: int, new_items: int) -> None:
         data = self._data
