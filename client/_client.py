@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -49,6 +50,20 @@ _LOGGER = logging.getLogger(__name__)
 _HELD = (Outcome.HIT, Outcome.REPLACED)
 # What a call that fails open gives up on: the server did not answer in time.
 _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What one get_and_update (or lookup, or inject) asks for."""
+
+    items: Sequence[Item | None]
+    mm_hashes: Sequence[str]
+    modalities: Sequence[str | None]
+    metadata: Sequence[bytes]
+    want_metadata: bool = False
+    lease: Lease = True
+    resend: Sequence[bool] | None = None  # per item: data a lookup found missing
+    missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
 
 
 class UpdateResult(list[Item | None]):
@@ -362,13 +377,15 @@ class MMCacheClient:
                 "(None where there is none)"
             )
         return await self._update_or_fail_open(
-            items,
-            mm_hashes,
-            [modality] * len(mm_hashes),
-            [b"" if m is None else m for m in metadata or [None] * len(items)],
-            want_metadata=want_metadata,
-            lease=lease,
-            resend=resend,
+            _Call(
+                items,
+                mm_hashes,
+                [modality] * len(mm_hashes),
+                [b"" if m is None else m for m in metadata or [None] * len(items)],
+                want_metadata=want_metadata,
+                lease=lease,
+                resend=resend,
+            )
         )
 
     async def lookup(
@@ -391,13 +408,15 @@ class MMCacheClient:
             for h, held, meta in zip(hashes, found.held, found.metadata): ...
         """
         return await self._update_or_fail_open(
-            [None] * len(mm_hashes),
-            mm_hashes,
-            [modality] * len(mm_hashes),
-            [b""] * len(mm_hashes),
-            want_metadata=want_metadata,
-            lease=lease,
-            missing_ok=True,
+            _Call(
+                [None] * len(mm_hashes),
+                mm_hashes,
+                [modality] * len(mm_hashes),
+                [b""] * len(mm_hashes),
+                want_metadata=want_metadata,
+                lease=lease,
+                missing_ok=True,
+            )
         )
 
     async def inject_into_mm_cache(
@@ -432,7 +451,7 @@ class MMCacheClient:
             if not hashes:
                 return
             results = await self._update_or_fail_open(
-                items, hashes, modalities, [b""] * len(items), want_metadata=False, lease="hits"
+                _Call(items, hashes, modalities, [b""] * len(items), lease="hits")
             )
             for (listed, i), result in zip(places, results, strict=True):
                 listed[i] = result
@@ -482,35 +501,16 @@ class MMCacheClient:
             _LOGGER.warning("mmcache did not answer in time, failing open: %s", exc)
         self._in_touch = False
 
-    async def _update_or_fail_open(
-        self,
-        items: Sequence[Item | None],
-        mm_hashes: Sequence[str],
-        modalities: Sequence[str | None],
-        metadata: Sequence[bytes],
-        *,
-        want_metadata: bool,
-        lease: Lease,
-        resend: Sequence[bool] | None = None,
-        missing_ok: bool = False,
-    ) -> UpdateResult:
+    async def _update_or_fail_open(self, call: _Call) -> UpdateResult:
         try:
-            return await self._update(
-                items,
-                mm_hashes,
-                modalities,
-                metadata,
-                want_metadata=want_metadata,
-                lease=lease,
-                resend=resend,
-                missing_ok=missing_ok,
-            )
+            return await self._update(call)
         except _OUT_OF_TOUCH as exc:
             if not self._fail_open:
                 raise
             self._fell_open(exc)
-        no_data = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
-        if no_data and not missing_ok:
+        items = call.items
+        no_data = [h for h, item in zip(call.mm_hashes, items, strict=True) if item is None]
+        if no_data and not call.missing_ok:
             raise CacheMissError(
                 no_data,
                 f"the cache did not answer in time and no data was given for {no_data}: "
@@ -518,20 +518,11 @@ class MMCacheClient:
             )
         return UpdateResult(items)
 
-    async def _update(
-        self,
-        items: Sequence[Item | None],
-        mm_hashes: Sequence[str],
-        modalities: Sequence[str | None],
-        metadata: Sequence[bytes],
-        *,
-        want_metadata: bool,
-        lease: Lease,
-        resend: Sequence[bool] | None = None,
-        missing_ok: bool = False,
-    ) -> UpdateResult:
-        mode = lease_mode(lease)
-        resent = [False] * len(items) if resend is None else list(resend)
+    async def _update(self, call: _Call) -> UpdateResult:
+        items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
+        want_metadata, missing_ok = call.want_metadata, call.missing_ok
+        mode = lease_mode(call.lease)
+        resent = [False] * len(items) if call.resend is None else list(call.resend)
         if len(items) != len(mm_hashes) or len(resent) != len(items):
             raise InvalidArgumentError(
                 f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
@@ -553,11 +544,11 @@ class MMCacheClient:
 
         encoded = [
             None if item is None else encode_item(item, modality=m)
-            for item, m in zip(items, modalities, strict=True)
+            for item, m in zip(items, call.modalities, strict=True)
         ]
         labels = [
             (e.modality if e is not None and e.modality else m) or ""
-            for e, m in zip(encoded, modalities, strict=True)
+            for e, m in zip(encoded, call.modalities, strict=True)
         ]
         send = self._mirror.plan(mm_hashes, [e is not None for e in encoded])
         reply = await self._send(
