@@ -131,7 +131,7 @@ class Mirror:
         if self.following:
             floor = min(floor, self.feed_seq + 1)
         if not self._calls or len(self._gone) > 1024:
-            self._gone = {k: s for k, s in self._gone.items() if s >= floor}
+            self._forget_removals_below(floor)
 
     def apply_reply(
         self,
@@ -228,7 +228,7 @@ class Mirror:
         self._seen = max(self._seen, last_seq)
         if self._gone and not self._calls and not self.syncing:
             # No reply in flight: only removals ahead of the feed still matter.
-            self._gone = {k: s for k, s in self._gone.items() if s > self.feed_seq}
+            self._forget_removals_below(self.feed_seq + 1)
         return True
 
     def feed_lost(self) -> None:
@@ -258,6 +258,9 @@ class Mirror:
         self._capacity, self._max_items = capacity, max_items
         if not self.following:
             self._lru.resize(capacity, max_items or None)
+
+    def _forget_removals_below(self, floor: int) -> None:
+        self._gone = {k: s for k, s in self._gone.items() if s >= floor}
 
     def _end_pending(self, mm_hash: str, seq: int) -> None:
         if self._pending.get(mm_hash, seq) < seq:
