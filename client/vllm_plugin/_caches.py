@@ -168,7 +168,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             return None, updates
         item, updates = mm_item
         self._remember(mm_hash, updates)
-        modality = next((u.modality for u in updates), None) or _modality_of(item)
+        # vLLM 0.32's field elements carry no modality; the updates usually do.
+        modality = next((u.modality for u in updates), None) or "unknown"
         request.uploads.append((mm_hash, modality, item, updates))
         if not request.started:
             # Outside a request (vLLM's inject_into_mm_cache): nothing will
@@ -233,11 +234,6 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._last = (hits, total)
                 hits, total = hits - last_hits, total - last_total
         return CacheInfo(hits=hits, total=total)
-
-
-def _modality_of(item: MultiModalKwargsItem) -> str:
-    # vLLM 0.32's field elements carry no modality; the updates usually do.
-    return "unknown"
 
 
 class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
