@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -36,10 +35,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.vllm.conftest import Sidecar, free_port
 from tests.vllm.images import data_url
+from tests.vllm.serve import metrics, serve_command, wait_healthy
 from tests.vllm.tiny_model import build
 
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]
@@ -63,16 +61,6 @@ def trace(conversations: int, seed: int) -> list[list[list[str]]]:
     return chats
 
 
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
-
-
 def chat(port: int, colors: list[str]) -> float:
     content = [{"type": "image_url", "image_url": {"url": data_url(c)}} for c in colors]
     content.append({"type": "text", "text": "What is in these images?"})
@@ -93,12 +81,11 @@ def start_vllm(
     model: Path, port: int, api_servers: int, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "tests.vllm.launch", "serve", str(model), "--port", str(port)),
-            *("--enforce-eager", "--max-model-len", "256", "--dtype", "bfloat16"),
-            *("--max-num-seqs", "4", "--max-num-batched-tokens", "256"),
+        serve_command(
+            str(model),
+            port,
             *("--limit-mm-per-prompt", '{"image": 4}', "--api-server-count", str(api_servers)),
-        ],
+        ),
         cwd=ROOT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **env},
         stdout=subprocess.DEVNULL,
@@ -122,15 +109,7 @@ def replay(
     env = {} if sidecar is None else {"MMCACHE_TARGET": sidecar.target}
     proc = start_vllm(model, port, api_servers, env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, OSError):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("vllm serve did not start") from None
-                time.sleep(1)
+        wait_healthy(port, proc, timeout=300)
 
         def conversation(turns: list[list[str]]) -> list[float]:
             return [chat(port, colors) for colors in turns]

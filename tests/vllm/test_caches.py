@@ -42,6 +42,7 @@ from mmcache.client.vllm_plugin._convert import (
 from mmcache.client.vllm_plugin._sync import SyncClient
 
 from .conftest import Sidecar
+from .serve import metrics
 
 SCOPE = "test-scope"
 IMAGE_PAD = 151655
@@ -262,19 +263,8 @@ async def _believe(mirror: object, key: str, outcome: object) -> None:
 
 
 def sidecar_counts(sidecar: Sidecar) -> tuple[float, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    sums = {"mmcache_queries_total": 0.0, "mmcache_hits_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in sums:
-                sums[sample.name] += sample.value
-    return sums["mmcache_queries_total"], sums["mmcache_hits_total"]
+    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    return served.get("mmcache_queries_total", 0.0), served.get("mmcache_hits_total", 0.0)
 
 
 def test_inject_outside_a_request_shares_the_items_and_counts_like_vllm(

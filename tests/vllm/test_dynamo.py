@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from .conftest import Sidecar
-from .test_engine import ENGINE_ENV, ROOT, metrics, model  # noqa: F401  (a fixture)
+from .serve import metrics
+from .test_engine import ENGINE_ENV, ROOT, model  # noqa: F401  (a fixture)
 
 EXAMPLE = ROOT / "docs" / "examples" / "dynamo_flow.py"
 

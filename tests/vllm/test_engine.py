@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import Sidecar, free_port
 from .images import chat_messages
+from .serve import metrics, serve_command, wait_healthy
 from .tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,17 +39,6 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
-
-
-def metrics(url: str) -> dict[str, float]:
-    """Every sample at `url`, summed over labels, by name."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    return sums
 
 
 def offline(model: Path, **env: str) -> dict[str, object]:
@@ -102,15 +91,7 @@ def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[Served]:
     with log.open("wb") as sink:
         proc = _start(model, sidecar, port, sink, options)
         try:
-            deadline = time.monotonic() + 240
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                        break
-                except (urllib.error.URLError, OSError):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise AssertionError("vllm serve did not start") from None
-                    time.sleep(1)
+            wait_healthy(port, proc, timeout=240)
             yield Served(port, log)
         finally:
             proc.terminate()
@@ -122,12 +103,7 @@ def _start(
     model: Path, sidecar: Sidecar, port: int, sink: IO[bytes], options: Sequence[str]
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "tests.vllm.launch", "serve", str(model)),
-            *("--port", str(port), "--enforce-eager", "--max-model-len", "256"),
-            *("--dtype", "bfloat16", "--max-num-seqs", "4", "--max-num-batched-tokens", "256"),
-            *("--limit-mm-per-prompt", '{"image": 1}', *options),
-        ],
+        serve_command(str(model), port, "--limit-mm-per-prompt", '{"image": 1}', *options),
         cwd=ROOT,
         env={
             **os.environ,
