@@ -17,7 +17,9 @@ from mmcache._errors import (
     InvalidArgumentError,
     MMCacheError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
@@ -75,8 +77,10 @@ __all__ = [
     "MMItem",
     "NotFoundError",
     "OpResult",
+    "PermissionDeniedError",
     "ResetOp",
     "ResourceExhaustedError",
     "SharedField",
+    "UnauthenticatedError",
     "UnavailableError",
 ]

@@ -14,6 +14,7 @@ from typing import Literal
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_MESSAGE_BYTES
 from mmcache._lru import Outcome
+from mmcache._spec import check_count
 from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, iter_chunk_frames, num_chunks
@@ -83,6 +84,7 @@ def build_batch(
     lease: pb.LeaseMode.ValueType,
     chunk_bytes: int,
 ) -> Batch:
+    check_count("entries", len(entries))
     request = pb.UpdateRequest(touches=touches, lease=lease)
     sending: list[EncodedItem] = []
     for entry in entries:

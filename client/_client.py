@@ -26,7 +26,7 @@ from mmcache._frames import (
 )
 from mmcache._items import Item
 from mmcache._lru import Outcome
-from mmcache._spec import MAX_METADATA_BYTES, check_name
+from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 from mmcache.v1 import cache_pb2 as pb
 
 from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
@@ -40,6 +40,7 @@ from ._encoder import (
 )
 from ._feed import FeedFollower
 from ._mirror import Mirror
+from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
@@ -50,6 +51,12 @@ _LOGGER = logging.getLogger(__name__)
 _HELD = (Outcome.HIT, Outcome.REPLACED)
 # What a call that fails open gives up on: the server did not answer in time.
 _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
+
+
+def _check_hashes(mm_hashes: Sequence[str]) -> None:
+    check_count("mm_hashes", len(mm_hashes))
+    for h in mm_hashes:
+        check_name("mm_hash", h)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,18 @@ class MMCacheClient:
     `is_cached` answers False until the client is back in touch, and
     `fail_opens` counts how often that happened (`on_fail_open` is called
     each time, e.g. to count it in a metric of the caller's).
+
+    Beyond loopback (docs/security.md)::
+
+        MMCacheClient(
+            "mmcache.ns.svc:50051",
+            tls_ca="/etc/mmcache/tls/ca.crt",  # verify the server; `credentials=` also works
+            tls_cert="client.crt", tls_key="client.key",  # when it asks for mTLS
+            token=os.environ["MMCACHE_TOKEN"],  # sent as `authorization: Bearer ...`
+            namespace="qwen2-vl-7b@proc-2",  # this client's items live apart
+        )
+
+    The namespace and token apply to every call on the client's channel.
     """
 
     def __init__(
@@ -123,6 +142,12 @@ class MMCacheClient:
         connect_timeout: float = 10.0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_server_name: str | None = None,
+        token: str | None = None,
+        namespace: str = "",
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
         fail_open: bool = False,
@@ -137,8 +162,14 @@ class MMCacheClient:
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._chunk_bytes = chunk_bytes
-        self._credentials = credentials
-        self._channel_options = (*CHANNEL_OPTIONS, *channel_options)
+        self._credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
+        self._token = token
+        self._interceptors = metadata_interceptors(token, namespace)
+        self.namespace = namespace
+        server_name = (
+            () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
+        )
+        self._channel_options = (*CHANNEL_OPTIONS, *server_name, *channel_options)
         self._follow = follow
         self._fail_open = fail_open
         self._fail_open_timeout = fail_open_timeout
@@ -173,12 +204,13 @@ class MMCacheClient:
         With `fail_open`, a server that does not answer is no error: the
         client starts out of touch and the feed keeps trying to reach it.
         """
-        if self._credentials is None:
-            channel = grpc.aio.insecure_channel(self._target, options=self._channel_options)
-        else:
-            channel = grpc.aio.secure_channel(
-                self._target, self._credentials, options=self._channel_options
-            )
+        channel = open_channel(
+            self._target,
+            self._credentials,
+            self._channel_options,
+            self._interceptors,
+            self._token,
+        )
         self._channel = channel
         transport = self._transport = CacheTransport(channel, self._timeout)
         try:
@@ -188,7 +220,12 @@ class MMCacheClient:
         except _OUT_OF_TOUCH as exc:
             if not self._fail_open:
                 await self.close()
-                raise
+                raise UnavailableError(
+                    f"cannot reach the mmcache server at {self._target} ({exc}): is it "
+                    "running there, and do the TLS settings match (a TLS server needs tls_ca= "
+                    "or credentials=, one asking for client certificates also tls_cert= and "
+                    "tls_key=; a plaintext server none)?"
+                ) from exc
             self._fell_open(exc)
         except BaseException:
             await self.close()
@@ -466,8 +503,7 @@ class MMCacheClient:
         once every item has arrived. Raises CacheMissError naming every hash
         the server does not hold.
         """
-        for h in mm_hashes:
-            check_name("mm_hash", h)
+        _check_hashes(mm_hashes)
         frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
             return await _read_fetch(frames, len(mm_hashes))
@@ -480,8 +516,7 @@ class MMCacheClient:
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves."""
-        for h in mm_hashes:
-            check_name("mm_hash", h)
+        _check_hashes(mm_hashes)
         return int((await self._rpc.release(mm_hashes)).released)
 
     # -- internals ---------------------------------------------------------
@@ -528,8 +563,7 @@ class MMCacheClient:
                 f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
                 "give one hash (and flag) per item"
             )
-        for h in mm_hashes:
-            check_name("mm_hash", h)
+        _check_hashes(mm_hashes)
         for i, blob in enumerate(metadata):
             if len(blob) > MAX_METADATA_BYTES:
                 raise InvalidArgumentError(

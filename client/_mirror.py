@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from mmcache._lru import ByteLRU, Outcome
+from mmcache._spec import MAX_HASHES_PER_CALL
 from mmcache.v1 import cache_pb2 as pb
 
 __all__ = ["Mirror"]
@@ -94,10 +95,17 @@ class Mirror:
         """Touch locally now; the server gets the touch with the next batch."""
         if self._lru.touch(mm_hash):
             self._touched.append(mm_hash)
+            if len(self._touched) > 2 * MAX_HASHES_PER_CALL:
+                self._touched = self.take_touches()
 
     def take_touches(self) -> list[str]:
+        """The touches since the last batch, each once, at most a call's worth
+        (the most recent: touches only order the LRU, so the oldest may go)."""
         touched, self._touched = self._touched, []
-        return touched
+        if len(touched) <= 1:
+            return touched
+        latest = list(dict.fromkeys(reversed(touched)))[:MAX_HASHES_PER_CALL]
+        return latest[::-1]
 
     def plan(self, hashes: Sequence[str], has_data: Sequence[bool]) -> list[bool]:
         """Which entries of a batch should carry their data.

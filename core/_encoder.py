@@ -29,6 +29,7 @@ from ._errors import (
 )
 
 __all__ = [
+    "MAX_ENGINE_BOOKS",
     "AllocateOp",
     "BatchOutcome",
     "CanAllocateOp",
@@ -45,6 +46,10 @@ __all__ = [
     "ResetOp",
     "compute_encoder_budget",
 ]
+
+# Engines with an encoder book at once: a fleet's worth (each book's memory
+# is bounded by its cache_size, which the operator gives).
+MAX_ENGINE_BOOKS = 1024
 
 
 def _check_count(what: str, value: int) -> None:
@@ -512,6 +517,11 @@ class EncoderBooks:
         _check_id("engine_id", engine_id)
         book = EncoderCacheBook(cache_size)
         old = self._books.get(engine_id)
+        if old is None and len(self._books) >= MAX_ENGINE_BOOKS:
+            raise ResourceExhaustedError(
+                f"{len(self._books)} engines already have an encoder cache, the limit: delete "
+                "the books of engines that are gone"
+            )
         if old is not None and not replace:
             raise AlreadyExistsError(
                 f"engine {engine_id!r} already has an encoder cache "

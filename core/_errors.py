@@ -24,7 +24,9 @@ __all__ = [
     "InvalidArgumentError",
     "MMCacheError",
     "NotFoundError",
+    "PermissionDeniedError",
     "ResourceExhaustedError",
+    "UnauthenticatedError",
     "UnavailableError",
 ]
 
@@ -92,6 +94,18 @@ class DeadlineExceededError(MMCacheError):
     code = "DEADLINE_EXCEEDED"
 
 
+class UnauthenticatedError(MMCacheError):
+    """The call carries no token, or one the server does not accept."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(MMCacheError):
+    """The call's token lacks the role (or the namespace) the call needs."""
+
+    code = "PERMISSION_DENIED"
+
+
 class InternalError(MMCacheError):
     """The server failed in a way the request did not cause (a bug: please report it)."""
 
@@ -107,5 +121,7 @@ ERROR_CLASSES: tuple[type[MMCacheError], ...] = (
     ResourceExhaustedError,
     UnavailableError,
     DeadlineExceededError,
+    UnauthenticatedError,
+    PermissionDeniedError,
     InternalError,
 )

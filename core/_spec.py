@@ -8,6 +8,7 @@ plus `sys.getsizeof` of every scalar leaf, as vLLM counts an item.
 
 from __future__ import annotations
 
+import string
 import sys
 from dataclasses import dataclass
 
@@ -18,15 +19,29 @@ from ._errors import InvalidArgumentError
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_HASHES_PER_CALL",
     "MAX_METADATA_BYTES",
+    "MAX_NAMESPACE_CHARS",
     "MAX_NAME_CHARS",
+    "NAMESPACE_CHARS",
+    "NAMESPACE_KEY",
     "SpecSize",
+    "check_count",
     "check_name",
+    "check_namespace",
     "item_size",
 ]
 
 MAX_DEPTH = 32  # nesting of lists/tuples in one field's data
 MAX_NAME_CHARS = 256  # keys, modalities and hashes
+# A call names its namespace in this metadata entry (e.g. model@processor
+# version); none or empty is the default namespace.
+NAMESPACE_KEY = "mmcache-namespace"
+MAX_NAMESPACE_CHARS = 128
+# Hashes (entries, touches) one call may carry: a request's items are a few
+# hundred at most; this keeps one call's bookkeeping and reply small.
+MAX_HASHES_PER_CALL = 16384
+NAMESPACE_CHARS = frozenset(string.ascii_letters + string.digits + "._-:/@+=")
 # An item's opaque metadata blob (vLLM's prompt updates, by a schema of the
 # caller's): stored with the item and charged in its size.
 MAX_METADATA_BYTES = 64 << 10
@@ -46,6 +61,31 @@ def check_name(what: str, value: str, *, allow_empty: bool = False) -> None:
     if len(value) > MAX_NAME_CHARS:
         raise InvalidArgumentError(
             f"{what} is {len(value)} characters long; the limit is {MAX_NAME_CHARS}"
+        )
+    if "\x00" in value:  # the server's separator of namespace and hash
+        raise InvalidArgumentError(f"{what} {value[:64]!r} contains a NUL character")
+
+
+def check_count(what: str, count: int) -> None:
+    """Reject a call carrying more than MAX_HASHES_PER_CALL hashes in one list."""
+    if count > MAX_HASHES_PER_CALL:
+        raise InvalidArgumentError(
+            f"the call carries {count} {what}; the limit is {MAX_HASHES_PER_CALL} per call: "
+            "split it into several calls"
+        )
+
+
+def check_namespace(value: str) -> None:
+    """A namespace is empty (the default) or up to MAX_NAMESPACE_CHARS of NAMESPACE_CHARS."""
+    if len(value) > MAX_NAMESPACE_CHARS:
+        raise InvalidArgumentError(
+            f"namespace is {len(value)} characters long; the limit is {MAX_NAMESPACE_CHARS}"
+        )
+    bad = sorted(set(value) - NAMESPACE_CHARS)
+    if bad:
+        raise InvalidArgumentError(
+            f"namespace {value[:64]!r} has {''.join(bad)!r}: use letters, digits "
+            "and . _ - : / @ + ="
         )
 
 

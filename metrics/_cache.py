@@ -107,6 +107,7 @@ class StoreGauges(Collector):
         leases: Callable[[], int],
         leased_bytes: Callable[[], int],
         feed_subscribers: Callable[[], int],
+        namespaces: Callable[[], int],
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -128,6 +129,11 @@ class StoreGauges(Collector):
                 "mmcache_feed_subscribers",
                 "Clients subscribed to the mirror feed.",
                 feed_subscribers,
+            ),
+            (
+                "mmcache_namespaces",
+                "Namespaces in use (with items, uploads or subscribers; the default counts).",
+                namespaces,
             ),
         )
 

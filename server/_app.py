@@ -9,14 +9,13 @@ finish, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import signal
 import uuid
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
@@ -33,11 +32,14 @@ from mmcache.metrics import (
     register_build_info,
 )
 
-from ._config import ServerConfig
+from ._auth import AuthInterceptor, TokenBook
+from ._config import ConfigError, ServerConfig, is_loopback
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._feed import Feed
 from ._inflight import InflightBudget
+from ._namespaces import Namespaces
 from ._servicer import SERVICE_NAME, CacheServicer
+from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
 from ._store import ItemStore
 
 __all__ = ["MMCacheServer", "serve"]
@@ -66,9 +68,11 @@ class MMCacheServer:
         self.instance_id = uuid.uuid4().hex
         self.registry = CollectorRegistry() if registry is None else registry
         self.metrics = CacheMetrics(self.registry)
-        self.feed = Feed(
+        self.namespaces = Namespaces(
             self.instance_id,
             lambda: self.store.state(self._cache.pending),
+            lambda: self._cache.pending,
+            max_namespaces=config.max_namespaces,
             ring_bytes=config.feed_buffer_bytes,
             on_snapshot=lambda reason: self.metrics.feed_snapshots.labels(reason).inc(),
         )
@@ -77,12 +81,12 @@ class MMCacheServer:
             max_items=config.item_bound,
             lease_s=config.lease_s,
             on_evict=self.metrics.evicted,
-            on_change=self.feed.emit,
+            on_change=self.namespaces.emit,
             on_expire=self.metrics.lease_expiries.inc,
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self._cache = CacheServicer(
-            self.store, self.inflight, self.metrics, self.feed, self.instance_id, __version__
+            self.store, self.inflight, self.metrics, self.namespaces, self.instance_id, __version__
         )
         self.registry.register(
             StoreGauges(
@@ -93,7 +97,8 @@ class MMCacheServer:
                 inflight_bytes=lambda: self.inflight.used,
                 leases=lambda: self.store.leases,
                 leased_bytes=lambda: self.store.leased_bytes,
-                feed_subscribers=lambda: self.feed.subscribers,
+                feed_subscribers=lambda: self.namespaces.subscribers,
+                namespaces=lambda: len(self.namespaces),
             )
         )
         self.books = EncoderBooks()
@@ -101,66 +106,78 @@ class MMCacheServer:
         register_build_info(self.registry, __version__)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._endpoint: MetricsEndpoint | None = None
         self.port = 0
         self.metrics_port = 0
+        self.health_port = 0
+
+    @property
+    def feed(self) -> Feed:
+        """The default namespace's mirror feed."""
+        return self.namespaces.default.feed
 
     @property
     def service_names(self) -> list[str]:
         return [SERVICE_NAME, ENCODER_SERVICE_NAME]
 
     async def start(self) -> None:
-        server = grpc.aio.server(
-            interceptors=[GrpcServerMetrics(self.registry)], options=GRPC_OPTIONS
-        )
+        """Bind every port and serve; OSError or ConfigError (with the fix) when it cannot."""
+        config = self.config
+        interceptors: list[grpc.aio.ServerInterceptor] = [GrpcServerMetrics(self.registry)]
+        if config.authenticates:
+            book = TokenBook(config.tokens_file, config.tokens)
+            interceptors.append(AuthInterceptor(book, self.instance_id))
+        server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         encoder = EncoderServicer(self.books, self.instance_id)
-        server.add_generic_rpc_handlers((self._cache.handler(), encoder.handler()))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        if self.config.reflection:
-            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-        address = f"{self.config.host}:{self.config.port}"
+        names = [*self.service_names, HEALTH_SERVICE_NAME]
+        handlers = [
+            self._cache.handler(),
+            encoder.handler(),
+            health_handler(self.health, self.instance_id),
+        ]
+        if config.reflection:
+            handlers.append(reflection_handler([*names, reflection.SERVICE_NAME], self.instance_id))
+        server.add_generic_rpc_handlers(handlers)
+        self.port = _bind(server, config.host, config.port, _server_credentials(config))
+        if config.health_port is not None:
+            # Plaintext, health only: for probes that cannot speak TLS or send tokens.
+            self._health_server = grpc.aio.server(options=GRPC_OPTIONS)
+            self._health_server.add_generic_rpc_handlers(
+                [health_handler(self.health, self.instance_id)]
+            )
+            self.health_port = _bind(self._health_server, config.host, config.health_port, None)
+        metrics_host = config.metrics_host or config.host
         try:
-            self.port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
-        if self.port == 0:
-            raise OSError(f"cannot serve gRPC on {address}: the port is taken or unusable")
-        metrics_host = self.config.metrics_host or self.config.host
-        try:
-            self._endpoint = MetricsEndpoint(self.registry, metrics_host, self.config.metrics_port)
+            self._endpoint = MetricsEndpoint(self.registry, metrics_host, config.metrics_port)
         except OSError as exc:
             raise OSError(
-                f"cannot serve /metrics on {metrics_host}:{self.config.metrics_port}: {exc}"
+                f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
             ) from None
         self.metrics_port = self._endpoint.port
         await server.start()
         self._server = server
+        if self._health_server is not None:
+            await self._health_server.start()
         self._expiry = asyncio.create_task(self._expire_leases())
         for name in ("", *names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if not _is_loopback(self.config.host):
-            _LOGGER.warning(
-                "mmcache serves gRPC on %s:%d with neither TLS nor client authentication: any "
-                "client that reaches this address can write items under any hash, clear the "
-                "cache and read every item. For a sidecar, bind to 127.0.0.1 (--host); "
-                "otherwise let only the engine's own clients reach the port (e.g. a "
-                "Kubernetes NetworkPolicy).",
-                self.config.host,
-                self.port,
-            )
+        risk = _exposure_risk(config)
+        if risk:
+            _LOGGER.warning("mmcache serves gRPC on %s:%d %s", config.host, self.port, risk)
         _LOGGER.info(
-            "mmcache %s serving gRPC on %s:%d, metrics on %s:%d/metrics; capacity %d bytes, "
-            "at most %d items, leases of %gs; instance %s",
+            "mmcache %s serving gRPC on %s:%d (%s), metrics on %s:%d/metrics; capacity %d "
+            "bytes, at most %d items, leases of %gs; instance %s",
             __version__,
-            self.config.host,
+            config.host,
             self.port,
+            _security_summary(config),
             metrics_host,
             self.metrics_port,
             self.store.capacity,
             self.store.max_items,
-            self.config.lease_s,
+            config.lease_s,
             self.instance_id,
         )
 
@@ -173,6 +190,9 @@ class MMCacheServer:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(self.config.grace_s if grace is None else grace)
             self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
@@ -197,13 +217,70 @@ class MMCacheServer:
         await self.stop(grace=0)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def _read(path: str, what: str) -> bytes:
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    chain = _read(config.tls_cert, "TLS certificate (--tls-cert)")
+    key = _read(config.tls_key, "TLS key (--tls-key)")
+    client_ca = None
+    if config.tls_client_ca is not None:
+        client_ca = _read(config.tls_client_ca, "client CA file (--tls-client-ca)")
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def _bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise OSError(f"cannot serve gRPC on {address}: {exc}") from None
+    if bound == 0:
+        raise OSError(f"cannot serve gRPC on {address}: the port is taken or unusable")
+    return bound
+
+
+def _security_summary(config: ServerConfig) -> str:
+    transport = "mTLS" if config.tls_client_ca else "TLS" if config.tls else "plaintext"
+    return f"{transport}, {'tokens' if config.authenticates else 'no tokens'}"
+
+
+def _exposure_risk(config: ServerConfig) -> str:
+    """What an address beyond loopback exposes with these settings ("" when nothing)."""
+    if is_loopback(config.host):
+        return ""
+    if not config.tls and not config.authenticates:
+        return (
+            "with neither TLS nor tokens: any client that reaches this address can write "
+            "items under any hash (deciding what engines see), clear the cache and read every "
+            "item. Give --tokens-file and --tls-cert/--tls-key, or bind a sidecar to "
+            "127.0.0.1 (--host)."
+        )
+    if not config.tls:
+        return (
+            "without TLS: tokens and items cross the network unencrypted, so anyone on the "
+            "path can read a token and use it. Give --tls-cert and --tls-key."
+        )
+    if not config.authenticates and not config.tls_client_ca:
+        return (
+            "with TLS but neither tokens nor client certificates: any client that reaches "
+            "this address may call every method. Give --tokens-file or --tls-client-ca."
+        )
+    return ""
 
 
 async def serve(config: ServerConfig) -> int:
@@ -212,7 +289,7 @@ async def serve(config: ServerConfig) -> int:
     server = MMCacheServer(config)
     try:
         await server.start()
-    except OSError as exc:
+    except (OSError, ConfigError) as exc:
         _LOGGER.error("%s", exc)
         await server.stop(grace=0)
         return 2

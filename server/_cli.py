@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from mmcache import __version__
 
-from ._config import add_serve_arguments, config_from_args
+from ._config import ConfigError, add_serve_arguments, config_from_args
 
 __all__ = ["main"]
 
@@ -30,6 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port")
     probe.add_argument("--service", default="", help="service name; empty: the whole server")
     probe.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
+    probe.add_argument("--tls-ca", help="PEM file of the CA to verify a TLS server with")
+    probe.add_argument("--tls-cert", help="PEM client certificate, for a server asking for one")
+    probe.add_argument("--tls-key", help="PEM key of --tls-cert")
+    probe.add_argument(
+        "--tls-server-name", help="the name the server's certificate carries, if not TARGET's"
+    )
     return parser
 
 
@@ -38,8 +44,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "health":
         from ._health import check
 
-        return asyncio.run(check(args.target, args.service, args.timeout))
-    config = config_from_args(args)
+        return asyncio.run(
+            check(
+                args.target,
+                args.service,
+                args.timeout,
+                tls_ca=args.tls_ca,
+                tls_cert=args.tls_cert,
+                tls_key=args.tls_key,
+                tls_server_name=args.tls_server_name,
+            )
+        )
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"mmcache serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,25 +1,40 @@
-"""Server settings: flags, each also readable from an environment variable."""
+"""Server settings: one table of flags, each with an environment twin.
+
+Every setting is one row of `SETTINGS` (flag, environment variable, parser,
+field, help); the `serve` flags, the environment and the defaults are all
+read from it by one loop, at parse time. A flag beats its variable, which
+beats the default. `ServerConfig` checks itself, so a config built in code
+(tests, benches) is held to the same rules as one from the command line.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, fields
+from typing import Any
 
 __all__ = [
     "GIB",
+    "SETTINGS",
+    "ConfigError",
     "ServerConfig",
+    "Setting",
     "add_serve_arguments",
     "config_from_args",
     "default_max_items",
+    "is_loopback",
     "parse_serve_args",
 ]
 
 GIB = 1 << 30
 MIB = 1 << 20
-T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting, or a combination of settings, the server cannot run with."""
 
 
 def default_max_items(capacity_bytes: int) -> int:
@@ -34,51 +49,95 @@ def default_max_items(capacity_bytes: int) -> int:
     return 65536 + capacity_bytes // 8192
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
 @dataclass(frozen=True)
 class ServerConfig:
+    """Everything `mmcache serve` can be told; invalid combinations raise ConfigError."""
+
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_host: str | None = None  # None: the same as host
     metrics_port: int = 9470
+    health_port: int | None = None  # a plaintext port serving only health (for TLS servers)
     capacity_bytes: int = 4 * GIB  # like vLLM's mm_processor_cache_gb default
     max_inflight_bytes: int = 1 * GIB
     max_items: int | None = None  # None: default_max_items(capacity_bytes)
+    max_namespaces: int = 64
     grace_s: float = 10.0
     lease_s: float = 30.0
     feed_buffer_bytes: int = 32 << 20
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    tokens_file: str | None = None
+    tokens: str | None = None  # entries as in a tokens file, ';' between them
     reflection: bool = True
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError(
+                "--tls-cert and --tls-key go together: give both (the server's certificate "
+                "chain and its private key) or neither"
+            )
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError(
+                "--tls-client-ca asks clients for certificates, which needs TLS: give "
+                "--tls-cert and --tls-key too"
+            )
+        if self.health_port is not None and self.health_port != 0:
+            for name, other in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+                if other == self.health_port:
+                    raise ConfigError(
+                        f"--health-port {self.health_port} is also {name}: give it a port of "
+                        "its own"
+                    )
+        if self.port != 0 and self.port == self.metrics_port:
+            raise ConfigError(f"--port and --metrics-port are both {self.port}: give each its own")
+        if self.max_items is not None and self.max_items < 1:
+            raise ConfigError(f"max_items must be >= 1, got {self.max_items}")
+        if self.capacity_bytes < 0 or self.max_inflight_bytes < 0:
+            raise ConfigError("capacity and max in-flight bytes must be >= 0")
 
     @property
     def item_bound(self) -> int:
         """The most items the cache holds: `max_items`, else the default for the capacity."""
         return default_max_items(self.capacity_bytes) if self.max_items is None else self.max_items
 
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
-def _env(env: Mapping[str, str], name: str, parse: Callable[[str], T], default: T) -> T:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return parse(raw)
-    except ValueError as exc:
-        raise SystemExit(
-            f"mmcache: environment variable {name}={raw!r} is invalid: {exc}"
-        ) from None
+    @property
+    def authenticates(self) -> bool:
+        """Whether calls must carry a token (a tokens file or MMCACHE_TOKENS is set)."""
+        return self.tokens_file is not None or bool(self.tokens)
 
 
-def _gib(raw: str) -> float:
+# -- parsers: raw text to the field's value; ValueError says what is allowed --
+
+
+def _gib_to_bytes(raw: str) -> int:
     value = float(raw)
     if not value >= 0 or value == float("inf"):
         raise ValueError("must be a finite number of GiB >= 0")
-    return value
+    return int(value * GIB)
 
 
-def _mib(raw: str) -> float:
+def _mib_to_bytes(raw: str) -> int:
     value = float(raw)
     if not 0 < value <= 4096:
         raise ValueError("must be more than 0 and at most 4096 MiB")
-    return value
+    return int(value * MIB)
 
 
 def _port(raw: str) -> int:
@@ -118,8 +177,166 @@ def _bool(raw: str) -> bool:
     raise ValueError("must be one of 1/0, true/false, yes/no, on/off")
 
 
-def _argtype(parse: Callable[[str], T]) -> Callable[[str], T]:
-    def convert(raw: str) -> T:
+def _level(raw: str) -> str:
+    value = raw.strip().upper()
+    if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError("must be DEBUG, INFO, WARNING or ERROR")
+    return value
+
+
+def _text(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must not be blank")
+    return raw
+
+
+def _gib_shown(value: Any) -> str:
+    return f"{value / GIB:g}"
+
+
+def _mib_shown(value: Any) -> str:
+    return f"{value / MIB:g}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One server setting: its flag (None: environment only), variable and field."""
+
+    field: str
+    flag: str | None
+    env: str
+    parse: Callable[[str], Any]
+    help: str
+    shown: Callable[[Any], str] = str  # the field's value as the flag would take it
+    switch: bool = False  # --flag / --no-flag
+
+    def default_text(self) -> str:
+        default = ServerConfig.__dataclass_fields__[self.field].default
+        return "none" if default is None else self.shown(default)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "--host", "MMCACHE_HOST", _text, "address to serve gRPC on"),
+    Setting("port", "--port", "MMCACHE_PORT", _port, "gRPC port, 0 for a free one"),
+    Setting(
+        "metrics_host",
+        "--metrics-host",
+        "MMCACHE_METRICS_HOST",
+        _text,
+        "address of the /metrics endpoint (none: --host)",
+    ),
+    Setting("metrics_port", "--metrics-port", "MMCACHE_METRICS_PORT", _port, "/metrics port"),
+    Setting(
+        "health_port",
+        "--health-port",
+        "MMCACHE_HEALTH_PORT",
+        _port,
+        "a plaintext port on --host serving only grpc.health.v1, for probes that cannot "
+        "speak TLS (Kubernetes gRPC probes); none: health only on --port",
+    ),
+    Setting(
+        "capacity_bytes",
+        "--capacity-gb",
+        "MMCACHE_CAPACITY_GB",
+        _gib_to_bytes,
+        "cache capacity in GiB, fractions allowed, 0 disables caching; namespaces share it",
+        _gib_shown,
+    ),
+    Setting(
+        "max_inflight_bytes",
+        "--max-inflight-gb",
+        "MMCACHE_MAX_INFLIGHT_GB",
+        _gib_to_bytes,
+        "GiB of uploads buffered at once beside the cache; more wait",
+        _gib_shown,
+    ),
+    Setting(
+        "max_items",
+        "--max-items",
+        "MMCACHE_MAX_ITEMS",
+        _count,
+        "most items held at once, whatever their bytes (each costs 1-2 KiB of bookkeeping "
+        "an item's size does not count); none: 65536 + 1 per 8 KiB of capacity",
+    ),
+    Setting(
+        "max_namespaces",
+        "--max-namespaces",
+        "MMCACHE_MAX_NAMESPACES",
+        _count,
+        "most namespaces with items or subscribers at once; a call naming one more is "
+        "refused RESOURCE_EXHAUSTED",
+    ),
+    Setting(
+        "lease_s",
+        "--lease-s",
+        "MMCACHE_LEASE_S",
+        _lease_seconds,
+        "how long an item promised to a request stays readable if its engine never reads it",
+    ),
+    Setting(
+        "feed_buffer_bytes",
+        "--feed-buffer-mb",
+        "MMCACHE_FEED_BUFFER_MB",
+        _mib_to_bytes,
+        "MiB of recent mirror-feed changes kept for subscribers that fall behind (per "
+        "namespace with subscribers); one further behind gets a snapshot",
+        _mib_shown,
+    ),
+    Setting(
+        "grace_s",
+        "--grace-s",
+        "MMCACHE_GRACE_S",
+        _seconds,
+        "on SIGTERM, seconds for calls in flight to finish",
+    ),
+    Setting(
+        "tls_cert",
+        "--tls-cert",
+        "MMCACHE_TLS_CERT",
+        _text,
+        "PEM file of the server's certificate chain; with --tls-key, serves TLS only",
+    ),
+    Setting("tls_key", "--tls-key", "MMCACHE_TLS_KEY", _text, "PEM file of the server's key"),
+    Setting(
+        "tls_client_ca",
+        "--tls-client-ca",
+        "MMCACHE_TLS_CLIENT_CA",
+        _text,
+        "PEM file of the CAs whose client certificates are accepted; requires one (mTLS)",
+    ),
+    Setting(
+        "tokens_file",
+        "--tokens-file",
+        "MMCACHE_TOKENS_FILE",
+        _text,
+        "file of 'ROLE TOKEN [NAMESPACE,...]' lines (roles: read, write, admin); every "
+        "call then needs a token; re-read when it changes",
+    ),
+    # Environment only: a token on the command line shows in `ps`.
+    Setting(
+        "tokens",
+        None,
+        "MMCACHE_TOKENS",
+        _text,
+        "tokens-file entries separated by ';'",
+    ),
+    Setting(
+        "reflection",
+        "--reflection",
+        "MMCACHE_REFLECTION",
+        _bool,
+        "gRPC server reflection",
+        lambda v: "on" if v else "off",
+        switch=True,
+    ),
+    Setting("log_level", "--log-level", "MMCACHE_LOG_LEVEL", _level, "DEBUG, INFO, WARNING, ERROR"),
+)
+
+assert {s.field for s in SETTINGS} == {f.name for f in fields(ServerConfig)}
+
+
+def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
         try:
             return parse(raw)
         except ValueError as exc:
@@ -129,110 +346,57 @@ def _argtype(parse: Callable[[str], T]) -> Callable[[str], T]:
     return convert
 
 
-def add_serve_arguments(
-    parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None
-) -> None:
-    """The `serve` flags; defaults come from MMCACHE_* variables, then built-ins."""
-    e = os.environ if env is None else env
-    d = ServerConfig()
-    parser.add_argument(
-        "--host",
-        default=e.get("MMCACHE_HOST") or d.host,
-        help="address to serve gRPC on [env MMCACHE_HOST; default %(default)s]",
-    )
-    parser.add_argument(
-        "--port",
-        type=_argtype(_port),
-        default=_env(e, "MMCACHE_PORT", _port, d.port),
-        help="gRPC port, 0 for a free one [env MMCACHE_PORT; default %(default)s]",
-    )
-    parser.add_argument(
-        "--metrics-host",
-        default=e.get("MMCACHE_METRICS_HOST") or None,
-        help="address of the /metrics endpoint [env MMCACHE_METRICS_HOST; default: --host]",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=_argtype(_port),
-        default=_env(e, "MMCACHE_METRICS_PORT", _port, d.metrics_port),
-        help="Prometheus /metrics port [env MMCACHE_METRICS_PORT; default %(default)s]",
-    )
-    parser.add_argument(
-        "--capacity-gb",
-        type=_argtype(_gib),
-        default=_env(e, "MMCACHE_CAPACITY_GB", _gib, d.capacity_bytes / GIB),
-        help="cache capacity in GiB, fractions allowed, 0 disables caching "
-        "[env MMCACHE_CAPACITY_GB; default %(default)s]",
-    )
-    parser.add_argument(
-        "--max-inflight-gb",
-        type=_argtype(_gib),
-        default=_env(e, "MMCACHE_MAX_INFLIGHT_GB", _gib, d.max_inflight_bytes / GIB),
-        help="GiB of uploads buffered at once beside the cache; more wait "
-        "[env MMCACHE_MAX_INFLIGHT_GB; default %(default)s]",
-    )
-    parser.add_argument(
-        "--max-items",
-        type=_argtype(_count),
-        default=_env(e, "MMCACHE_MAX_ITEMS", _count, d.max_items),
-        help="most items held at once, whatever their bytes (each costs 1-2 KiB of "
-        "bookkeeping an item's size does not count) [env MMCACHE_MAX_ITEMS; "
-        "default 65536 + 1 per 8 KiB of capacity]",
-    )
-    parser.add_argument(
-        "--lease-s",
-        type=_argtype(_lease_seconds),
-        default=_env(e, "MMCACHE_LEASE_S", _lease_seconds, d.lease_s),
-        help="how long an item promised to a request stays readable if its engine never "
-        "reads it [env MMCACHE_LEASE_S; default %(default)s]",
-    )
-    parser.add_argument(
-        "--feed-buffer-mb",
-        type=_argtype(_mib),
-        default=_env(e, "MMCACHE_FEED_BUFFER_MB", _mib, d.feed_buffer_bytes / MIB),
-        help="MiB of recent mirror-feed changes kept for subscribers that fall behind; one "
-        "further behind gets a snapshot [env MMCACHE_FEED_BUFFER_MB; default %(default)s]",
-    )
-    parser.add_argument(
-        "--grace-s",
-        type=_argtype(_seconds),
-        default=_env(e, "MMCACHE_GRACE_S", _seconds, d.grace_s),
-        help="on SIGTERM, seconds for calls in flight to finish [env MMCACHE_GRACE_S; "
-        "default %(default)s]",
-    )
-    parser.add_argument(
-        "--reflection",
-        action=argparse.BooleanOptionalAction,
-        default=_env(e, "MMCACHE_REFLECTION", _bool, d.reflection),
-        help="gRPC server reflection [env MMCACHE_REFLECTION; default on]",
-    )
-    parser.add_argument(
-        "--log-level",
-        default=e.get("MMCACHE_LOG_LEVEL") or d.log_level,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        type=str.upper,
-        help="[env MMCACHE_LOG_LEVEL; default %(default)s]",
-    )
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags. Unset ones stay absent: the environment is read at parse time."""
+    for setting in SETTINGS:
+        if setting.flag is None:
+            continue
+        help_text = f"{setting.help} [env {setting.env}; default {setting.default_text()}]"
+        if setting.switch:
+            parser.add_argument(
+                setting.flag,
+                dest=setting.field,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                setting.flag,
+                dest=setting.field,
+                type=_argtype(setting.parse),
+                default=argparse.SUPPRESS,
+                help=help_text.replace("%", "%%"),
+            )
 
 
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port,
-        capacity_bytes=int(args.capacity_gb * GIB),
-        max_inflight_bytes=int(args.max_inflight_gb * GIB),
-        max_items=args.max_items,
-        grace_s=args.grace_s,
-        lease_s=args.lease_s,
-        feed_buffer_bytes=int(args.feed_buffer_mb * MIB),
-        reflection=args.reflection,
-        log_level=args.log_level,
-    )
+def config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Flags given, else their environment variables, else the defaults; checked."""
+    environ = os.environ if env is None else env
+    given = vars(args)
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        if setting.field in given:
+            values[setting.field] = given[setting.field]
+            continue
+        raw = environ.get(setting.env, "")
+        if raw == "":
+            continue
+        try:
+            values[setting.field] = setting.parse(raw)
+        except ValueError as exc:
+            shown = "<hidden>" if setting.field == "tokens" else repr(raw)
+            raise ConfigError(
+                f"environment variable {setting.env}={shown} is invalid: {exc}"
+            ) from None
+    return ServerConfig(**values)
 
 
-def parse_serve_args(argv: Sequence[str] | None = None) -> ServerConfig:
+def parse_serve_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> ServerConfig:
     parser = argparse.ArgumentParser(prog="mmcache serve")
     add_serve_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    return config_from_args(parser.parse_args(argv), env)

@@ -34,7 +34,7 @@ from mmcache._encoder import (
     compute_encoder_budget,
 )
 from mmcache._errors import InvalidArgumentError, MMCacheError
-from mmcache._spec import check_name
+from mmcache._spec import check_count, check_name
 from mmcache.v1 import encoder_pb2 as epb
 
 from ._status import protobuf_method, status_code_of
@@ -272,6 +272,7 @@ class EncoderServicer:
 
     async def batch(self, request: epb.BatchRequest, context: Context) -> epb.BatchReply:
         book = self._book(request.engine_id)
+        check_count("ops", len(request.ops))
         kinds: list[_Kind] = []
         ops: list[EncoderOp] = []
         failure: tuple[int, MMCacheError] | None = None

@@ -62,13 +62,14 @@ class Feed:
         flush_s: float = 0.01,
         ring_bytes: int = 32 << 20,
         on_snapshot: Callable[[str], None] | None = None,
+        start_seq: int = 0,
     ) -> None:
         self._instance_id = instance_id
         self._state = state
         self._flush_s = flush_s
         self._ring_bytes = ring_bytes
         self._on_snapshot = on_snapshot
-        self._seq = 0
+        self._seq = start_seq
         self._kinds: list[pb.ChangeKind.ValueType] = []
         self._hashes: list[str] = []
         self._sizes: list[int] = []
@@ -90,6 +91,11 @@ class Feed:
     @property
     def subscribers(self) -> int:
         return len(self._subscribers)
+
+    @property
+    def idle(self) -> bool:
+        """No subscriber, and nothing batched for one."""
+        return not self._subscribers and not self._kinds
 
     def emit(self, kind: pb.ChangeKind.ValueType, mm_hash: str, size: int = 0) -> None:
         """Record one change; subscribers get it with the next batch."""

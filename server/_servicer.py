@@ -18,21 +18,22 @@ REPLACED: both succeed, the item is stored once).
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from mmcache._errors import InvalidArgumentError
+from mmcache._errors import CacheMissError, InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, header_frame
 from mmcache._lru import Outcome
-from mmcache._spec import check_name
+from mmcache._spec import check_count, check_name
 from mmcache.metrics import CacheMetrics
 from mmcache.v1 import cache_pb2 as pb
 
-from ._feed import Feed
 from ._inflight import InflightBudget
+from ._namespaces import Namespace, Namespaces
 from ._pending import PendingUploads
 from ._status import guard, protobuf_method, write
 from ._store import BatchResult, ItemStore
@@ -70,22 +71,32 @@ class CacheServicer:
         store: ItemStore,
         inflight: InflightBudget,
         metrics: CacheMetrics,
-        feed: Feed,
+        namespaces: Namespaces,
         instance_id: str,
         version: str,
     ) -> None:
         self._store = store
         self._inflight = inflight
         self._metrics = metrics
-        self._feed = feed
+        self._namespaces = namespaces
         self._instance_id = instance_id
         self._version = version
-        self._pending = PendingUploads(feed.emit)
+        self._pending = PendingUploads(namespaces.emit)
 
     @property
     def pending(self) -> list[str]:
-        """Hashes being uploaded now."""
+        """Store keys being uploaded now."""
         return self._pending.hashes()
+
+    def _namespace(self, context: Context) -> Namespace:
+        return self._namespaces.of_call(context.invocation_metadata())
+
+    def _keys(self, namespace: Namespace, mm_hashes: Sequence[str]) -> list[str]:
+        """The store keys of a request's hashes, each checked."""
+        check_count("mm_hashes", len(mm_hashes))
+        for h in mm_hashes:
+            check_name("mm_hash", h)
+        return namespace.keys(mm_hashes)
 
     def handler(self) -> grpc.GenericRpcHandler:
         g = guard(self._instance_id)
@@ -104,6 +115,7 @@ class CacheServicer:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     async def info(self, request: pb.InfoRequest, context: Context) -> pb.InfoReply:
+        self._namespace(context)  # a bad or one-too-many namespace fails at connect
         return pb.InfoReply(
             instance_id=self._instance_id,
             capacity_bytes=self._store.capacity,
@@ -115,69 +127,77 @@ class CacheServicer:
         )
 
     async def touch(self, request: pb.TouchRequest, context: Context) -> pb.TouchReply:
-        for h in request.mm_hashes:
-            check_name("mm_hash", h)
-        return pb.TouchReply(
-            instance_id=self._instance_id, touched=self._store.touch(request.mm_hashes)
-        )
+        keys = self._keys(self._namespace(context), request.mm_hashes)
+        return pb.TouchReply(instance_id=self._instance_id, touched=self._store.touch(keys))
 
     async def clear(self, request: pb.ClearRequest, context: Context) -> pb.ClearReply:
-        removed, kept = self._store.clear()
-        _LOGGER.info("cache cleared: %d items removed, %d leased items kept", removed, kept)
+        namespace = self._namespace(context)
+        removed, kept = self._store.clear(self._namespaces.owned_by(namespace))
+        _LOGGER.info(
+            "namespace %r cleared: %d items removed, %d leased items kept",
+            namespace.name,
+            removed,
+            kept,
+        )
         return pb.ClearReply(
-            instance_id=self._instance_id, removed=removed, kept_leased=kept, seq=self._feed.seq
+            instance_id=self._instance_id,
+            removed=removed,
+            kept_leased=kept,
+            seq=self._namespaces.seq_of(namespace),
         )
 
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
-        for h in request.mm_hashes:
-            check_name("mm_hash", h)
-        return pb.ReleaseReply(
-            instance_id=self._instance_id, released=self._store.release(request.mm_hashes)
-        )
+        keys = self._keys(self._namespace(context), request.mm_hashes)
+        return pb.ReleaseReply(instance_id=self._instance_id, released=self._store.release(keys))
 
     async def subscribe(self, request_bytes: bytes, context: Context) -> None:
         try:
             pb.SubscribeRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"SubscribeRequest does not parse: {exc}") from None
-        subscriber = self._feed.subscribe()
+        feed = self._namespace(context).feed
+        subscriber = feed.subscribe()
         try:
             async for message in subscriber.messages():
                 await write(context, message)
         finally:
-            self._feed.unsubscribe(subscriber)
+            feed.unsubscribe(subscriber)
 
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
+        namespace = self._namespace(context)
         request, in_metadata = await read_request(context, frames)
-        entries = parse_header(request)
+        entries = parse_header(request, namespace.key)
         # Past the wait the entry is simply MISSING and its sender re-sends it:
         # a stalled upload elsewhere never holds this call up for long.
         remaining = context.time_remaining()
         wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
         waited = await self._pending.wait(
-            [e.mm_hash for e in entries if e.spec is None], max(0.0, wait_s)
+            [e.key for e in entries if e.spec is None], max(0.0, wait_s)
         )
         if waited:
             self._metrics.upload_waits.inc(waited)
         marked = self._pending.mark(data_hashes(entries))
         try:
-            result = await self._receive_and_apply(request, entries, frames, in_metadata)
+            result = await self._receive_and_apply(namespace, request, entries, frames, in_metadata)
         finally:
             self._pending.settle(marked)
         for entry, outcome in zip(entries, result.outcomes, strict=True):
-            self._count(entry.modality or self._modality_of(entry.mm_hash), outcome, entry.resend)
+            self._count(entry.modality or self._modality_of(entry.key), outcome, entry.resend)
         leased = request.lease != pb.LEASE_NONE
+        # Only the caller's own evictions: another namespace's hashes are not its business.
+        result = replace(result, evicted=namespace.hashes(result.evicted))
         return build_reply(
             self._instance_id,
             self._store.capacity,
             self._store.max_items,
-            self._feed.seq,
+            self._namespaces.seq_of(namespace),
             int(self._store.lease_s * 1000) if leased else 0,
             result,
         )
 
     async def _receive_and_apply(
         self,
+        namespace: Namespace,
         request: pb.UpdateRequest,
         entries: list[EntryHeader],
         frames: AsyncIterator[bytes],
@@ -196,7 +216,8 @@ class CacheServicer:
             ]
             await check_no_surplus(stream, in_metadata)
             self._metrics.received_bytes.inc(payload)
-            return self._store.update(request.touches, uploads, lease=request.lease)
+            touches = namespace.keys(request.touches)
+            return self._store.update(touches, uploads, lease=request.lease)
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(frames_of(frame), context)
@@ -206,9 +227,12 @@ class CacheServicer:
             request = pb.FetchRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"FetchRequest does not parse: {exc}") from None
-        for h in request.mm_hashes:
-            check_name("mm_hash", h)
-        items = self._store.fetch(request.mm_hashes)
+        namespace = self._namespace(context)
+        keys = self._keys(namespace, request.mm_hashes)
+        try:
+            items = self._store.fetch(keys)
+        except CacheMissError as exc:
+            raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
         header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
             header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
@@ -220,11 +244,11 @@ class CacheServicer:
                 await write(context, frame)
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
-            self._store.release(request.mm_hashes)
+            self._store.release(keys)
 
-    def _modality_of(self, mm_hash: str) -> str:
+    def _modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""
-        item = self._store.peek(mm_hash)
+        item = self._store.peek(key)
         return item.spec.fields[0].modality if item is not None and item.spec.fields else ""
 
     def _count(self, modality: str, outcome: Outcome, resend: bool) -> None:

@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["INSTANCE_ID_KEY", "guard", "protobuf_method", "status_code_of", "write"]
+__all__ = ["INSTANCE_ID_KEY", "abort_with", "guard", "protobuf_method", "status_code_of", "write"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -63,6 +63,20 @@ async def write(context: grpc.aio.ServicerContext[Any, Any], message: Any) -> No
         raise _ClientGone from exc
 
 
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], status: grpc.Status, instance_id: str
+) -> None:
+    metadata = (*status.trailing_metadata, (INSTANCE_ID_KEY, instance_id))
+    await context.abort(status.code, status.details, metadata)
+
+
+async def abort_with(
+    context: grpc.aio.ServicerContext[Any, Any], exc: errors.MMCacheError, instance_id: str
+) -> None:
+    """End the call with the status of `exc` (for code outside a guarded handler)."""
+    await _abort(context, _status_of(exc), instance_id)
+
+
 H = TypeVar("H", bound=Callable[..., Awaitable[Any]])
 
 
@@ -89,8 +103,7 @@ def guard(instance_id: str) -> Callable[[H], H]:
                         message="internal error in the mmcache server; its log has the traceback",
                     )
                 )
-            metadata = (*status.trailing_metadata, (INSTANCE_ID_KEY, instance_id))
-            await context.abort(status.code, status.details, metadata)
+            await _abort(context, status, instance_id)
 
         return guarded  # type: ignore[return-value]
 

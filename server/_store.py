@@ -224,12 +224,23 @@ class ItemStore:
         """Mark hashes recently used; missing ones are ignored. Returns how many were held."""
         return sum(self._lru.touch(h) for h in mm_hashes)
 
-    def clear(self) -> tuple[int, int]:
-        """Remove every item that no lease holds: (removed, kept because leased)."""
-        removed = self._lru.clear(keep_pinned=True)
+    def clear(self, owned: Callable[[str], bool] | None = None) -> tuple[int, int]:
+        """Remove every item (every `owned` one) that no lease holds:
+        (removed, kept because leased)."""
+        if owned is None:
+            removed = self._lru.clear(keep_pinned=True)
+            kept = self._lru.pinned_count
+        else:
+            removed, kept = [], 0
+            for key in [k for k in self._lru.keys() if owned(k)]:  # noqa: SIM118
+                if self._lru.is_pinned(key):
+                    kept += 1
+                else:
+                    self._lru.pop(key)
+                    removed.append(key)
         for key in removed:
             self._change(pb.CHANGE_REMOVED, key)
-        return len(removed), self._lru.pinned_count
+        return len(removed), kept
 
     def state(self, pending: Iterable[str] = ()) -> FeedState:
         """The key set now, least recently used first: what a feed snapshot sends."""

@@ -9,7 +9,7 @@ other module reads or writes these wire messages.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from mmcache._frames import (
     chunk_payload_offset,
     header_frame_body,
 )
-from mmcache._spec import MAX_METADATA_BYTES, check_name, item_size
+from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
 from ._store import BatchResult, StoredItem, UploadEntry
@@ -49,7 +49,8 @@ class EntryHeader:
     """One entry as its header describes it, checked."""
 
     index: int
-    mm_hash: str
+    mm_hash: str  # as the caller named it
+    key: str  # the store's key: the hash in the caller's namespace
     modality: str  # the metrics label
     spec: pb.ItemSpec | None  # None: the hash alone
     chunks: int | None  # chunk frames that follow for it; None: no data follows
@@ -87,14 +88,21 @@ async def read_request(
         raise InvalidArgumentError(f"the header does not parse: {exc}") from None
 
 
-def parse_header(request: pb.UpdateRequest) -> list[EntryHeader]:
-    """Check the touches and every entry; raises InvalidArgumentError naming the fault."""
+def parse_header(
+    request: pb.UpdateRequest, key_of: Callable[[str], str] = str
+) -> list[EntryHeader]:
+    """Check the touches and every entry; raises InvalidArgumentError naming the fault.
+
+    `key_of` gives the store's key of a hash (its namespace's).
+    """
+    check_count("touches", len(request.touches))
+    check_count("entries", len(request.entries))
     for h in request.touches:
         check_name("touched mm_hash", h)
-    return [_entry_header(i, entry) for i, entry in enumerate(request.entries)]
+    return [_entry_header(i, entry, key_of) for i, entry in enumerate(request.entries)]
 
 
-def _entry_header(index: int, entry: pb.UpdateEntry) -> EntryHeader:
+def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str]) -> EntryHeader:
     check_name(f"mm_hash of entry {index}", entry.mm_hash)
     check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
     where = f"entry {index} ({entry.mm_hash!r})"
@@ -107,6 +115,7 @@ def _entry_header(index: int, entry: pb.UpdateEntry) -> EntryHeader:
         return EntryHeader(
             index=index,
             mm_hash=entry.mm_hash,
+            key=key_of(entry.mm_hash),
             modality=entry.modality,
             spec=None,
             chunks=None,
@@ -141,6 +150,7 @@ def _entry_header(index: int, entry: pb.UpdateEntry) -> EntryHeader:
     return EntryHeader(
         index=index,
         mm_hash=entry.mm_hash,
+        key=key_of(entry.mm_hash),
         modality=entry.modality,
         spec=entry.item,
         chunks=chunks,
@@ -196,11 +206,11 @@ async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: boo
 def upload_entry(entry: EntryHeader, frames: tuple[bytes, ...]) -> UploadEntry:
     """What the store applies for one entry, its frames read."""
     if entry.spec is None:
-        return UploadEntry(entry.mm_hash, want_metadata=entry.want_metadata)
+        return UploadEntry(entry.key, want_metadata=entry.want_metadata)
     if entry.withheld:
-        return UploadEntry(entry.mm_hash, withheld=True)
+        return UploadEntry(entry.key, withheld=True)
     item = StoredItem(entry.spec, frames, entry.payload, entry.charged, entry.metadata)
-    return UploadEntry(entry.mm_hash, item)
+    return UploadEntry(entry.key, item)
 
 
 def build_reply(
@@ -233,5 +243,5 @@ async def frames_of(request: bytes) -> AsyncIterator[bytes]:
 
 
 def data_hashes(entries: Sequence[EntryHeader]) -> list[str]:
-    """The hashes whose data this call uploads."""
-    return [e.mm_hash for e in entries if e.chunks is not None]
+    """The store keys whose data this call uploads."""
+    return [e.key for e in entries if e.chunks is not None]

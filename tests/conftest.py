@@ -73,3 +73,30 @@ def parse_samples(text: str) -> Samples:
 
 def sample(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, tuple(sorted(labels.items()))))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_certs(directory: Path) -> Path:
+    """A CA with a server and a client certificate, and a tokens file (deploy/tls)."""
+    import subprocess
+
+    subprocess.run(
+        [str(ROOT / "deploy/tls/make-certs.sh"), str(directory)],
+        check=True,
+        capture_output=True,
+    )
+    return directory
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ca.crt, server.crt/.key, client.crt/.key and tokens of one private CA."""
+    return make_certs(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def rogue_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same files from another CA: nothing the server should trust."""
+    return make_certs(tmp_path_factory.mktemp("rogue"))

@@ -1,4 +1,4 @@
-"""Random bytes into every method of every mmcache service.
+"""Random bytes into every method of every service the server has (health and reflection too).
 
 No request, however malformed, is answered UNKNOWN or INTERNAL (a person
 gets INVALID_ARGUMENT or another code that says what is wrong), the server
@@ -12,12 +12,15 @@ import random
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2
 
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 from mmcache.v1 import encoder_pb2 as epb
 
+from .conftest import server_config
 from .items import image_item
 
 _REFUSED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -26,7 +29,13 @@ _REFUSED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 def methods() -> list[tuple[str, bool, bool]]:
     """(path, client streaming, server streaming) of every method we serve."""
     found = []
-    for module, service in ((pb, "MMCache"), (epb, "EncoderCache")):
+    services = (
+        (pb, "MMCache"),
+        (epb, "EncoderCache"),
+        (health_pb2, "Health"),
+        (reflection_pb2, "ServerReflection"),
+    )
+    for module, service in services:
         descriptor = module.DESCRIPTOR.services_by_name[service]
         for method in descriptor.methods:
             path = f"/{descriptor.full_name}/{method.name}"
@@ -52,7 +61,15 @@ async def call(
 ) -> grpc.StatusCode:
     client_streaming, server_streaming = streams
     try:
-        if client_streaming:
+        if client_streaming and server_streaming:  # reflection
+
+            async def requests():  # type: ignore[no-untyped-def]
+                yield body
+
+            stream = channel.stream_stream(path)(requests(), timeout=5)
+            async for _ in stream:
+                pass
+        elif client_streaming:
 
             async def frames():  # type: ignore[no-untyped-def]
                 yield body
@@ -61,7 +78,7 @@ async def call(
             await channel.stream_unary(path)(frames(), timeout=5)
         elif server_streaming:
             stream = channel.unary_stream(path)(body, timeout=5)
-            async for _ in stream:  # a Subscribe that parses streams on: enough
+            async for _ in stream:  # a Subscribe or Watch that parses streams on: enough
                 stream.cancel()
                 break
         else:
@@ -98,3 +115,15 @@ async def test_random_bytes_into_every_method_never_unknown_and_nothing_lost(
     # Still up, and still answering properly.
     async with MMCacheClient(target) as client:
         assert client.instance_id == server.instance_id
+
+
+async def test_random_bytes_with_tokens_on_are_refused_before_any_parsing() -> None:
+    """Without a token every method of ours is UNAUTHENTICATED; health still answers."""
+    async with MMCacheServer(server_config(tokens="admin " + "a" * 32)) as server:
+        rng = random.Random(3)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for path, client_streaming, server_streaming in methods():
+                code = await call(channel, path, (client_streaming, server_streaming), garbage(rng))
+                ours = "/mmcache." in path
+                assert (code == grpc.StatusCode.UNAUTHENTICATED) == ours, (path, code)
+                assert code not in _REFUSED, (path, code)

@@ -21,7 +21,16 @@ Settings, from the environment:
 - `MMCACHE_TARGET`: the server, `host:port` (unset: the plugin is inert);
 - `MMCACHE_DEADLINE_S` (default 1.0): the longest wait for the cache per call;
   past it P0 treats the items as misses and sends them inline;
-- `MMCACHE_NAMESPACE` (default empty): mixed into every key's scope.
+- `MMCACHE_NAMESPACE` (default empty): the server namespace the model's items
+  live in (and mixed into every key's scope); a token may be limited to it;
+- `MMCACHE_TOKEN`, or `MMCACHE_TOKEN_FILE` (a mounted Secret): the token sent
+  (the API servers need role write, the engine read; one token with both);
+- `MMCACHE_TLS_CA` (and `MMCACHE_TLS_CERT`, `MMCACHE_TLS_KEY` for mTLS,
+  `MMCACHE_TLS_SERVER_NAME` when the certificate names another host): TLS.
+
+A server that refuses the token or the TLS settings fails vLLM's start with
+the server's reason: a misconfigured cache is loud, an unreachable one fails
+open.
 
 Keys are vLLM's own `mm_hash` (content-derived; vLLM prefixes LoRA requests'
 identifiers), scoped by a digest of the model and its processor settings, so
@@ -35,9 +44,10 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["register", "scope_of"]
+__all__ = ["connection_settings", "register", "scope_of"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -70,8 +80,26 @@ def _client() -> Any:
                 os.environ["MMCACHE_TARGET"],
                 deadline_s=float(os.environ.get("MMCACHE_DEADLINE_S", "1.0")),
                 on_fail_open=_fail_open_counter().inc,
+                **connection_settings(os.environ),
             )
         return _process_client
+
+
+def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """MMCacheClient's namespace, token and TLS arguments, from the environment."""
+    token = env.get("MMCACHE_TOKEN") or None
+    token_file = env.get("MMCACHE_TOKEN_FILE")
+    if token is None and token_file:
+        with open(token_file, encoding="utf-8") as file:
+            token = file.read().strip()
+    return {
+        "namespace": env.get("MMCACHE_NAMESPACE", ""),
+        "token": token,
+        "tls_ca": env.get("MMCACHE_TLS_CA") or None,
+        "tls_cert": env.get("MMCACHE_TLS_CERT") or None,
+        "tls_key": env.get("MMCACHE_TLS_KEY") or None,
+        "tls_server_name": env.get("MMCACHE_TLS_SERVER_NAME") or None,
+    }
 
 
 def _fail_open_counter() -> Any:

@@ -115,10 +115,21 @@ def require(program: str) -> str:
 
 
 def run(
-    args: list[str], *, input: str | None = None, timeout: float = 120
+    args: list[str],
+    *,
+    input: str | None = None,
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        args, input=input, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+        args,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        check=False,
+        env=None if env is None else dict(env),
     )
 
 

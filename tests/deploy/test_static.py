@@ -114,6 +114,34 @@ def test_compose_check_rejects_an_invalid_file(tmp_path: Path) -> None:
     assert "stop_grace_periodd" in done.stderr
 
 
+def test_the_tls_override_mounts_generated_certificates_as_secrets(tmp_path: Path) -> None:
+    certs = tmp_path / "tls"
+    subprocess.run([str(ROOT / "deploy/tls/make-certs.sh"), str(certs)], check=True)
+    override = ROOT / "deploy/tls/docker-compose.tls.yml"
+    files = ["-f", str(COMPOSE_FILE), "-f", str(override), "config"]
+    env = {**os.environ, "MMCACHE_TLS_DIR": str(certs), "MMCACHE_UID": "1234"}
+    done = run([require("docker-compose"), *files], env=env)
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(done.stdout)
+    mmcache = config["services"]["mmcache"]
+    secrets = {name: Path(spec["file"]) for name, spec in config["secrets"].items()}
+    assert all(path.is_file() for path in secrets.values())
+    mounted = {s if isinstance(s, str) else s["source"] for s in mmcache["secrets"]}
+    assert mounted == secrets.keys()
+    environment = mmcache["environment"]
+    for variable in ("MMCACHE_TLS_CERT", "MMCACHE_TLS_KEY", "MMCACHE_TLS_CLIENT_CA",
+                     "MMCACHE_TOKENS_FILE"):  # fmt: skip
+        name = environment[variable].removeprefix("/run/secrets/")
+        assert name in mounted, variable
+    assert oct((certs / "server.key").stat().st_mode & 0o777) == "0o600"
+    assert str(mmcache["user"]) == "1234"  # the keys' owner reads them
+    assert mmcache["healthcheck"]["test"][-1] == f"127.0.0.1:{environment['MMCACHE_HEALTH_PORT']}"
+    # Without MMCACHE_UID Compose refuses, saying what to export.
+    del env["MMCACHE_UID"]
+    refused = run([require("docker-compose"), *files, "-q"], env=env)
+    assert refused.returncode != 0 and "export MMCACHE_UID" in refused.stderr
+
+
 def test_every_file_compose_builds_from_or_mounts_exists() -> None:
     paths = compose_local_paths(compose_config())
     missing = [f"{what}: {path}" for what, path in paths if not path.exists()]
@@ -319,7 +347,39 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
 
 def test_kustomizations_include_base_and_servicemonitor_overlay() -> None:
     found = {str(d.relative_to(K8S)) for d in kustomizations()}
-    assert {"base", "overlays/servicemonitor"} <= found
+    assert {"base", "overlays/servicemonitor", "overlays/tls"} <= found
+
+
+def _mounted_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The secret volume `path` lies in, mounted read-only in `container`."""
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            assert mount.get("readOnly"), (path, mount)
+            [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+            assert "secret" in volume, (path, volume)
+            secret: dict[str, Any] = volume["secret"]
+            return secret
+    raise AssertionError(f"{path} is on no mounted volume of {container['name']}")
+
+
+def test_the_tls_overlay_mounts_its_secrets_unreadable_to_others(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    pod = _pod(rendered["overlays/tls"])
+    sidecar = _sidecar(pod)
+    env = container_env(sidecar)
+    for variable in ("MMCACHE_TLS_CERT", "MMCACHE_TLS_KEY", "MMCACHE_TLS_CLIENT_CA",
+                     "MMCACHE_TOKENS_FILE"):  # fmt: skip
+        secret = _mounted_secret(pod, sidecar, env[variable])
+        assert secret["defaultMode"] & 0o007 == 0, (variable, oct(secret["defaultMode"]))
+    # The server's group may read them: its files are the fsGroup's.
+    assert pod["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"]
+    [engine] = pod["containers"]
+    engine_env = {e["name"]: e for e in engine["env"]}
+    for variable in ("MMCACHE_TLS_CA", "MMCACHE_TLS_CERT", "MMCACHE_TLS_KEY"):
+        _mounted_secret(pod, engine, engine_env[variable]["value"])
+    # The engine's token comes from a Secret, never a literal in the manifest.
+    assert "secretKeyRef" in engine_env["MMCACHE_TOKEN"]["valueFrom"]
 
 
 def test_every_rendered_object_validates(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -373,10 +433,16 @@ def test_mmcache_is_a_native_sidecar_with_grpc_probes(
         env = {**ENV_DEFAULTS, **container_env(sidecar)}
         assert int(env["MMCACHE_PORT"]) == GRPC_PORT
         ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
-        assert ports == {"grpc": GRPC_PORT, "metrics": int(env["MMCACHE_METRICS_PORT"])}
+        expected = {"grpc": GRPC_PORT, "metrics": int(env["MMCACHE_METRICS_PORT"])}
+        # A TLS server's probes use the plaintext health-only port (kubelets speak no TLS).
+        probed = int(env.get("MMCACHE_HEALTH_PORT", GRPC_PORT))
+        if "MMCACHE_TLS_CERT" in env:
+            assert probed != GRPC_PORT, f"{name}: probes cannot reach a TLS port"
+            expected["health"] = probed
+        assert ports == expected, name
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             spec = sidecar[probe]
-            assert spec["grpc"]["port"] == GRPC_PORT, (name, probe)
+            assert spec["grpc"]["port"] == probed, (name, probe)
             assert spec["grpc"].get("service", "") == "", (name, probe)  # the whole server
             assert not {"httpGet", "tcpSocket", "exec"} & spec.keys(), (name, probe)
         # The pod's grace covers the server's own (plus the engine's drain before it).

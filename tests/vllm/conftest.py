@@ -28,25 +28,28 @@ def free_port() -> int:
 class Sidecar:
     """`mmcache serve` in a process of its own, restartable on the same port."""
 
-    def __init__(self, capacity_gb: float = 0.25) -> None:
+    def __init__(self, capacity_gb: float = 0.25, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
+        self.health_port = free_port()  # plaintext, so probes work whatever TLS says
+        self.env = env or {}
         self.target = f"127.0.0.1:{self.port}"
         self.capacity_gb = capacity_gb
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING"}
+        env = {**os.environ, "MMCACHE_LOG_LEVEL": "WARNING", **self.env}
         self.proc = subprocess.Popen(
             [
                 *(MMCACHE, "serve", "--host", "127.0.0.1", "--port", str(self.port)),
                 *("--metrics-port", str(self.metrics_port)),
+                *("--health-port", str(self.health_port)),
                 *("--capacity-gb", str(self.capacity_gb), "--grace-s", "0"),
             ],
             env=env,
         )
         deadline = time.monotonic() + 30
-        probe = [MMCACHE, "health", self.target]
+        probe = [MMCACHE, "health", f"127.0.0.1:{self.health_port}"]
         while subprocess.run(probe, check=False, capture_output=True).returncode != 0:
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise RuntimeError("the mmcache sidecar did not start")

@@ -10,8 +10,10 @@ uncached, touches of missing keys, exact stats, fail-open.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +34,8 @@ from vllm.multimodal.processing.processor import (
     UpdateMode,
 )
 
+from mmcache.client import CacheMissError
+from mmcache.client.vllm_plugin import connection_settings
 from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache, MMCacheReceiverCache
 from mmcache.client.vllm_plugin._convert import (
     decode_updates,
@@ -45,6 +49,7 @@ from .conftest import Sidecar
 from .serve import metrics
 
 SCOPE = "test-scope"
+ROOT = Path(__file__).resolve().parents[2]
 IMAGE_PAD = 151655
 
 
@@ -292,3 +297,52 @@ def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], Sy
     (out,) = request(p0, [("red", item(1))])
     assert out[0] is not None and time.monotonic() - start < 3  # data inline, no hang
     assert p0._sync.client.fail_opens >= 1
+
+
+def test_tls_tokens_and_a_namespace_from_the_environment(tmp_path: Path) -> None:
+    """The plugin's settings as an operator gives them: P0 writes, P1 reads, over mTLS."""
+    certs = tmp_path / "tls"
+    subprocess.run([str(ROOT / "deploy/tls/make-certs.sh"), str(certs)], check=True)
+    roles = dict(line.split()[:2] for line in (certs / "tokens").read_text().splitlines()[1:])
+    (tmp_path / "read-token").write_text(roles["read"] + "\n")
+    server = Sidecar(
+        env={
+            "MMCACHE_TLS_CERT": str(certs / "server.crt"),
+            "MMCACHE_TLS_KEY": str(certs / "server.key"),
+            "MMCACHE_TLS_CLIENT_CA": str(certs / "ca.crt"),
+            "MMCACHE_TOKENS_FILE": str(certs / "tokens"),
+        }
+    )
+    server.start()
+    tls = {
+        "MMCACHE_TLS_CA": str(certs / "ca.crt"),
+        "MMCACHE_TLS_CERT": str(certs / "client.crt"),
+        "MMCACHE_TLS_KEY": str(certs / "client.key"),
+        "MMCACHE_NAMESPACE": "tiny@1",
+    }
+    try:
+        frontend = SyncClient(
+            server.target, **connection_settings({**tls, "MMCACHE_TOKEN": roles["write"]})
+        )
+        engine = SyncClient(
+            server.target,
+            **connection_settings({**tls, "MMCACHE_TOKEN_FILE": str(tmp_path / "read-token")}),
+        )
+        other = SyncClient(  # another model's namespace on the same sidecar
+            server.target, **connection_settings({**tls, "MMCACHE_NAMESPACE": "other@1",
+                                                  "MMCACHE_TOKEN": roles["admin"]})
+        )  # fmt: skip
+        try:
+            p0 = MMCacheProcessorCache(frontend, SCOPE)
+            p1 = MMCacheReceiverCache(engine, SCOPE)
+            request(p0, [("red", item(1))])
+            eventually(lambda: frontend.client.is_cached([p0.key("red")]) == [True])
+            (features,) = p1.get_and_update_features([feature("red", None)])
+            assert features.data == item(1)
+            with pytest.raises(CacheMissError):
+                other.call(other.client.fetch([p0.key("red")]))
+        finally:
+            for sync in (frontend, engine, other):
+                sync.close()
+    finally:
+        server.stop()

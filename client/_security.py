@@ -1,0 +1,140 @@
+"""What a client presents to a server: TLS credentials, a token, a namespace.
+
+The token and the namespace travel as metadata on every call of the
+client's channel (an interceptor adds them), so the encoder client and any
+caller of `MMCacheClient.channel` carry them too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from mmcache._errors import InvalidArgumentError
+from mmcache._spec import NAMESPACE_KEY, check_namespace
+
+__all__ = ["channel_credentials", "metadata_interceptors", "open_channel"]
+
+_LOGGER = logging.getLogger(__name__)
+
+AUTHORIZATION_KEY = "authorization"
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read the {what} {path}: {exc.strerror}") from None
+
+
+def channel_credentials(
+    credentials: grpc.ChannelCredentials | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+) -> grpc.ChannelCredentials | None:
+    """The channel's credentials: given ones, or TLS from PEM files; None for plaintext."""
+    files = (tls_ca, tls_cert, tls_key)
+    if credentials is not None and any(files):
+        raise InvalidArgumentError("give credentials= or the tls_* file paths, not both")
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidArgumentError("tls_cert and tls_key go together (the client's mTLS pair)")
+    if credentials is not None or not any(files):
+        return credentials
+    return grpc.ssl_channel_credentials(
+        root_certificates=None if tls_ca is None else _read(tls_ca, "CA file (tls_ca)"),
+        private_key=None if tls_key is None else _read(tls_key, "key file (tls_key)"),
+        certificate_chain=None if tls_cert is None else _read(tls_cert, "certificate (tls_cert)"),
+    )
+
+
+def _with(details: grpc.aio.ClientCallDetails, extra: Metadata) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), *extra)
+    return grpc.aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, extra: Metadata) -> None:
+        self._extra = extra
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with(details, self._extra), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, extra: Metadata) -> None:
+        self._extra = extra
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with(details, self._extra), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, extra: Metadata) -> None:
+        self._extra = extra
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with(details, self._extra), requests)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, extra: Metadata) -> None:
+        self._extra = extra
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_with(details, self._extra), requests)
+
+
+def metadata_interceptors(token: str | None, namespace: str) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors adding the token and namespace to every call; none when neither is set."""
+    check_namespace(namespace)
+    extra: list[tuple[str, str]] = []
+    if token:
+        if not token.isascii() or not token.isprintable() or token != token.strip():
+            raise InvalidArgumentError("a token is printable ASCII without surrounding spaces")
+        extra.append((AUTHORIZATION_KEY, f"Bearer {token}"))
+    if namespace:
+        extra.append((NAMESPACE_KEY, namespace))
+    if not extra:
+        return []  # no interceptor: no cost on the plain path
+    fixed = tuple(extra)
+    return [_UnaryUnary(fixed), _UnaryStream(fixed), _StreamUnary(fixed), _StreamStream(fixed)]
+
+
+def _is_local(target: str) -> bool:
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 else target
+    host = host.removeprefix("dns:///").removeprefix("ipv4:").removeprefix("ipv6:")
+    if host in ("localhost", "") or target.startswith("unix:"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials | None,
+    options: Sequence[tuple[str, Any]],
+    interceptors: Sequence[grpc.aio.ClientInterceptor],
+    token: str | None,
+) -> grpc.aio.Channel:
+    """A channel to `target`: TLS when there are credentials, else plaintext."""
+    if credentials is None:
+        if token and not _is_local(target):
+            _LOGGER.warning(
+                "mmcache client sends its token to %s without TLS: anyone on the network path "
+                "can read it (give tls_ca=, or credentials=)",
+                target,
+            )
+        return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

@@ -1,0 +1,184 @@
+"""TLS and mTLS: real certificates (deploy/tls/make-certs.sh), real handshakes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmcache.client import MMCacheClient, UnavailableError
+from mmcache.server import MMCacheServer
+
+from .conftest import MMCACHE, server_config
+from .items import image_item
+from .test_process import free_port, start
+
+
+def tls_config(certs: Path, *, mtls: bool = False, **overrides: object) -> dict[str, object]:
+    return {
+        "tls_cert": str(certs / "server.crt"),
+        "tls_key": str(certs / "server.key"),
+        "tls_client_ca": str(certs / "ca.crt") if mtls else None,
+        **overrides,
+    }
+
+
+async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) -> None:
+    async with (
+        MMCacheServer(server_config(**tls_config(certs))) as server,
+        MMCacheClient(f"127.0.0.1:{server.port}", tls_ca=str(certs / "ca.crt")) as client,
+    ):
+        item = image_item(1)
+        await client.get_and_update([item], ["h"])
+        (fetched,) = await client.fetch(["h"])
+        assert fetched == item
+
+
+async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> None:
+    credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
+    async with (
+        MMCacheServer(server_config(**tls_config(certs))) as server,
+        MMCacheClient(f"localhost:{server.port}", credentials=credentials) as client,
+    ):
+        await client.get_and_update([image_item(3)], ["c"])
+        assert "c" in server.store
+
+
+async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
+    certs: Path, rogue_certs: Path
+) -> None:
+    async with MMCacheServer(server_config(**tls_config(certs))) as server:
+        target = f"127.0.0.1:{server.port}"
+        with pytest.raises(UnavailableError):
+            async with MMCacheClient(target, connect_timeout=1, follow=False):
+                pass
+        with pytest.raises(UnavailableError):
+            async with MMCacheClient(
+                target, tls_ca=str(rogue_certs / "ca.crt"), connect_timeout=1, follow=False
+            ):
+                pass
+
+
+async def test_mtls_needs_a_client_certificate_from_the_named_ca(
+    certs: Path, rogue_certs: Path
+) -> None:
+    async with MMCacheServer(server_config(**tls_config(certs, mtls=True))) as server:
+        target = f"127.0.0.1:{server.port}"
+        ca = str(certs / "ca.crt")
+        with pytest.raises(UnavailableError):  # no certificate
+            async with MMCacheClient(target, tls_ca=ca, connect_timeout=1, follow=False):
+                pass
+        with pytest.raises(UnavailableError):  # one from another CA
+            async with MMCacheClient(
+                target,
+                tls_ca=ca,
+                tls_cert=str(rogue_certs / "client.crt"),
+                tls_key=str(rogue_certs / "client.key"),
+                connect_timeout=1,
+                follow=False,
+            ):
+                pass
+        async with MMCacheClient(
+            target,
+            tls_ca=ca,
+            tls_cert=str(certs / "client.crt"),
+            tls_key=str(certs / "client.key"),
+        ) as client:
+            await client.get_and_update([image_item(2)], ["m"])
+            await client.wait_following()  # the feed stream runs over mTLS too
+            assert client.is_cached("m")
+
+
+def probe(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [MMCACHE, "health", *args, "--timeout", "2"], capture_output=True, text=True, check=False
+    )
+
+
+def test_a_tls_server_process_keeps_its_probes_working(certs: Path) -> None:
+    """The Kubernetes way (a plaintext health-only port) and the exec way (health over TLS)."""
+    port, metrics_port, health_port = free_port(), free_port(), free_port()
+    env = {
+        **os.environ,
+        "MMCACHE_TLS_CERT": str(certs / "server.crt"),
+        "MMCACHE_TLS_KEY": str(certs / "server.key"),
+        "MMCACHE_TLS_CLIENT_CA": str(certs / "ca.crt"),
+        "MMCACHE_HEALTH_PORT": str(health_port),
+    }
+    proc = start(
+        [
+            MMCACHE,
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+        ],
+        env,
+    )
+    try:
+        for _ in range(100):
+            if probe(f"127.0.0.1:{health_port}").returncode == 0:
+                break
+            assert proc.poll() is None, proc.communicate()
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert probe(f"127.0.0.1:{health_port}").returncode == 0
+        mtls = [
+            "--tls-ca",
+            str(certs / "ca.crt"),
+            "--tls-cert",
+            str(certs / "client.crt"),
+            "--tls-key",
+            str(certs / "client.key"),
+        ]
+        assert probe(f"127.0.0.1:{port}", *mtls).returncode == 0
+        assert probe(f"localhost:{port}", *mtls).returncode == 0
+        plain = probe(f"127.0.0.1:{port}")  # no TLS: refused, with the reason
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert "mTLS, no tokens" in err
+
+
+def test_a_tls_flag_without_its_pair_is_refused_with_the_fix(certs: Path) -> None:
+    result = subprocess.run(
+        [MMCACHE, "serve", "--tls-cert", str(certs / "server.crt")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "--tls-cert and --tls-key go together" in result.stderr
+
+
+def test_an_unreadable_certificate_is_refused_with_its_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.crt"
+    result = subprocess.run(
+        [
+            MMCACHE,
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--tls-cert",
+            str(missing),
+            "--tls-key",
+            str(missing),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "--tls-cert" in result.stderr

@@ -1,0 +1,205 @@
+"""Tokens with roles: who may call what, rotation without a restart, nothing logged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmcache.client import (
+    MMCacheClient,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
+from mmcache.server import MMCacheServer
+from mmcache.server._auth import parse_tokens
+from mmcache.server._config import ConfigError
+
+from .conftest import sample, scrape, server_config
+from .items import image_item
+
+WRITE = "w" * 8 + "-write-token-0001"
+READ = "r" * 8 + "-read-token-00001"
+ADMIN = "a" * 8 + "-admin-token-0001"
+TENANT = "t" * 8 + "-tenant-a-only-01"
+
+
+@pytest.fixture
+async def secured(tmp_path: Path) -> AsyncIterator[tuple[MMCacheServer, Path]]:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(
+        f"# roles\nwrite {WRITE}\nread {READ}\nadmin {ADMIN}\nwrite {TENANT} a\nread {TENANT} a\n"
+    )
+    async with MMCacheServer(server_config(tokens_file=str(tokens))) as server:
+        yield server, tokens
+
+
+def connect(server: MMCacheServer, token: str | None, **kwargs: object) -> MMCacheClient:
+    return MMCacheClient(
+        f"127.0.0.1:{server.port}",
+        token=token,
+        follow=False,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+async def test_each_role_may_call_its_methods_and_no_other(
+    secured: tuple[MMCacheServer, Path],
+) -> None:
+    server, _ = secured
+    async with connect(server, WRITE) as frontend:
+        await frontend.get_and_update([image_item(1)], ["h"])
+        with pytest.raises(PermissionDeniedError, match="Fetch needs a token of role read"):
+            await frontend.fetch(["h"])
+        with pytest.raises(PermissionDeniedError, match="Clear needs a token of role admin"):
+            await frontend.clear_cache()
+    async with connect(server, READ) as engine:
+        (item,) = await engine.fetch(["h"])
+        assert item == image_item(1)
+        with pytest.raises(PermissionDeniedError, match=r"GetAndUpdate.* role write; this token"):
+            await engine.get_and_update([image_item(2)], ["g"])
+        with pytest.raises(PermissionDeniedError, match="role admin"):
+            await engine.encoder_cache("e0").create(cache_size=10)
+    async with connect(server, ADMIN) as operator:
+        await operator.get_and_update([image_item(2)], ["g"])
+        assert len(await operator.fetch(["g", "h"])) == 2
+        await operator.encoder_cache("e0").create(cache_size=10)
+        await operator.clear_cache()
+    assert len(server.store) == 0
+
+
+async def test_no_token_or_an_unknown_one_is_unauthenticated_with_the_role_needed(
+    secured: tuple[MMCacheServer, Path],
+) -> None:
+    server, _ = secured
+    with pytest.raises(UnauthenticatedError, match="needs a token of role"):
+        async with connect(server, None):
+            pass
+    with pytest.raises(UnauthenticatedError, match="does not accept the token"):
+        async with connect(server, "x" * 32):
+            pass
+    # Refusals are counted like any other status.
+    samples = await scrape(server.metrics_port)
+    refused = sample(
+        samples,
+        "grpc_server_handled_total",
+        grpc_type="unary",
+        grpc_service="mmcache.v1.MMCache",
+        grpc_method="Info",
+        grpc_code="Unauthenticated",
+    )
+    assert refused == 2
+
+
+async def test_health_and_reflection_need_no_token(secured: tuple[MMCacheServer, Path]) -> None:
+    server, _ = secured
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_token_limited_to_namespaces_may_use_only_those(
+    secured: tuple[MMCacheServer, Path],
+) -> None:
+    server, _ = secured
+    async with connect(server, TENANT, namespace="a") as mine:
+        await mine.get_and_update([image_item(3)], ["h"])
+        assert len(await mine.fetch(["h"])) == 1
+    with pytest.raises(PermissionDeniedError, match="may not use namespace 'b'; it may use a"):
+        async with connect(server, TENANT, namespace="b"):
+            pass
+    with pytest.raises(PermissionDeniedError, match="namespace '\\(default\\)'"):
+        async with connect(server, TENANT):
+            pass
+
+
+async def test_tokens_rotate_without_a_restart(secured: tuple[MMCacheServer, Path]) -> None:
+    server, tokens = secured
+    new = "n" * 8 + "-rotated-write-01"
+    with pytest.raises(UnauthenticatedError):
+        async with connect(server, new):
+            pass
+    # Add the new token beside the old (as a Kubernetes Secret update swaps the file).
+    staged = tokens.with_suffix(".new")
+    staged.write_text(tokens.read_text() + f"write {new}\n")
+    os.replace(staged, tokens)
+    await asyncio.sleep(1.1)  # the file is looked at once a second
+    async with connect(server, new) as client, connect(server, WRITE) as old:
+        await client.get_and_update([image_item(4)], ["r"])
+        await old.get_and_update([image_item(5)], ["o"])  # both work meanwhile
+        # Retire the old one.
+        staged.write_text(tokens.read_text().replace(f"write {WRITE}\n", ""))
+        os.replace(staged, tokens)
+        await asyncio.sleep(1.1)
+        with pytest.raises(UnauthenticatedError):
+            await old.get_and_update([image_item(6)], ["p"])
+        await client.get_and_update([image_item(6)], ["p"])
+
+
+async def test_a_broken_tokens_file_keeps_the_known_tokens(
+    secured: tuple[MMCacheServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, tokens = secured
+    tokens.write_text("write short\n")  # half a rotation gone wrong
+    await asyncio.sleep(1.1)
+    with caplog.at_level(logging.WARNING):
+        async with connect(server, WRITE) as client:
+            await client.get_and_update([image_item(7)], ["k"])
+    assert any("not reloaded" in r.getMessage() for r in caplog.records)
+
+
+async def test_tokens_never_reach_the_log(
+    secured: tuple[MMCacheServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, _ = secured
+    wrong = "z" * 8 + "-wrong-token-0001"
+    with caplog.at_level(logging.DEBUG):
+        async with connect(server, READ) as engine:
+            with pytest.raises(PermissionDeniedError):
+                await engine.get_and_update([image_item(8)], ["x"])
+        with pytest.raises(UnauthenticatedError):
+            async with connect(server, wrong):
+                pass
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "refused" in logged  # the refusals were logged, without the tokens
+    for token in (READ, WRITE, ADMIN, wrong):
+        assert token not in logged
+
+
+def test_token_entries_are_checked_without_echoing_the_token() -> None:
+    with pytest.raises(ConfigError, match="entry 1: role 'reader' is not one of") as bad_role:
+        parse_tokens("reader abcdefghijklmnopqrstuvwxyz", "f")
+    assert "abcdefghij" not in str(bad_role.value)
+    with pytest.raises(ConfigError, match="16 to 512 characters, this one 5") as short:
+        parse_tokens("write abcde", "f")
+    assert "abcde'" not in str(short.value)
+    grants = parse_tokens(f"write {WRITE} a,~ ; read {READ}", "env")
+    assert [(g.role, g.namespaces) for g in grants] == [
+        ("write", frozenset({"a", ""})),
+        ("read", None),
+    ]
+
+
+async def test_a_server_with_an_empty_tokens_file_refuses_to_start(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# nobody\n")
+    with pytest.raises(ConfigError, match="lists no token"):
+        async with MMCacheServer(server_config(tokens_file=str(tokens))):
+            pass
+
+
+async def test_tokens_from_the_environment_setting(tmp_path: Path) -> None:
+    async with (
+        MMCacheServer(server_config(tokens=f"write {WRITE}; read {READ}")) as server,
+        connect(server, WRITE) as frontend,
+        connect(server, READ) as engine,
+    ):
+        await frontend.get_and_update([image_item(9)], ["e"])
+        assert len(await engine.fetch(["e"])) == 1
