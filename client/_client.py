@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from mmcache._errors import (
     CacheMissError,
@@ -705,15 +706,24 @@ class MMCacheClient:
 
 async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:
     # The transport gives the header's bytes first, wherever they travelled.
-    header = pb.FetchHeader.FromString(await anext(frames))
+    try:
+        header = pb.FetchHeader.FromString(await anext(frames))
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
     if len(header.items) != expected:
         raise InvalidArgumentError("the Fetch reply names a different number of items")
     items: list[Item] = []
     for fetched in header.items:
         # Each frame is copied into the item's tensors as it arrives and dropped.
         decoder = ItemDecoder(fetched.item)
-        for _ in range(fetched.num_chunks):
-            decoder.feed(await anext(frames))
+        for index in range(fetched.num_chunks):
+            frame = await anext(frames, None)
+            if frame is None:
+                raise InvalidArgumentError(
+                    f"the Fetch reply ended after {index} of the {fetched.num_chunks} chunk "
+                    f"frames of {fetched.mm_hash!r}"
+                )
+            decoder.feed(frame)
         items.append(decoder.finish())
     # Read to the end so the call completes with its status: a call left
     # open would be cancelled, and grpc keeps a cancelled call (and its

@@ -17,7 +17,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from mmcache._dtypes import ITEMSIZE, nbytes_of
-from mmcache._errors import InvalidArgumentError
+from mmcache._errors import InvalidArgumentError, ResourceExhaustedError
 from mmcache._frames import chunk_payload_offset, chunk_prefix
 from mmcache._items import (
     BatchedField,
@@ -30,7 +30,7 @@ from mmcache._items import (
     SharedField,
 )
 from mmcache._memory import advise_hugepages, prefault_in_background
-from mmcache._spec import MAX_DEPTH, SpecSize, item_size
+from mmcache._spec import MAX_DEPTH, SpecSize, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
 __all__ = [
@@ -100,6 +100,7 @@ def encode_item(item: Item, *, modality: str | None = None) -> EncodedItem:
     for key, value in item.items():
         if not isinstance(key, str):
             raise InvalidArgumentError(f"item keys must be str, got {type(key).__name__} {key!r}")
+        check_name("item key", key)
         elem = spec.fields.add(key=key)
         data: object = value
         if as_item:
@@ -203,7 +204,13 @@ class ItemDecoder:
                     )
                 # Allocated as bytes and viewed as the dtype at the end: the
                 # same fresh storage, and no "experimental" warning for complex32.
-                raw = torch.empty(n, dtype=torch.uint8)
+                try:
+                    raw = torch.empty(n, dtype=torch.uint8)
+                except (RuntimeError, MemoryError):
+                    raise ResourceExhaustedError(
+                        f"cannot allocate {n} bytes for a {tensor_spec.dtype} tensor of "
+                        f"field {elem.key!r}"
+                    ) from None
                 advise_hugepages(raw.data_ptr(), n)
                 if n >= _PREFAULT_BYTES:
                     large.append((raw.data_ptr(), n))
@@ -314,8 +321,10 @@ def _leaf(key: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    # reshape first: a 0-d tensor cannot be viewed as bytes of another size.
-    view: memoryview = tensor.reshape(-1).view(torch.uint8).numpy().data
+    # Flat first (a 0-d tensor cannot be viewed as bytes of another size), by
+    # strides: a contiguous tensor may keep any stride on a dimension of size 0
+    # or 1 (t[::2] of a 1-element t), which reshape keeps and .view refuses.
+    view: memoryview = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8).numpy().data
     return view
 
 
@@ -341,9 +350,15 @@ def _encode_field(key: str, field: object, elem: pb.FieldElem) -> None:
         elem.shared.batch_size = _int64(key, field.batch_size, "SharedField.batch_size")
     elif isinstance(field, FlatField):
         elem.flat.dim = _int64(key, field.dim, "FlatField.dim")
+        if not isinstance(field.slices, Sequence) or isinstance(field.slices, str | bytes):
+            raise InvalidArgumentError(
+                f"field {key!r}: FlatField.slices is a {type(field.slices).__name__}; "
+                "give a list of slices (or tuples of slices)"
+            )
         for entry in field.slices:
             out = elem.flat.slices.add()
             if isinstance(entry, slice):
+                out.slice.SetInParent()  # so that slice(None), all unset, is still a slice
                 _encode_slice(key, entry, out.slice)
             elif isinstance(entry, Sequence) and not isinstance(entry, str | bytes):
                 out.tuple.SetInParent()

@@ -51,10 +51,15 @@ def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
         known = ", ".join(sorted(ITEMSIZE))
         raise InvalidArgumentError(f"unknown dtype {dtype!r}; known dtypes: {known}")
     n = itemsize
+    span = itemsize  # as n, but a zero dimension does not empty it: torch's strides
     for dim in shape:
         if dim < 0:
             raise InvalidArgumentError(f"negative dimension {dim} in a shape of {dtype}")
         n *= dim
-        if n > _MAX_TENSOR_BYTES:
-            raise InvalidArgumentError(f"a {dtype} tensor of that shape exceeds 2**48 bytes")
+        span *= max(dim, 1)
+        if span > _MAX_TENSOR_BYTES:
+            raise InvalidArgumentError(
+                f"a {dtype} tensor of that shape spans more than 2**48 bytes (even when a "
+                "zero dimension empties it, its strides would overflow)"
+            )
     return n

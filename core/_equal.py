@@ -74,4 +74,7 @@ def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().resolve_conj().resolve_neg()
     if t.is_complex():
         t = torch.view_as_real(t)  # same bytes; a complex32 copy would warn "experimental"
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    t = t.contiguous()
+    # By strides: a contiguous tensor may keep any stride on a dimension of
+    # size 0 or 1, which reshape keeps and .view refuses.
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)

@@ -77,11 +77,12 @@ def read_varint(frame: bytes, pos: int, what: str = "frame") -> tuple[int, int]:
     """The varint at `pos`: (where the bytes after it start, its value).
 
     Raises InvalidArgumentError, naming `what`, when it runs past the frame
-    or past 10 bytes.
+    or past 5 bytes (protobuf's limit for a length, which its parsers hold
+    every reader of a stored frame to).
     """
     n = 0
     shift = 0
-    end = min(len(frame), pos + 10)
+    end = min(len(frame), pos + 5)
     while pos < end:
         byte = frame[pos]
         n |= (byte & 0x7F) << shift

@@ -64,6 +64,11 @@ def check_name(what: str, value: str, *, allow_empty: bool = False) -> None:
         )
     if "\x00" in value:  # the server's separator of namespace and hash
         raise InvalidArgumentError(f"{what} {value[:64]!r} contains a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: protobuf strings are UTF-8
+            raise InvalidArgumentError(f"{what} {value[:64]!r} is not valid UTF-8") from None
 
 
 def check_count(what: str, count: int) -> None:

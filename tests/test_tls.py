@@ -14,7 +14,7 @@ from mmcache.server import MMCacheServer
 
 from .conftest import MMCACHE, server_config
 from .items import image_item
-from .test_process import free_port, start
+from .test_process import free_port, start, wait_serving
 
 
 def tls_config(certs: Path, *, mtls: bool = False, **overrides: object) -> dict[str, object]:
@@ -122,11 +122,7 @@ def test_a_tls_server_process_keeps_its_probes_working(certs: Path) -> None:
         env,
     )
     try:
-        for _ in range(100):
-            if probe(f"127.0.0.1:{health_port}").returncode == 0:
-                break
-            assert proc.poll() is None, proc.communicate()
-            subprocess.run(["sleep", "0.1"], check=True)
+        wait_serving(health_port, proc)  # the plaintext health-only port
         assert probe(f"127.0.0.1:{health_port}").returncode == 0
         mtls = [
             "--tls-ca",
