@@ -46,6 +46,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench.memory
 	$(PY) -m bench.fleet
 	$(PY) -m bench.feed
+	$(PY) -m bench.soak
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
 

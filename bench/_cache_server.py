@@ -1,15 +1,19 @@
 """An mmcache server for the benchmarks: prints its port once it serves.
 
 python -m bench._cache_server [--capacity-mib 512] [--inflight-mib 1024] [--max-items N]
-                              [--metrics] [--feed-buffer-mib 32]
+                              [--metrics] [--feed-buffer-mib 32] [--lease-s 30]
+                              [--log-level LEVEL]
 
 With --metrics it prints its gRPC port and its /metrics port, on one line.
+With --log-level the server's log goes to stderr, each line led by its level
+(without it, only Python's last-resort handler prints warnings and errors).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 
 from mmcache._memory import keep_freed_memory
 from mmcache.server import MMCacheServer, ServerConfig
@@ -31,7 +35,11 @@ if __name__ == "__main__":
     parser.add_argument("--max-items", type=int, default=None)
     parser.add_argument("--metrics", action="store_true")
     parser.add_argument("--feed-buffer-mib", type=float, default=32)
+    parser.add_argument("--lease-s", type=float, default=ServerConfig.lease_s)
+    parser.add_argument("--log-level", default=None)
     args = parser.parse_args()
+    if args.log_level is not None:
+        logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host="127.0.0.1",
         port=0,
@@ -40,6 +48,7 @@ if __name__ == "__main__":
         max_inflight_bytes=args.inflight_mib * MIB,
         max_items=args.max_items,
         feed_buffer_bytes=int(args.feed_buffer_mib * MIB),
+        lease_s=args.lease_s,
         grace_s=0,
     )
     asyncio.run(main(config, args.metrics))

@@ -10,13 +10,19 @@ the header's bytes and the chunk frames.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 
-from mmcache._errors import InvalidArgumentError
+from mmcache._errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from mmcache._frames import (
     KEEPALIVE_MS,
     MAX_MESSAGE_BYTES,
@@ -49,6 +55,19 @@ CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+
+
+@contextlib.contextmanager
+def _expiry_as_deadline(deadline: float) -> Iterator[None]:
+    """A streaming upload whose deadline passes while it writes is failed by
+    grpc's core as INTERNAL ("Internal error from Core") or a broken stream:
+    past the deadline, that is the deadline."""
+    try:
+        yield
+    except (InternalError, UnavailableError) as exc:
+        if asyncio.get_running_loop().time() < deadline:
+            raise
+        raise DeadlineExceededError(f"the upload did not finish in time ({exc})") from exc
 
 
 class CacheTransport:
@@ -157,6 +176,7 @@ class CacheTransport:
                 )
             return pb.UpdateReply.FromString(reply_bytes)
         data = itertools.chain((first,), frames)
+        deadline = asyncio.get_running_loop().time() + timeout
         if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
                 metadata=((UPDATE_HEADER_KEY, header),),
@@ -167,16 +187,21 @@ class CacheTransport:
         else:
             call = self._update(timeout=timeout, wait_for_ready=wait_for_ready)
             stream = itertools.chain((header_frame(header),), data)
-        with translate_errors():
+        with _expiry_as_deadline(deadline), translate_errors():
             try:
                 for frame in stream:
                     await call.write(frame)
                 await call.done_writing()
             except asyncio.InvalidStateError:
                 pass  # the server answered early (an error): awaiting the call raises it
-            except BaseException:
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 call.cancel()
                 raise
+            except Exception as exc:
+                # grpc's core can fail a write outright (ExecuteBatchError) when
+                # the call ends under it: the call's own status tells why.
+                call.cancel()
+                raise UnavailableError(f"the upload stream broke: {exc!r}") from exc
             reply_bytes = await call
         return pb.UpdateReply.FromString(reply_bytes)
 

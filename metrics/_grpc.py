@@ -7,6 +7,7 @@ and type, for every handler the server runs: ours, health and reflection.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -107,10 +108,12 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         handled_total = self._handled
         handled: dict[grpc.StatusCode, Any] = {}  # by code, made at its first use
 
-        def finish(context: grpc.aio.ServicerContext[Any, Any], t0: float, error: bool) -> None:
+        def finish(
+            context: grpc.aio.ServicerContext[Any, Any], t0: float, error: BaseException | None
+        ) -> None:
             code = context.code()  # None unless the handler set or aborted with one
             if code is None:
-                code = grpc.StatusCode.UNKNOWN if error else grpc.StatusCode.OK
+                code = _gone(context, error)
             counter = handled.get(code)
             if counter is None:
                 name = _CODE_NAMES.get(code, "Unknown")
@@ -123,11 +126,13 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started.inc()
                 t0 = time.perf_counter()
-                error = True
+                error: BaseException | None = None
                 try:
                     async for response in behavior(request, context):
                         yield response
-                    error = False
+                except BaseException as exc:
+                    error = exc
+                    raise
                 finally:
                     finish(context, t0, error)
 
@@ -136,15 +141,31 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         async def call(request: Any, context: Any) -> Any:
             started.inc()
             t0 = time.perf_counter()
-            error = True
+            error: BaseException | None = None
             try:
-                result = await behavior(request, context)
-                error = False
-                return result
+                return await behavior(request, context)
+            except BaseException as exc:
+                error = exc
+                raise
             finally:
                 finish(context, t0, error)
 
         return call
+
+
+def _gone(
+    context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None
+) -> grpc.StatusCode:
+    """The status of a call whose handler set none: OK, UNKNOWN for a failure,
+    and for a call its client left (grpc cancels the handler, or the reply has
+    nowhere to go), DEADLINE_EXCEEDED past its deadline, else CANCELLED: a
+    client leaving is no failure of the server's."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    if isinstance(error, asyncio.CancelledError) or context.cancelled():
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.OK if error is None else grpc.StatusCode.UNKNOWN
 
 
 def _behavior(

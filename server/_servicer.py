@@ -17,6 +17,7 @@ REPLACED: both succeed, the item is stored once).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -39,6 +40,7 @@ from ._status import guard, protobuf_method, write
 from ._store import BatchResult, ItemStore
 from ._upload import (
     EntryHeader,
+    TruncatedUploadError,
     build_reply,
     check_no_surplus,
     data_hashes,
@@ -59,6 +61,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 # enough for items up to tens of MiB on loopback; a longer upload, or a
 # stalled one, costs the waiter a re-send, never a hang.
 UPLOAD_WAIT_S = 0.5
+TRUNCATION_GRACE_S = 0.05
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -179,6 +182,12 @@ class CacheServicer:
         marked = self._pending.mark(data_hashes(entries))
         try:
             result = await self._receive_and_apply(namespace, request, entries, frames, in_metadata)
+        except TruncatedUploadError:
+            # A client's cancel can end its stream here before grpc marks the
+            # call cancelled: give it a moment to, so a cancel is counted as
+            # one, and only a stream its client really closed early is refused.
+            await asyncio.sleep(TRUNCATION_GRACE_S)
+            raise
         finally:
             self._pending.settle(marked)
         for entry, outcome in zip(entries, result.outcomes, strict=True):

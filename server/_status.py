@@ -22,7 +22,15 @@ from grpc_status import rpc_status
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["INSTANCE_ID_KEY", "abort_with", "guard", "protobuf_method", "status_code_of", "write"]
+__all__ = [
+    "INSTANCE_ID_KEY",
+    "abort_with",
+    "client_left",
+    "guard",
+    "protobuf_method",
+    "status_code_of",
+    "write",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -41,6 +49,14 @@ def _status_of(exc: errors.MMCacheError) -> grpc.Status:
     if isinstance(exc, errors.CacheMissError):
         status.details.add().Pack(pb.MissingItems(mm_hashes=exc.missing_hashes))
     return rpc_status.to_status(status)
+
+
+def client_left(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the call's client cancelled it or its deadline has passed."""
+    if context.cancelled():
+        return True
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 class _ClientGone(Exception):
@@ -89,6 +105,11 @@ def guard(instance_id: str) -> Callable[[H], H]:
             try:
                 return await handler(request, context)
             except errors.MMCacheError as exc:
+                if client_left(context):
+                    # The client left (a cancel, a deadline): a stream cut short
+                    # by it is no bad request, and the answer has nowhere to go.
+                    _LOGGER.debug("%s: the client left: %s", handler.__qualname__, exc)
+                    return None
                 status = _status_of(exc)
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise

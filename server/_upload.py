@@ -31,6 +31,7 @@ from ._store import BatchResult, StoredItem, UploadEntry
 
 __all__ = [
     "EntryHeader",
+    "TruncatedUploadError",
     "build_reply",
     "check_no_surplus",
     "data_hashes",
@@ -42,6 +43,11 @@ __all__ = [
 ]
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class TruncatedUploadError(InvalidArgumentError):
+    """The stream ended before the chunks its header declared: a client's bug,
+    or (more often) a client that cancelled, seen before grpc reports it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +177,7 @@ async def read_chunks(stream: AsyncIterator[bytes], entry: EntryHeader) -> tuple
     for n in range(entry.chunks):
         frame = await anext(stream, None)
         if frame is None:
-            raise InvalidArgumentError(
+            raise TruncatedUploadError(
                 f"the upload ended after {n} of the {entry.chunks} chunks of {entry.where}"
             )
         length = len(frame) - chunk_payload_offset(frame)
