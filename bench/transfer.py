@@ -1,4 +1,5 @@
-"""Put and fetch throughput of mmcache beside the raw gRPC ceiling.
+"""Put and fetch throughput of mmcache: shared memory beside memcpy, and the
+gRPC path beside the raw gRPC ceiling.
 
     python -m bench.transfer [--sizes 1 8 64] [--rounds 12] [--burst 0.3] [--chunk-mib 1]
 
@@ -19,6 +20,12 @@ message, the chunks, a reply: no call set-up per item, which is where small
 items lose their time). All three processes call
 `mmcache.keep_freed_memory()`. Prints a table.
 
+A second client of the same server maps its shared-memory region (a client
+on the server's host): its puts and fetches ("shm") move the bytes through
+the region, beside a one-thread memcpy of the same bytes in this process
+and the gRPC client's figures, all in the same rounds. "ms/call" is the
+time of one call (the item's bytes over its rate), beside the raw call's.
+
 The machine's speed drifts by tens of percent over seconds (shared cores),
 so the cells are not measured one after another: every round runs each of
 them for one short burst, in turn, and the table gives medians over rounds;
@@ -37,6 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import numpy
 import torch
 
 from mmcache import keep_freed_memory
@@ -120,15 +128,30 @@ async def ceiling_ops(channel: grpc.aio.Channel, nbytes: int, chunk: int) -> dic
     return ops
 
 
-async def mmcache_ops(client: MMCacheClient, nbytes: int) -> tuple[dict[str, Op], dict[str, Op]]:
-    """The put and fetch ops, and what to run untimed before each burst of one."""
+def memcpy_op(nbytes: int) -> Op:
+    """One memory copy of `nbytes` between two buffers of this process (numpy's
+    copy: one thread, as the copies of mmcache's fast path are)."""
+    src = numpy.random.default_rng(0).integers(0, 255, nbytes, dtype=numpy.uint8)
+    dst = numpy.empty_like(src)
+
+    async def copy() -> None:
+        numpy.copyto(dst, src)
+
+    return copy
+
+
+async def mmcache_ops(
+    client: MMCacheClient, nbytes: int, prefix: str = ""
+) -> tuple[dict[str, Op], dict[str, Op]]:
+    """The put and fetch ops (names after `prefix`), and what to run untimed
+    before each burst of one."""
     item = {"pixel_values": torch.randn(nbytes // 4)}
     counter = iter(range(1 << 30))
 
     async def put() -> None:
         # Nobody reads these: no lease, or the full cache could not evict.
         (sent,) = await client.get_and_update(
-            [item], [f"put-{nbytes}-{next(counter)}"], lease=False
+            [item], [f"{prefix}put-{nbytes}-{next(counter)}"], lease=False
         )
         assert sent is item  # a miss each time: the bytes really move
 
@@ -146,7 +169,7 @@ async def mmcache_ops(client: MMCacheClient, nbytes: int) -> tuple[dict[str, Op]
         if not client.is_cached_item(fetched):
             await client.get_and_update([item], [fetched], lease=False)
 
-    return {"put": put, "fetch": get}, {"fetch": upload_fetched}
+    return {f"{prefix}put": put, f"{prefix}fetch": get}, {f"{prefix}fetch": upload_fetched}
 
 
 async def measure(
@@ -178,52 +201,96 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
     raw, raw_port = spawn([sys.executable, "-m", "bench._raw_server"])
     cache, cache_port = spawn([sys.executable, "-m", "bench._cache_server"])
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    target = f"127.0.0.1:{cache_port}"
     try:
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{raw_port}", options=options) as channel,
-            MMCacheClient(f"127.0.0.1:{cache_port}", chunk_bytes=chunk) as client,
+            MMCacheClient(target, chunk_bytes=chunk, shm=False) as client,
+            MMCacheClient(target, chunk_bytes=chunk) as co_located,
         ):
+            if co_located._region is None:
+                print("no shared-memory region (is /dev/shm there?): gRPC rows only")
             print(
                 f"chunk {chunk // MIB} MiB, {rounds} rounds of {seconds:g} s bursts, loopback, "
                 "GB/s = 1e9 bytes/s, medians over rounds"
             )
-            print(
-                f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
-                f"{'raw unary':>9} | {'ratio':>5} | {'open stream':>11} | {'ratio':>5} | "
-                f"{'protobuf field':>14}"
-            )
-            print("-" * 104)
+            grpc_rows: list[str] = []
+            shm_rows: list[str] = []
             for mib in sizes:
                 nbytes = mib * MIB
                 ours, before = await mmcache_ops(client, nbytes)
                 ops = {**await ceiling_ops(channel, nbytes, chunk), **ours}
+                if co_located._region is not None:
+                    shm_ours, shm_before = await mmcache_ops(co_located, nbytes, "shm ")
+                    ops.update(shm_ours, memcpy=memcpy_op(nbytes))
+                    before.update(shm_before)
                 rates = await measure(ops, before, nbytes, rounds, seconds)
                 med = {name: statistics.median(r) for name, r in rates.items()}
-                for op, ceil, proto in (
-                    ("put", "raw put", f"{med['proto put']:14.2f}"),
-                    ("fetch", "raw fetch", f"{'':>14}"),
-                ):
-                    row = (
-                        f"{mib:>5} MiB | {op:>5} | {med[op]:8.2f} | {med[ceil]:8.2f} | "
-                        f"{ratio_of(rates, op, ceil):5.2f}"
-                    )
-                    unary = f"{'':>9} | {'':>5}"
-                    if op == "put" and "raw unary put" in med:
-                        unary = (
-                            f"{med['raw unary put']:9.2f} | "
-                            f"{ratio_of(rates, op, 'raw unary put'):5.2f}"
-                        )
-                    session = f"{'':>11} | {'':>5}"
-                    if op == "put":
-                        session = (
-                            f"{med['session put']:11.2f} | "
-                            f"{ratio_of(rates, op, 'session put'):5.2f}"
-                        )
-                    print(f"{row} | {unary} | {session} | {proto}", flush=True)
+                grpc_rows += grpc_table_rows(mib, rates, med)
+                if co_located._region is not None:
+                    shm_rows += shm_table_rows(mib, rates, med)
+            print("\nthe gRPC path beside the raw gRPC ceiling")
+            print(
+                f"{'item':>8} | {'op':>5} | {'mmcache':>8} | {'raw gRPC':>8} | {'ratio':>5} | "
+                f"{'raw unary':>9} | {'ratio':>5} | {'open stream':>11} | {'ratio':>5} | "
+                f"{'protobuf field':>14} | {'ms/call':>7} | {'raw ms':>6}"
+            )
+            print("-" * 127)
+            print("\n".join(grpc_rows))
+            if shm_rows:
+                print("\nco-located: shared memory beside memcpy and the gRPC path")
+                print(
+                    f"{'item':>8} | {'op':>5} | {'shm':>6} | {'memcpy':>6} | "
+                    f"{'of memcpy':>9} | {'gRPC':>6} | {'shm/gRPC':>8} | {'ms/call':>7}"
+                )
+                print("-" * 80)
+                print("\n".join(shm_rows))
     finally:
         for proc in (raw, cache):
             proc.terminate()
             proc.wait()
+
+
+def _ms(nbytes: int, gbps: float) -> float:
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+def grpc_table_rows(mib: int, rates: dict[str, list[float]], med: dict[str, float]) -> list[str]:
+    rows = []
+    nbytes = mib * MIB
+    for op, ceil, proto in (
+        ("put", "raw put", f"{med['proto put']:14.2f}"),
+        ("fetch", "raw fetch", f"{'':>14}"),
+    ):
+        row = (
+            f"{mib:>5} MiB | {op:>5} | {med[op]:8.2f} | {med[ceil]:8.2f} | "
+            f"{ratio_of(rates, op, ceil):5.2f}"
+        )
+        unary = f"{'':>9} | {'':>5}"
+        # The raw call an item's transfer is held to: a unary put where it
+        # fits one message, the raw stream otherwise.
+        raw_call = ceil
+        if op == "put" and "raw unary put" in med:
+            raw_call = "raw unary put"
+            unary = f"{med['raw unary put']:9.2f} | {ratio_of(rates, op, 'raw unary put'):5.2f}"
+        session = f"{'':>11} | {'':>5}"
+        if op == "put":
+            session = f"{med['session put']:11.2f} | {ratio_of(rates, op, 'session put'):5.2f}"
+        latency = f"{_ms(nbytes, med[op]):7.2f} | {_ms(nbytes, med[raw_call]):6.2f}"
+        rows.append(f"{row} | {unary} | {session} | {proto} | {latency}")
+    return rows
+
+
+def shm_table_rows(mib: int, rates: dict[str, list[float]], med: dict[str, float]) -> list[str]:
+    rows = []
+    for op in ("put", "fetch"):
+        shm = f"shm {op}"
+        rows.append(
+            f"{mib:>5} MiB | {op:>5} | {med[shm]:6.2f} | {med['memcpy']:6.2f} | "
+            f"{ratio_of(rates, shm, 'memcpy'):8.0%} | {med[op]:6.2f} | "
+            f"{ratio_of(rates, shm, op):8.2f} | {_ms(mib * MIB, med[shm]):7.2f}"
+        )
+    return rows
 
 
 def main() -> None:

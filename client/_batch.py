@@ -7,7 +7,7 @@ server's `UpdateReply` back into a checked `Reply`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -83,11 +83,18 @@ def build_batch(
     *,
     lease: pb.LeaseMode.ValueType,
     chunk_bytes: int,
+    shm: tuple[bytes, Mapping[int, pb.ShmSlot]] = (b"", {}),
 ) -> Batch:
+    """The header and the items whose chunk frames follow it.
+
+    `shm`: the region's token, and the slots (by entry index) already
+    holding entries' payloads: those entries name their slot instead.
+    """
     check_count("entries", len(entries))
-    request = pb.UpdateRequest(touches=touches, lease=lease)
+    token, slots = shm
+    request = pb.UpdateRequest(touches=touches, lease=lease, shm_token=token if slots else b"")
     sending: list[EncodedItem] = []
-    for entry in entries:
+    for index, entry in enumerate(entries):
         wire = request.entries.add(
             mm_hash=entry.mm_hash,
             modality=entry.modality,
@@ -101,6 +108,10 @@ def build_batch(
             wire.withheld = True
             continue
         wire.metadata = entry.metadata
+        slot = slots.get(index)
+        if slot is not None:
+            wire.shm.CopyFrom(slot)
+            continue
         wire.num_chunks = num_chunks(entry.data, chunk_bytes)
         sending.append(entry.data)
     header = request.SerializeToString()

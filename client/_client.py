@@ -42,6 +42,7 @@ from ._encoder import (
 from ._feed import FeedFollower
 from ._mirror import Mirror
 from ._security import channel_credentials, metadata_interceptors, open_channel
+from ._shm import ClientRegion, attach
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
@@ -52,6 +53,9 @@ _LOGGER = logging.getLogger(__name__)
 _HELD = (Outcome.HIT, Outcome.REPLACED)
 # What a call that fails open gives up on: the server did not answer in time.
 _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
+# Uploads from this size up go through shared memory when the region is
+# mapped: below it, the slot's extra round trip costs more than the bytes.
+SHM_MIN_BYTES = 2 << 20
 
 
 def _check_hashes(mm_hashes: Sequence[str]) -> None:
@@ -149,6 +153,7 @@ class MMCacheClient:
         tls_server_name: str | None = None,
         token: str | None = None,
         namespace: str = "",
+        shm: bool = True,
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
         fail_open: bool = False,
@@ -167,6 +172,10 @@ class MMCacheClient:
         self._token = token
         self._interceptors = metadata_interceptors(token, namespace)
         self.namespace = namespace
+        self._shm = shm
+        self._region: ClientRegion | None = None
+        self._shm_done: list[int] = []  # read slots copied out, freed with the next Fetch
+        self._reattach: asyncio.Task[None] | None = None
         server_name = (
             () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
         )
@@ -234,6 +243,7 @@ class MMCacheClient:
         else:
             self._mirror = Mirror(info.instance_id, info.capacity_bytes, info.max_items)
             self._in_touch = True
+            self._attach(info)
         if self._follow:
             self._follower = FeedFollower(
                 transport.subscribe, lambda: self._mirror, self._back_in_touch
@@ -241,6 +251,10 @@ class MMCacheClient:
             self._follower_task = asyncio.create_task(self._follower.run())
 
     async def close(self) -> None:
+        if self._reattach is not None:
+            self._reattach.cancel()
+            self._reattach = None
+        self._detach()
         if self._follower_task is not None:
             self._follower_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -505,14 +519,34 @@ class MMCacheClient:
         the server does not hold.
         """
         _check_hashes(mm_hashes)
-        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
+        region = self._region
         try:
-            return await _read_fetch(frames, len(mm_hashes))
+            if region is not None:
+                try:
+                    return await self._fetch(mm_hashes, release, region)
+                except _ShmRace:
+                    pass  # a slot freed under a stalled read: read again over gRPC
+            return await self._fetch(mm_hashes, release, None)
         except CacheMissError as exc:
             self._mirror.forget(exc.missing_hashes)
             raise
+
+    async def _fetch(
+        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
+    ) -> list[Item]:
+        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
+        if region is not None:
+            request.shm_token = region.token
+            request.shm_done.extend(self._shm_done)
+            self._shm_done.clear()
+        frames = self._rpc.fetch(request)
+        try:
+            header, items = await _read_fetch(frames, len(mm_hashes), region, self._shm_done)
         finally:
             await frames.aclose()
+        if region is not None and header.instance_id != region.instance_id:
+            self._restarted()  # a new server: its region is another
+        return items
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
@@ -521,6 +555,57 @@ class MMCacheClient:
         return int((await self._rpc.release(mm_hashes)).released)
 
     # -- internals ---------------------------------------------------------
+
+    def _attach(self, info: pb.InfoReply) -> None:
+        """Map the server's shared-memory region, if it has one this host can map."""
+        self._detach()
+        if self._shm and info.HasField("shm"):
+            self._region = attach(info.instance_id, info.shm)
+
+    def _detach(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+        self._shm_done.clear()
+
+    def _restarted(self) -> None:
+        """The server is a new instance: drop its old region, and map the new one."""
+        self._detach()
+        if self._reattach is None or self._reattach.done():
+            self._reattach = asyncio.create_task(self._attach_again())
+
+    async def _attach_again(self) -> None:
+        with contextlib.suppress(MMCacheError):
+            self._attach(await self._rpc.info(timeout=self._connect_timeout))
+
+    async def _shm_slots(self, entries: Sequence[Entry]) -> dict[int, pb.ShmSlot]:
+        """Slots holding the payloads of this batch's larger uploads (none: all over gRPC)."""
+        region = self._region
+        if region is None:
+            return {}
+        chosen = [
+            i
+            for i, e in enumerate(entries)
+            if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
+        ]
+        if not chosen:
+            return {}
+        try:
+            reply = await self._rpc.shm_allocate(
+                region.token,
+                [entries[i].data.size.payload for i in chosen],  # type: ignore[union-attr]
+                timeout=self._fail_open_timeout if self._fail_open else None,
+            )
+        except InvalidArgumentError:
+            self._restarted()  # the token is not the server's: a restart
+            return {}
+        if reply.instance_id != region.instance_id:
+            self._restarted()
+            return {}
+        slots = dict(zip(chosen, reply.slots, strict=False)) if reply.slots else {}
+        for index, slot in slots.items():
+            region.write(slot, entries[index].data)  # type: ignore[arg-type]
+        return slots
 
     def _caching_disabled(self) -> bool:
         # Known only once the server has answered: out of touch, ask it.
@@ -677,7 +762,11 @@ class MMCacheClient:
         self, entries: Sequence[Entry], touches: Sequence[str], lease: pb.LeaseMode.ValueType
     ) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""
-        batch = build_batch(entries, touches, lease=lease, chunk_bytes=self._chunk_bytes)
+        slots = await self._shm_slots(entries)
+        token = self._region.token if slots and self._region is not None else b""
+        batch = build_batch(
+            entries, touches, lease=lease, chunk_bytes=self._chunk_bytes, shm=(token, slots)
+        )
         mirror = self._mirror
         call = mirror.call_started()
         try:
@@ -704,7 +793,18 @@ class MMCacheClient:
         return reply
 
 
-async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:
+class _ShmRace(Exception):
+    """A read slot was freed while its bytes were copied: read again over gRPC."""
+
+
+async def _read_fetch(
+    frames: AsyncIterator[bytes],
+    expected: int,
+    region: ClientRegion | None = None,
+    done: list[int] | None = None,
+) -> tuple[pb.FetchHeader, list[Item]]:
+    """The header and the items of a Fetch reply; items in slots are read from `region`,
+    their leases added to `done`."""
     # The transport gives the header's bytes first, wherever they travelled.
     try:
         header = pb.FetchHeader.FromString(await anext(frames))
@@ -716,6 +816,16 @@ async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]
     for fetched in header.items:
         # Each frame is copied into the item's tensors as it arrives and dropped.
         decoder = ItemDecoder(fetched.item)
+        if fetched.HasField("shm"):
+            if region is None or done is None:
+                raise InvalidArgumentError("the Fetch reply names a slot this client cannot map")
+            try:
+                copied = region.read(fetched.shm, decoder)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
+            done.append(fetched.shm.lease)
+            if not copied:
+                raise _ShmRace
         for index in range(fetched.num_chunks):
             frame = await anext(frames, None)
             if frame is None:
@@ -730,4 +840,4 @@ async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]
     # buffers) alive until the garbage collector runs.
     if await anext(frames, None) is not None:
         raise InvalidArgumentError("the Fetch reply carries more frames than its header declares")
-    return items
+    return header, items

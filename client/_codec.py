@@ -36,6 +36,7 @@ from mmcache.v1 import cache_pb2 as pb
 __all__ = [
     "EncodedItem",
     "ItemDecoder",
+    "copy_payload",
     "decode_item",
     "encode_item",
     "iter_chunk_frames",
@@ -159,6 +160,15 @@ def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int) -> Iterator[bytes]
         yield b"".join(pieces)
 
 
+def copy_payload(encoded: EncodedItem, into: memoryview) -> None:
+    """Copy the item's payload (its tensors' bytes, in order) into `into`."""
+    pos = 0
+    for tensor in encoded.tensors:
+        view = _byte_view(tensor)
+        into[pos : pos + len(view)] = view
+        pos += len(view)
+
+
 def decode_item(spec: pb.ItemSpec, frames: Sequence[bytes]) -> Item:
     """Rebuild an item from its spec and chunk frames, in the form it was stored.
 
@@ -222,7 +232,10 @@ class ItemDecoder:
 
     def feed(self, frame: bytes) -> None:
         """Copy one chunk frame's payload into the tensors."""
-        src = memoryview(frame)[chunk_payload_offset(frame) :]
+        self.feed_payload(memoryview(frame)[chunk_payload_offset(frame) :])
+
+    def feed_payload(self, src: memoryview) -> None:
+        """Copy the next payload bytes (from a frame, or shared memory) into the tensors."""
         self._received += len(src)
         if self._received > self._total:
             raise InvalidArgumentError(

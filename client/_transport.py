@@ -95,6 +95,11 @@ class CacheTransport:
             request_serializer=pb.ReleaseRequest.SerializeToString,
             response_deserializer=pb.ReleaseReply.FromString,
         )
+        self._shm_allocate = channel.unary_unary(
+            f"{_SERVICE}/ShmAllocate",
+            request_serializer=pb.ShmAllocateRequest.SerializeToString,
+            response_deserializer=pb.ShmAllocateReply.FromString,
+        )
         self._subscribe = channel.unary_stream(
             f"{_SERVICE}/Subscribe",
             request_serializer=pb.SubscribeRequest.SerializeToString,
@@ -136,6 +141,16 @@ class CacheTransport:
         with translate_errors():
             reply: pb.ReleaseReply = await self._release(
                 pb.ReleaseRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def shm_allocate(
+        self, token: bytes, lengths: Sequence[int], timeout: float | None = None
+    ) -> pb.ShmAllocateReply:
+        with translate_errors():
+            reply: pb.ShmAllocateReply = await self._shm_allocate(
+                pb.ShmAllocateRequest(shm_token=token, lengths=lengths),
+                timeout=timeout or self._timeout,
             )
         return reply
 

@@ -54,6 +54,15 @@ class CacheMetrics:
         self.received_bytes = Counter(
             "mmcache_received_bytes", "Tensor payload bytes received.", registry=registry
         )
+        self.shm_bytes = Counter(
+            "mmcache_shm_bytes",
+            "Tensor payload bytes moved through the shared-memory region, by direction "
+            "(read: Fetch, write: uploads); also counted in sent/received bytes.",
+            ["direction"],
+            registry=registry,
+        )
+        for direction in ("read", "write"):  # exported from the start, as 0
+            self.shm_bytes.labels(direction)
         self.sent_bytes = Counter(
             "mmcache_sent_bytes", "Tensor payload bytes sent by Fetch.", registry=registry
         )
@@ -108,6 +117,7 @@ class StoreGauges(Collector):
         leased_bytes: Callable[[], int],
         feed_subscribers: Callable[[], int],
         namespaces: Callable[[], int],
+        shm_leased_bytes: Callable[[], int],
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -134,6 +144,11 @@ class StoreGauges(Collector):
                 "mmcache_namespaces",
                 "Namespaces in use (with items, uploads or subscribers; the default counts).",
                 namespaces,
+            ),
+            (
+                "mmcache_shm_leased_bytes",
+                "Bytes of the shared-memory region in slots now (transfers under way).",
+                shm_leased_bytes,
             ),
         )
 

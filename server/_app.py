@@ -38,6 +38,7 @@ from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._feed import Feed
 from ._inflight import InflightBudget
 from ._namespaces import Namespaces
+from ._region import Region, open_region
 from ._servicer import SERVICE_NAME, CacheServicer
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
 from ._store import ItemStore
@@ -85,8 +86,15 @@ class MMCacheServer:
             on_expire=self.metrics.lease_expiries.inc,
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
+        self.region: Region | None = None  # made at start, when the directory allows
         self._cache = CacheServicer(
-            self.store, self.inflight, self.metrics, self.namespaces, self.instance_id, __version__
+            self.store,
+            self.inflight,
+            self.metrics,
+            self.namespaces,
+            self.instance_id,
+            __version__,
+            lambda: self.region,
         )
         self.registry.register(
             StoreGauges(
@@ -99,6 +107,7 @@ class MMCacheServer:
                 leased_bytes=lambda: self.store.leased_bytes,
                 feed_subscribers=lambda: self.namespaces.subscribers,
                 namespaces=lambda: len(self.namespaces),
+                shm_leased_bytes=lambda: 0 if self.region is None else self.region.leased_bytes,
             )
         )
         self.books = EncoderBooks()
@@ -148,6 +157,7 @@ class MMCacheServer:
                 [health_handler(self.health, self.instance_id)]
             )
             self.health_port = _bind(self._health_server, config.host, config.health_port, None)
+        self.region = _open_region(config)
         metrics_host = config.metrics_host or config.host
         try:
             self._endpoint = MetricsEndpoint(self.registry, metrics_host, config.metrics_port)
@@ -196,6 +206,9 @@ class MMCacheServer:
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
+        if self.region is not None:
+            self.region.close()
+            self.region = None
 
     async def _expire_leases(self) -> None:
         # Calls expire leases as they come; this covers a server with none.
@@ -203,6 +216,8 @@ class MMCacheServer:
         while True:
             await asyncio.sleep(interval)
             self.store.expire()
+            if self.region is not None:
+                self.region.expire()
 
     async def __aenter__(self) -> MMCacheServer:
         await self.start()
@@ -215,6 +230,21 @@ class MMCacheServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop(grace=0)
+
+
+def _open_region(config: ServerConfig) -> Region | None:
+    """The shared-memory region, or None (gRPC only) with the reason logged."""
+    if not config.shm:
+        return None
+    try:
+        region = open_region(
+            config.shm_dir, config.shm_bytes, lease_s=config.lease_s, group=config.shm_group
+        )
+    except OSError as exc:
+        _LOGGER.info("shared memory off (clients use gRPC): %s: %s", config.shm_dir, exc)
+        return None
+    _LOGGER.info("shared-memory region %s: %d bytes", region.path, region.size)
+    return region
 
 
 def _read(path: str, what: str) -> bytes:

@@ -62,6 +62,7 @@ def _methods() -> dict[str, frozenset[str]]:
         "GetAndUpdate": frozenset({"write"}),
         "GetAndUpdateOne": frozenset({"write"}),
         "Touch": frozenset({"write"}),
+        "ShmAllocate": frozenset({"write"}),
         "Fetch": frozenset({"read"}),
         "Release": frozenset({"read", "write"}),
         "Subscribe": frozenset({"read", "write"}),

@@ -80,6 +80,10 @@ class ServerConfig:
     tls_client_ca: str | None = None
     tokens_file: str | None = None
     tokens: str | None = None  # entries as in a tokens file, ';' between them
+    shm: bool = True
+    shm_dir: str = "/dev/shm"
+    shm_bytes: int = 256 << 20
+    shm_group: int | None = None
     reflection: bool = True
     log_level: str = "INFO"
 
@@ -188,6 +192,24 @@ def _text(raw: str) -> str:
     if not raw.strip():
         raise ValueError("must not be blank")
     return raw
+
+
+def _region_bytes(raw: str) -> int:
+    value = float(raw)
+    if not 1 <= value <= 1 << 20:
+        raise ValueError("must be 1 to 1048576 MiB")
+    return int(value * MIB)
+
+
+def _group(raw: str) -> int:
+    if raw.isdigit():
+        return int(raw)
+    import grp
+
+    try:
+        return grp.getgrnam(raw).gr_gid
+    except KeyError:
+        raise ValueError("is no group of this system (give a name or a number)") from None
 
 
 def _gib_shown(value: Any) -> str:
@@ -319,6 +341,39 @@ SETTINGS: tuple[Setting, ...] = (
         "MMCACHE_TOKENS",
         _text,
         "tokens-file entries separated by ';'",
+    ),
+    Setting(
+        "shm",
+        "--shm",
+        "MMCACHE_SHM",
+        _bool,
+        "the shared-memory fast path for clients on this host (docs/shm.md); off: gRPC only",
+        lambda v: "on" if v else "off",
+        switch=True,
+    ),
+    Setting(
+        "shm_dir",
+        "--shm-dir",
+        "MMCACHE_SHM_DIR",
+        _text,
+        "directory of the shared-memory region (a tmpfs both containers mount); "
+        "missing or unwritable: gRPC only",
+    ),
+    Setting(
+        "shm_bytes",
+        "--shm-mb",
+        "MMCACHE_SHM_MB",
+        _region_bytes,
+        "MiB of the region: the items moving through shared memory at once (a transfer "
+        "window beside the cache, not a copy of it); more go over gRPC",
+        _mib_shown,
+    ),
+    Setting(
+        "shm_group",
+        "--shm-group",
+        "MMCACHE_SHM_GROUP",
+        _group,
+        "group (name or id) whose members may map the region: 0660 instead of 0600",
     ),
     Setting(
         "reflection",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,8 +36,9 @@ from mmcache.v1 import cache_pb2 as pb
 from ._inflight import InflightBudget
 from ._namespaces import Namespace, Namespaces
 from ._pending import PendingUploads
+from ._region import READ, WRITE, Region, Slot, copy_payload, region_frames
 from ._status import guard, protobuf_method, write
-from ._store import BatchResult, ItemStore
+from ._store import BatchResult, ItemStore, StoredItem
 from ._upload import (
     EntryHeader,
     TruncatedUploadError,
@@ -77,6 +78,7 @@ class CacheServicer:
         namespaces: Namespaces,
         instance_id: str,
         version: str,
+        region: Callable[[], Region | None] = lambda: None,
     ) -> None:
         self._store = store
         self._inflight = inflight
@@ -85,6 +87,7 @@ class CacheServicer:
         self._instance_id = instance_id
         self._version = version
         self._pending = PendingUploads(namespaces.emit)
+        self._region = region
 
     @property
     def pending(self) -> list[str]:
@@ -112,6 +115,9 @@ class CacheServicer:
             "Touch": protobuf_method(self.touch, pb.TouchRequest, self._instance_id),
             "Clear": protobuf_method(self.clear, pb.ClearRequest, self._instance_id),
             "Release": protobuf_method(self.release, pb.ReleaseRequest, self._instance_id),
+            "ShmAllocate": protobuf_method(
+                self.shm_allocate, pb.ShmAllocateRequest, self._instance_id
+            ),
             # The feed serialises each message once for every subscriber.
             "Subscribe": grpc.unary_stream_rpc_method_handler(g(self.subscribe)),
         }
@@ -119,7 +125,7 @@ class CacheServicer:
 
     async def info(self, request: pb.InfoRequest, context: Context) -> pb.InfoReply:
         self._namespace(context)  # a bad or one-too-many namespace fails at connect
-        return pb.InfoReply(
+        reply = pb.InfoReply(
             instance_id=self._instance_id,
             capacity_bytes=self._store.capacity,
             version=self._version,
@@ -128,6 +134,41 @@ class CacheServicer:
             used_bytes=self._store.used,
             max_items=self._store.max_items,
         )
+        region = self._region()
+        if region is not None:
+            reply.shm.CopyFrom(
+                pb.ShmRegion(path=region.path, size_bytes=region.size, region_id=region.id)
+            )
+        return reply
+
+    async def shm_allocate(
+        self, request: pb.ShmAllocateRequest, context: Context
+    ) -> pb.ShmAllocateReply:
+        region = self._region_of(request.shm_token)
+        check_count("lengths", len(request.lengths))
+        reply = pb.ShmAllocateReply(instance_id=self._instance_id)
+        region.expire()
+        slots: list[Slot] = []
+        for length in request.lengths:
+            slot = region.allocate(length, WRITE) if length <= region.size else None
+            if slot is None:  # no room for all: none, and the client uses gRPC
+                for given in slots:
+                    region.free(given.lease)
+                return reply
+            slots.append(slot)
+        reply.slots.extend(
+            pb.ShmSlot(offset=s.offset, length=s.length, lease=s.lease) for s in slots
+        )
+        return reply
+
+    def _region_of(self, token: bytes) -> Region:
+        region = self._region()
+        if region is None or not region.matches(token):
+            raise InvalidArgumentError(
+                "the shared-memory token is not this server's region's (a restarted server, "
+                "or another host's): map the region Info announces, or send over gRPC"
+            )
+        return region
 
     async def touch(self, request: pb.TouchRequest, context: Context) -> pb.TouchReply:
         keys = self._keys(self._namespace(context), request.mm_hashes)
@@ -220,13 +261,36 @@ class CacheServicer:
         # a cancelled or malformed upload leaves the cache as it was.
         async with self._inflight.reserve(payload):
             uploads = [
-                upload_entry(e, () if e.chunks is None else await read_chunks(stream, e))
+                upload_entry(
+                    e,
+                    ()
+                    if e.chunks is None
+                    else self._from_region(request.shm_token, e)
+                    if e.shm is not None
+                    else await read_chunks(stream, e),
+                )
                 for e in entries
             ]
             await check_no_surplus(stream, in_metadata)
             self._metrics.received_bytes.inc(payload)
             touches = namespace.keys(request.touches)
             return self._store.update(touches, uploads, lease=request.lease)
+
+    def _from_region(self, token: bytes, entry: EntryHeader) -> tuple[bytes, ...]:
+        """An uploaded payload out of its shared-memory slot, as chunk frames; the slot freed."""
+        region = self._region_of(token)
+        assert entry.shm is not None
+        if entry.shm.length != entry.payload:
+            raise InvalidArgumentError(
+                f"{entry.where}: its slot holds {entry.shm.length} bytes, its spec {entry.payload}"
+            )
+        slot = region.get(entry.shm.lease, WRITE, entry.shm.offset, entry.shm.length)
+        try:
+            frames = region_frames(region.payload(slot))
+        finally:
+            region.free(slot.lease)
+        self._metrics.shm_bytes.labels("write").inc(slot.length)
+        return frames
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(frames_of(frame), context)
@@ -242,18 +306,44 @@ class CacheServicer:
             items = self._store.fetch(keys)
         except CacheMissError as exc:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
+        slots = self._stage(request, items)
         header = pb.FetchHeader(instance_id=self._instance_id)
-        for mm_hash, item in zip(request.mm_hashes, items, strict=True):
-            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
+        for index, (mm_hash, item) in enumerate(zip(request.mm_hashes, items, strict=True)):
+            fetched = header.items.add(mm_hash=mm_hash, item=item.spec)
+            if slots is None:
+                fetched.num_chunks = len(item.frames)
+            else:
+                fetched.shm.CopyFrom(_slot_message(slots[index]))
         await write(context, header_frame(header.SerializeToString()))
         # The frames are the very objects that arrived: held references keep
         # them alive even if the items are evicted meanwhile.
         for item in items:
-            for frame in item.frames:
+            for frame in item.frames if slots is None else ():
                 await write(context, frame)
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(keys)
+
+    def _stage(self, request: pb.FetchRequest, items: Sequence[StoredItem]) -> list[Slot] | None:
+        """Copy the items into read slots when the client maps the region (else None:
+        chunk frames). All or none: a region without room for all sends frames."""
+        region = self._region()
+        if region is None or not region.matches(request.shm_token):
+            return None
+        for lease in request.shm_done:
+            region.release(lease, READ)
+        region.expire()
+        slots: list[Slot] = []
+        for item in items:
+            slot = region.allocate(item.payload, READ)
+            if slot is None:
+                for given in slots:
+                    region.free(given.lease)
+                return None
+            copy_payload(item.frames, region.payload(slot))
+            slots.append(slot)
+        self._metrics.shm_bytes.labels("read").inc(sum(s.length for s in slots))
+        return slots
 
     def _modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""
@@ -267,3 +357,7 @@ class CacheServicer:
             self._metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
         if outcome == Outcome.UNCACHED:
             self._metrics.uncached.labels(modality or "unknown").inc()
+
+
+def _slot_message(slot: Slot) -> pb.ShmSlot:
+    return pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease)

@@ -66,6 +66,7 @@ class EntryHeader:
     resend: bool
     metadata: bytes
     want_metadata: bool
+    shm: pb.ShmSlot | None = None  # the payload is in this shared-memory slot (chunks: 0)
 
     @property
     def where(self) -> str:
@@ -143,8 +144,15 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         raise InvalidArgumentError(f"{where}: {exc}") from None
     chunks: int | None = None
     if entry.withheld:
-        if entry.num_chunks:
-            raise InvalidArgumentError(f"{where} is withheld but declares chunks")
+        if entry.num_chunks or entry.HasField("shm"):
+            raise InvalidArgumentError(f"{where} is withheld but declares chunks or a slot")
+    elif entry.HasField("shm"):
+        if entry.num_chunks or entry.shm.length != size.payload:
+            raise InvalidArgumentError(
+                f"{where} names a shared-memory slot of {entry.shm.length} bytes for "
+                f"{size.payload} payload bytes, with {entry.num_chunks} chunks (must be 0)"
+            )
+        chunks = 0
     else:
         least = -(-size.payload // MAX_CHUNK_BYTES)
         if not least <= entry.num_chunks <= size.payload:
@@ -166,6 +174,7 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         resend=entry.resend,
         metadata=entry.metadata,
         want_metadata=entry.want_metadata,
+        shm=entry.shm if entry.HasField("shm") else None,
     )
 
 

@@ -31,6 +31,8 @@ def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> Serve
         "metrics_port": 0,
         "capacity_bytes": capacity_bytes,
         "grace_s": 0,
+        # gRPC only, as the wire tests expect; tests/test_shm.py turns it on.
+        "shm": False,
     }
     return ServerConfig(**{**settings, **overrides})  # type: ignore[arg-type]
 

@@ -231,10 +231,12 @@ def quantity_bytes(quantity: str | int) -> int:
     return math.ceil(float(match.group(1)) * _FACTORS[match.group(2)])
 
 
-def required_memory_bytes(capacity_gb: float, max_inflight_gb: float) -> int:
-    """The sizing rule of docs/deploy.md: 1.25 x capacity + max-inflight + 256 MiB."""
-    gib = 2**30
-    return math.ceil(1.25 * int(capacity_gb * gib)) + int(max_inflight_gb * gib) + 256 * 2**20
+def required_memory_bytes(capacity_gb: float, max_inflight_gb: float, shm_mb: float = 0) -> int:
+    """The sizing rule of docs/deploy.md: 1.25 x capacity + max-inflight + the
+    shared-memory region + 256 MiB."""
+    gib, mib = 2**30, 2**20
+    fixed = int(shm_mb * mib) + 256 * mib
+    return math.ceil(1.25 * int(capacity_gb * gib)) + int(max_inflight_gb * gib) + fixed
 
 
 def pod_specs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:

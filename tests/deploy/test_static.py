@@ -461,15 +461,40 @@ def test_sidecar_memory_follows_the_sizing_rule(
         assert "MMCACHE_CAPACITY_GB" in env, f"{name}: pass the capacity via env"
         capacity = float(env["MMCACHE_CAPACITY_GB"])
         inflight = float(env.get("MMCACHE_MAX_INFLIGHT_GB", "1"))
+        shm = 0.0 if env.get("MMCACHE_SHM") in ("0", "off") else float(env["MMCACHE_SHM_MB"])
         resources = sidecar["resources"]
         request = quantity_bytes(resources["requests"]["memory"])
         limit = quantity_bytes(resources["limits"]["memory"])
-        assert request >= required_memory_bytes(capacity, inflight), (name, request)
+        assert request >= required_memory_bytes(capacity, inflight, shm), (name, request)
         assert limit >= request, name
         assert "cpu" in resources["requests"], name
-    # The rule itself: 1.25 x 4 GiB + 1 GiB + 256 MiB.
-    assert required_memory_bytes(4, 1) == quantity_bytes("6400Mi")
-    assert required_memory_bytes(0.5, 1) == quantity_bytes("1920Mi")
+    # The rule itself: 1.25 x 4 GiB + 1 GiB + the region + 256 MiB.
+    assert required_memory_bytes(4, 1, 256) == quantity_bytes("6656Mi")
+    assert required_memory_bytes(0.5, 1, 0) == quantity_bytes("1920Mi")
+
+
+def test_the_region_is_a_memory_emptydir_both_containers_mount_at_one_path(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    for name, objects in rendered.items():
+        pod = _pod(objects)
+        sidecar = _sidecar(pod)
+        directory = container_env(sidecar)["MMCACHE_SHM_DIR"]
+        [engine] = pod["containers"]
+        mounts = {
+            c["name"]: {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            for c in (sidecar, engine)
+        }
+        volume_name = mounts["mmcache"].get(directory)
+        assert volume_name is not None, f"{name}: {directory} is not mounted in the sidecar"
+        assert mounts[engine["name"]].get(directory) == volume_name, f"{name}: nor in the engine"
+        [volume] = [v for v in pod["volumes"] if v["name"] == volume_name]
+        assert volume["emptyDir"]["medium"] == "Memory", name
+        limit = quantity_bytes(volume["emptyDir"]["sizeLimit"])
+        assert limit >= float(container_env(sidecar)["MMCACHE_SHM_MB"]) * 2**20, name
+        # The region is 0660 to the Pod's group, and only with one.
+        group = container_env(sidecar)["MMCACHE_SHM_GROUP"]
+        assert str(pod["securityContext"]["fsGroup"]) == group, name
 
 
 def test_service_and_scrape_annotations_point_at_mmcache(

@@ -472,6 +472,7 @@ class UpdateEntry(_message.Message):
     RESEND_FIELD_NUMBER: _builtins.int
     METADATA_FIELD_NUMBER: _builtins.int
     WANT_METADATA_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     mm_hash: _builtins.str
     modality: _builtins.str
     """the metrics label: "image", "video", ..."""
@@ -495,6 +496,12 @@ class UpdateEntry(_message.Message):
     def item(self) -> Global___ItemSpec:
         """Set when the data is sent; then `num_chunks` chunk frames follow for it."""
 
+    @_builtins.property
+    def shm(self) -> Global___ShmSlot:
+        """With data: the payload is in this shared-memory slot (from ShmAllocate),
+        not in chunk frames (num_chunks = 0). The call carries the region's token.
+        """
+
     def __init__(
         self,
         *,
@@ -506,10 +513,11 @@ class UpdateEntry(_message.Message):
         resend: _builtins.bool = ...,
         metadata: _builtins.bytes = ...,
         want_metadata: _builtins.bool = ...,
+        shm: Global___ShmSlot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "metadata", b"metadata", "mm_hash", b"mm_hash", "modality", b"modality", "num_chunks", b"num_chunks", "resend", b"resend", "want_metadata", b"want_metadata", "withheld", b"withheld"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "metadata", b"metadata", "mm_hash", b"mm_hash", "modality", b"modality", "num_chunks", b"num_chunks", "resend", b"resend", "shm", b"shm", "want_metadata", b"want_metadata", "withheld", b"withheld"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,7 +530,10 @@ class UpdateRequest(_message.Message):
     TOUCHES_FIELD_NUMBER: _builtins.int
     ENTRIES_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    SHM_TOKEN_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
+    shm_token: _builtins.bytes
+    """The shared-memory region's token, when an entry names a slot."""
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hashes the client touched since its last call; applied first."""
@@ -535,10 +546,11 @@ class UpdateRequest(_message.Message):
         touches: _abc.Iterable[_builtins.str] | None = ...,
         entries: _abc.Iterable[Global___UpdateEntry] | None = ...,
         lease: Global___LeaseMode.ValueType = ...,
+        shm_token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -655,21 +667,33 @@ class FetchRequest(_message.Message):
 
     MM_HASHES_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
+    SHM_TOKEN_FIELD_NUMBER: _builtins.int
+    SHM_DONE_FIELD_NUMBER: _builtins.int
     release: _builtins.bool
     """Once every item has been sent, release one lease of each hash read (the
     engine's read of what its frontend leased). Unleased hashes are ignored.
     """
+    shm_token: _builtins.bytes
+    """The shared-memory region's token: the client maps the region, so the
+    items may come in slots of it rather than in chunk frames.
+    """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Read slots of earlier Fetches this client has copied out: freed."""
+
     def __init__(
         self,
         *,
         mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
         release: _builtins.bool = ...,
+        shm_token: _builtins.bytes = ...,
+        shm_done: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release", "shm_done", b"shm_done", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -682,20 +706,26 @@ class FetchedItem(_message.Message):
     MM_HASH_FIELD_NUMBER: _builtins.int
     ITEM_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     mm_hash: _builtins.str
     num_chunks: _builtins.int
     @_builtins.property
     def item(self) -> Global___ItemSpec: ...
+    @_builtins.property
+    def shm(self) -> Global___ShmSlot:
+        """Set instead of chunk frames: the payload is in this slot of the region."""
+
     def __init__(
         self,
         *,
         mm_hash: _builtins.str = ...,
         item: Global___ItemSpec | None = ...,
         num_chunks: _builtins.int = ...,
+        shm: Global___ShmSlot | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "mm_hash", b"mm_hash", "num_chunks", b"num_chunks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["item", b"item", "mm_hash", b"mm_hash", "num_chunks", b"num_chunks", "shm", b"shm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -792,6 +822,114 @@ class InfoRequest(_message.Message):
 Global___InfoRequest: _TypeAlias = InfoRequest  # noqa: Y015
 
 @_typing.final
+class ShmRegion(_message.Message):
+    """The server's shared-memory region, for clients on its host: a file they
+    map; its header holds the id and a token that proves the mapping.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    REGION_ID_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    size_bytes: _builtins.int
+    region_id: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        region_id: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "region_id", b"region_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmRegion: _TypeAlias = ShmRegion  # noqa: Y015
+
+@_typing.final
+class ShmSlot(_message.Message):
+    """A leased piece of the region: `length` payload bytes at `offset`. The
+    region's word at offset - 64 holds `lease` while the slot is live.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    offset: _builtins.int
+    length: _builtins.int
+    lease: _builtins.int
+    def __init__(
+        self,
+        *,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+        lease: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmSlot: _TypeAlias = ShmSlot  # noqa: Y015
+
+@_typing.final
+class ShmAllocateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHM_TOKEN_FIELD_NUMBER: _builtins.int
+    LENGTHS_FIELD_NUMBER: _builtins.int
+    shm_token: _builtins.bytes
+    @_builtins.property
+    def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """payload bytes of each slot wanted"""
+
+    def __init__(
+        self,
+        *,
+        shm_token: _builtins.bytes = ...,
+        lengths: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lengths", b"lengths", "shm_token", b"shm_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmAllocateRequest: _TypeAlias = ShmAllocateRequest  # noqa: Y015
+
+@_typing.final
+class ShmAllocateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    @_builtins.property
+    def slots(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShmSlot]:
+        """One per length, or none when the region lacks room: send over gRPC."""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        slots: _abc.Iterable[Global___ShmSlot] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmAllocateReply: _TypeAlias = ShmAllocateReply  # noqa: Y015
+
+@_typing.final
 class InfoReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -802,6 +940,7 @@ class InfoReply(_message.Message):
     ITEMS_FIELD_NUMBER: _builtins.int
     USED_BYTES_FIELD_NUMBER: _builtins.int
     MAX_ITEMS_FIELD_NUMBER: _builtins.int
+    SHM_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     version: _builtins.str
@@ -813,6 +952,10 @@ class InfoReply(_message.Message):
     """The most items held at once, whatever their bytes (0: no such bound).
     Sizes count only an item's data, so this bounds the bookkeeping beside it.
     """
+    @_builtins.property
+    def shm(self) -> Global___ShmRegion:
+        """Set when the server has a shared-memory region."""
+
     def __init__(
         self,
         *,
@@ -823,10 +966,11 @@ class InfoReply(_message.Message):
         items: _builtins.int = ...,
         used_bytes: _builtins.int = ...,
         max_items: _builtins.int = ...,
+        shm: Global___ShmRegion | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "shm", b"shm", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

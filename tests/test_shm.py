@@ -1,0 +1,307 @@
+"""The shared-memory fast path: real servers, real region files, real clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from mmcache._equal import nested_equal
+from mmcache._frames import header_frame, header_frame_body
+from mmcache.client import MMCacheClient
+from mmcache.client._codec import ItemDecoder, encode_item
+from mmcache.client._shm import attach
+from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.v1 import cache_pb2 as pb
+
+from .conftest import MIB, sample, scrape, server_config
+from .items import image_item
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
+
+
+def tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(n, generator=generator) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(n, generator=generator, dtype=dtype)
+    return torch.randint(-100, 100, (n,), generator=generator).to(dtype)
+
+
+@pytest.fixture
+async def shm_server(tmp_path: Path) -> AsyncIterator[MMCacheServer]:
+    async with MMCacheServer(shm_config(tmp_path, shm_bytes=256 * MIB)) as server:
+        assert server.region is not None
+        yield server
+
+
+def shm_config(directory: Path, **overrides: object) -> ServerConfig:
+    return server_config(shm=True, shm_dir=str(directory), **overrides)
+
+
+def same(a: dict[str, object], b: dict[str, object]) -> bool:
+    return a.keys() == b.keys() and all(nested_equal(a[k], b[k]) for k in a)
+
+
+def exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+def listing(directory: Path) -> list[Path]:
+    return list(directory.iterdir())
+
+
+def forged_copy(path: str, to: Path) -> Path:
+    """The region file with another region id: same size, same magic."""
+    shutil.copyfile(path, to)
+    with open(to, "r+b") as file:
+        file.seek(8)
+        file.write(b"\x00" * 16)
+    return to
+
+
+def client(server: MMCacheServer, **kwargs: object) -> MMCacheClient:
+    return MMCacheClient(f"127.0.0.1:{server.port}", follow=False, **kwargs)  # type: ignore[arg-type]
+
+
+async def shm_bytes(server: MMCacheServer, direction: str) -> float:
+    return (
+        sample(await scrape(server.metrics_port), "mmcache_shm_bytes_total", direction=direction)
+        or 0
+    )
+
+
+async def test_every_dtype_and_form_round_trips_bit_exact_through_shared_memory(
+    shm_server: MMCacheServer,
+) -> None:
+    async with client(shm_server) as c:
+        assert c._region is not None
+        for i, dtype in enumerate(DTYPES):
+            big = tensor(dtype, (2 << 20) // torch.empty(0, dtype=dtype).element_size(), i)
+            mapping = {"big": big, "small": tensor(dtype, 7, i + 100), "n": 3, "nested": [big[:5]]}
+            await c.get_and_update([mapping, image_item(i)], [f"m{i}", f"i{i}"], lease=False)
+            fetched = await c.fetch([f"m{i}", f"i{i}"])
+            assert same(fetched[0], mapping), dtype
+            assert fetched[1] == image_item(i)
+            out = fetched[0]["big"]
+            assert out.is_contiguous() and not out.is_inference()
+            out.add_(1) if dtype not in (torch.bool,) else out.logical_not_()  # writable, ours
+    assert await shm_bytes(shm_server, "read") > 0
+    assert await shm_bytes(shm_server, "write") > 0  # the 2 MiB+ uploads went through slots
+
+
+async def test_read_slots_are_freed_by_the_next_fetch_or_by_expiry(tmp_path: Path) -> None:
+    config = shm_config(tmp_path, lease_s=0.3)
+    async with MMCacheServer(config) as server, client(server) as c:
+        region = server.region
+        assert region is not None
+        await c.get_and_update([image_item(1)], ["a"], lease=False)
+        await c.fetch(["a"])
+        assert region.slots == 1  # copied out; "done" rides with the next Fetch
+        await c.fetch(["a"])
+        assert region.slots == 1  # the first freed, the second now held
+        # A client that dies mid-read never says "done": the lease runs out.
+        await asyncio.sleep(0.4)
+        region.expire()
+        assert region.slots == 0 and region.leased_bytes == 0
+
+
+async def test_a_slot_freed_under_a_stalled_read_fails_the_read_and_grpc_takes_over(
+    tmp_path: Path,
+) -> None:
+    config = shm_config(tmp_path, lease_s=0.2)
+    async with MMCacheServer(config) as server, client(server) as c:
+        item = image_item(3, numel=1 << 18)
+        await c.get_and_update([item], ["s"], lease=False)
+        # The engine's read, by hand, then a stall past the lease.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            assert c._region is not None
+            request = pb.FetchRequest(mm_hashes=["s"], shm_token=c._region.token)
+            frames = [f async for f in channel.unary_stream("/mmcache.v1.MMCache/Fetch")(
+                request.SerializeToString())]  # fmt: skip
+        header = pb.FetchHeader.FromString(header_frame_body(frames[0], "reply"))
+        slot = header.items[0].shm
+        await asyncio.sleep(0.3)
+        assert server.region is not None
+        server.region.expire()  # (the server's own sweep may have been first)
+        assert server.region.slots == 0 and server.region.expired == 1
+        decoder = ItemDecoder(header.items[0].item)
+        assert not c._region.read(slot, decoder)  # the lease word is gone: no torn read
+        assert (await c.fetch(["s"]))[0] == item  # the client's own path still reads it
+
+
+async def test_eviction_and_overwrite_during_a_read_do_not_touch_the_slot(
+    tmp_path: Path,
+) -> None:
+    config = shm_config(tmp_path, capacity_bytes=3 * MIB)
+    async with MMCacheServer(config) as server, client(server) as c:
+        first = {"x": tensor(torch.float32, 1 << 18, 1)}
+        await c.get_and_update([first], ["h"], lease=False)
+        assert c._region is not None
+        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c._region.token)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            frames = [f async for f in channel.unary_stream("/mmcache.v1.MMCache/Fetch")(
+                request.SerializeToString())]  # fmt: skip
+        header = pb.FetchHeader.FromString(header_frame_body(frames[0], "reply"))
+        # New data under the hash, and enough more to evict everything old.
+        await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 2)}], ["h"], lease=False)
+        for i in range(4):
+            await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 10 + i)}], [f"e{i}"])
+        decoder = ItemDecoder(header.items[0].item)
+        assert c._region.read(header.items[0].shm, decoder)
+        assert same(decoder.finish(), first)
+
+
+async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
+    tmp_path: Path,
+) -> None:
+    missing = shm_config(tmp_path / "no-such-dir")
+    async with MMCacheServer(missing) as server, client(server) as c:
+        assert server.region is None and c._region is None
+        await c.get_and_update([image_item(1)], ["a"], lease=False)
+        assert (await c.fetch(["a"]))[0] == image_item(1)
+    async with MMCacheServer(server_config(shm=False)) as server, client(server) as c:
+        assert server.region is None and c._region is None
+    async with MMCacheServer(shm_config(tmp_path)) as server:
+        async with client(server, shm=False) as c:  # the client's switch
+            assert c._region is None
+            await c.get_and_update([{"x": torch.ones(1 << 20)}], ["b"], lease=False)
+            assert (await c.fetch(["b"]))[0]["x"].sum() == 1 << 20
+        assert await shm_bytes(server, "read") == 0 and await shm_bytes(server, "write") == 0
+
+
+async def test_another_hosts_file_under_the_same_name_is_refused(tmp_path: Path) -> None:
+    """The client maps a file at the announced path, but not the server's: it stays on gRPC."""
+    async with MMCacheServer(shm_config(tmp_path)) as server:
+        assert server.region is not None
+        path = server.region.path
+        impostor = forged_copy(path, tmp_path / "impostor")
+        moved = path + ".real"
+        os.rename(path, moved)
+        os.rename(impostor, path)
+        try:
+            async with client(server) as c:
+                assert c._region is None
+                await c.get_and_update([{"x": torch.ones(1 << 20)}], ["c"], lease=False)
+                assert (await c.fetch(["c"]))[0]["x"].sum() == 1 << 20
+        finally:
+            os.replace(moved, path)
+
+
+async def test_forged_handles_and_tokens_are_invalid_argument(shm_server: MMCacheServer) -> None:
+    region = shm_server.region
+    assert region is not None
+    spec = encode_item({"x": torch.ones(1024)})
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{shm_server.port}") as channel:
+        update = channel.unary_unary("/mmcache.v1.MMCache/GetAndUpdateOne")
+        allocate = channel.unary_unary(
+            "/mmcache.v1.MMCache/ShmAllocate",
+            request_serializer=pb.ShmAllocateRequest.SerializeToString,
+            response_deserializer=pb.ShmAllocateReply.FromString,
+        )
+
+        async def upload(slot: pb.ShmSlot, token: bytes) -> grpc.aio.AioRpcError:
+            entry = pb.UpdateEntry(mm_hash="f", item=spec.spec, shm=slot)
+            request = pb.UpdateRequest(entries=[entry], shm_token=token)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await update(header_frame(request.SerializeToString()))
+            return refused.value
+
+        real = (
+            await allocate(pb.ShmAllocateRequest(shm_token=region.token, lengths=[4096]))
+        ).slots[0]
+        forged = pb.ShmSlot(offset=real.offset, length=4096, lease=real.lease ^ 1)
+        for slot, token, says in (
+            (forged, region.token, "no live write slot"),
+            (real, b"x" * 32, "not this server's region"),
+            (pb.ShmSlot(offset=1 << 40, length=4096, lease=real.lease), region.token, "not 4096"),
+        ):
+            refusal = await upload(slot, token)
+            assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in (refusal.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as bad_token:
+            await allocate(pb.ShmAllocateRequest(shm_token=b"guess", lengths=[4096]))
+        assert bad_token.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Nothing was stored, and the server still takes the real slot.
+        assert "f" not in shm_server.store
+        async with client(shm_server) as c:
+            await c.get_and_update([{"x": torch.ones(1 << 20)}], ["ok"], lease=False)
+            assert len(await c.fetch(["ok"])) == 1
+
+
+async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: Path) -> None:
+    first = MMCacheServer(shm_config(tmp_path))
+    await first.start()
+    port = first.port
+    async with client(first) as c:
+        await c.get_and_update([image_item(1)], ["a"], lease=False)
+        await c.fetch(["a"])
+        assert c._region is not None and c._region.instance_id == first.instance_id
+        old_path = first.region.path if first.region else ""
+        await first.stop(grace=0)
+        assert not exists(old_path)  # a stopped server leaves no region behind
+        async with MMCacheServer(shm_config(tmp_path, port=port)) as second:
+            await c.get_and_update([image_item(2)], ["b"], lease=False)
+            assert (await c.fetch(["b"]))[0] == image_item(2)  # over gRPC: the old token fails
+            for _ in range(100):
+                if c._region is not None and c._region.instance_id == second.instance_id:
+                    break
+                await asyncio.sleep(0.02)
+            assert c._region is not None and c._region.instance_id == second.instance_id
+            assert (await c.fetch(["b"]))[0] == image_item(2)
+            assert await shm_bytes(second, "read") > 0  # remapped: shared memory again
+
+
+async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
+    tmp_path: Path,
+) -> None:
+    stale = tmp_path / "mmcache-1-dead.shm"
+    stale.write_bytes(b"\0" * 8192)  # left by a server that crashed: nobody holds its lock
+    async with MMCacheServer(shm_config(tmp_path)) as server:
+        assert server.region is not None
+        mode = stat.S_IMODE(os.stat(server.region.path).st_mode)
+        assert mode == 0o600
+        assert not stale.exists()
+        async with MMCacheServer(shm_config(tmp_path)) as neighbour:
+            # Two servers, one directory: each keeps its own file.
+            assert neighbour.region is not None
+            assert exists(server.region.path)
+    gid = os.getgid()
+    async with MMCacheServer(shm_config(tmp_path, shm_group=gid)) as grouped:
+        assert grouped.region is not None
+        info = os.stat(grouped.region.path)
+        assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == gid
+    assert listing(tmp_path) == []
+
+
+async def test_a_full_region_sends_over_grpc(tmp_path: Path) -> None:
+    config = shm_config(tmp_path, shm_bytes=2 * MIB)
+    async with MMCacheServer(config) as server, client(server) as c:
+        big = {"x": tensor(torch.float32, 1 << 20, 5)}  # 4 MiB: more than the region
+        await c.get_and_update([big], ["big"], lease=False)
+        assert same((await c.fetch(["big"]))[0], big)
+        assert await shm_bytes(server, "read") == 0 and await shm_bytes(server, "write") == 0
+
+
+def test_attach_refuses_a_path_it_cannot_open(tmp_path: Path) -> None:
+    announced = pb.ShmRegion(path=str(tmp_path / "gone.shm"), size_bytes=8192, region_id=b"x")
+    assert attach("i", announced) is None
