@@ -26,7 +26,9 @@ Settings, from the environment:
 - `MMCACHE_TOKEN`, or `MMCACHE_TOKEN_FILE` (a mounted Secret): the token sent
   (the API servers need role write, the engine read; one token with both);
 - `MMCACHE_TLS_CA` (and `MMCACHE_TLS_CERT`, `MMCACHE_TLS_KEY` for mTLS,
-  `MMCACHE_TLS_SERVER_NAME` when the certificate names another host): TLS.
+  `MMCACHE_TLS_SERVER_NAME` when the certificate names another host): TLS;
+- `MMCACHE_SHM` (default on): `0` keeps the items off the sidecar's
+  shared-memory region (docs/shm.md), over gRPC.
 
 A server that refuses the token or the TLS settings fails vLLM's start with
 the server's reason: a misconfigured cache is loud, an unreachable one fails
@@ -99,6 +101,7 @@ def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
         "tls_cert": env.get("MMCACHE_TLS_CERT") or None,
         "tls_key": env.get("MMCACHE_TLS_KEY") or None,
         "tls_server_name": env.get("MMCACHE_TLS_SERVER_NAME") or None,
+        "shm": env.get("MMCACHE_SHM", "on").strip().lower() not in ("0", "off", "false", "no"),
     }
 
 
