@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -203,3 +204,23 @@ async def test_tokens_from_the_environment_setting(tmp_path: Path) -> None:
     ):
         await frontend.get_and_update([image_item(9)], ["e"])
         assert len(await engine.fetch(["e"])) == 1
+
+
+async def test_the_plugins_client_fails_loudly_on_a_refused_token_and_open_on_silence(
+    secured: tuple[MMCacheServer, Path],
+) -> None:
+    """A misconfigured token stops vLLM's start with the reason; a sidecar that is
+    not there yet is no error (the plugin fails open)."""
+    from mmcache.client.vllm_plugin._sync import SyncClient
+
+    server, _ = secured
+    target = f"127.0.0.1:{server.port}"
+
+    def make(token: str, at: str = target) -> None:
+        SyncClient(at, deadline_s=0.5, token=token).close()
+
+    with pytest.raises(UnauthenticatedError, match="does not accept the token"):
+        await asyncio.to_thread(make, "y" * 32)
+    assert not [t for t in threading.enumerate() if t.name == "mmcache-client"]  # nothing left
+    await asyncio.to_thread(make, WRITE)
+    await asyncio.to_thread(make, WRITE, "127.0.0.1:1")  # nothing listens: fails open

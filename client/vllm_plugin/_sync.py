@@ -44,9 +44,17 @@ class SyncClient:
             target=self._loop.run_forever, name="mmcache-client", daemon=True
         )
         self._thread.start()
-        self.client = MMCacheClient(target, fail_open=True, fail_open_timeout=deadline_s, **options)
-        # Fails open: a server that does not answer is no error here.
-        self.call(self.client.connect(), timeout=deadline_s + 5)
+        try:
+            self.client = MMCacheClient(
+                target, fail_open=True, fail_open_timeout=deadline_s, **options
+            )
+            # Fails open: a server that does not answer is no error here; one
+            # that refuses this client (its token, TLS) is, with its reason.
+            self.call(self.client.connect(), timeout=deadline_s + 5)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            raise
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run `coro` on the client's loop and wait for it (default: twice the deadline)."""
