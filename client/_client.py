@@ -525,7 +525,9 @@ class MMCacheClient:
                 try:
                     return await self._fetch(mm_hashes, release, region)
                 except _ShmRace:
-                    pass  # a slot freed under a stalled read: read again over gRPC
+                    # A slot freed under a stalled read: read again over gRPC.
+                    # That call ran to its end, so its leases are released.
+                    release = False
             return await self._fetch(mm_hashes, release, None)
         except CacheMissError as exc:
             self._mirror.forget(exc.missing_hashes)
@@ -535,13 +537,18 @@ class MMCacheClient:
         self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
     ) -> list[Item]:
         request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
+        done: list[int] = []
         if region is not None:
             request.shm_token = region.token
-            request.shm_done.extend(self._shm_done)
-            self._shm_done.clear()
+            done, self._shm_done = self._shm_done, []
+            request.shm_done.extend(done)
         frames = self._rpc.fetch(request)
         try:
             header, items = await _read_fetch(frames, len(mm_hashes), region, self._shm_done)
+        except BaseException:
+            # The server may not have read them: say them again (twice is harmless).
+            self._shm_done.extend(done)
+            raise
         finally:
             await frames.aclose()
         if region is not None and header.instance_id != region.instance_id:
@@ -575,8 +582,10 @@ class MMCacheClient:
             self._reattach = asyncio.create_task(self._attach_again())
 
     async def _attach_again(self) -> None:
-        with contextlib.suppress(MMCacheError):
+        try:
             self._attach(await self._rpc.info(timeout=self._connect_timeout))
+        except MMCacheError as exc:  # gone again: the next restart tries anew
+            _LOGGER.debug("shared memory not remapped: %s", exc)
 
     async def _shm_slots(self, entries: Sequence[Entry]) -> dict[int, pb.ShmSlot]:
         """Slots holding the payloads of this batch's larger uploads (none: all over gRPC)."""
@@ -602,9 +611,15 @@ class MMCacheClient:
         if reply.instance_id != region.instance_id:
             self._restarted()
             return {}
-        slots = dict(zip(chosen, reply.slots, strict=False)) if reply.slots else {}
-        for index, slot in slots.items():
-            region.write(slot, entries[index].data)  # type: ignore[arg-type]
+        if len(reply.slots) != len(chosen):
+            return {}  # no room: all over gRPC
+        slots = dict(zip(chosen, reply.slots, strict=True))
+        try:
+            for index, slot in slots.items():
+                region.write(slot, entries[index].data)  # type: ignore[arg-type]
+        except ValueError as exc:
+            _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
+            return {}
         return slots
 
     def _caching_disabled(self) -> bool:
@@ -763,6 +778,22 @@ class MMCacheClient:
     ) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""
         slots = await self._shm_slots(entries)
+        if slots:
+            try:
+                return await self._send_batch(entries, touches, lease, slots)
+            except InvalidArgumentError as exc:
+                # A slot that expired, or a server restarted since it gave them:
+                # the same batch as chunk frames (a bad batch fails again there).
+                _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
+        return await self._send_batch(entries, touches, lease, {})
+
+    async def _send_batch(
+        self,
+        entries: Sequence[Entry],
+        touches: Sequence[str],
+        lease: pb.LeaseMode.ValueType,
+        slots: dict[int, pb.ShmSlot],
+    ) -> Reply:
         token = self._region.token if slots and self._region is not None else b""
         batch = build_batch(
             entries, touches, lease=lease, chunk_bytes=self._chunk_bytes, shm=(token, slots)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import struct
 
 from mmcache.v1 import cache_pb2 as pb
@@ -32,6 +33,7 @@ MAGIC = b"MMCSHM01"
 _HEADER = struct.Struct("<8s16s32sQ")  # magic, region id, token, size (server/_region.py)
 _WORD = struct.Struct("<Q")
 SLOT_HEADER_BYTES = 64
+MIN_REGION_BYTES = 8192  # a header page and one slot page
 
 
 class ClientRegion:
@@ -61,8 +63,14 @@ class ClientRegion:
         return self._live(slot)
 
     def write(self, slot: pb.ShmSlot, encoded: EncodedItem) -> None:
-        """Copy an item's payload into a write slot."""
-        copy_payload(encoded, self._payload(slot))
+        """Copy an item's payload into a write slot; ValueError for a slot that does
+        not fit it or is no longer its lease's (the caller sends over gRPC)."""
+        if slot.length != encoded.size.payload:
+            raise ValueError(f"slot {slot.lease} holds {slot.length} bytes, not the payload's")
+        payload = self._payload(slot)
+        if not self._live(slot):  # expired while this client stalled: not ours to write
+            raise ValueError(f"slot {slot.lease} is no longer leased")
+        copy_payload(encoded, payload)
 
     def close(self) -> None:
         self._view.release()
@@ -72,25 +80,27 @@ class ClientRegion:
 def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:
     """Map the region Info announced, or None (the reason logged) to stay on gRPC."""
     try:
-        fd = os.open(announced.path, os.O_RDWR | os.O_NOFOLLOW)
-    except OSError as exc:
-        _LOGGER.debug("shared memory off: cannot open %s: %s", announced.path, exc)
+        return _attach(instance_id, announced)
+    except (OSError, ValueError, struct.error) as exc:
+        _LOGGER.debug("shared memory off: %s: %s", announced.path, exc)
         return None
+
+
+def _attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    fd = os.open(announced.path, flags)
     try:
-        size = os.fstat(fd).st_size
-        if size != announced.size_bytes:
-            _LOGGER.debug("shared memory off: %s is not the server's region", announced.path)
-            return None
-        buffer = mmap.mmap(fd, size)
-    except OSError as exc:
-        _LOGGER.debug("shared memory off: cannot map %s: %s", announced.path, exc)
-        return None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < MIN_REGION_BYTES:
+            raise ValueError("no region file")
+        if info.st_size != announced.size_bytes:
+            raise ValueError("not the size the server announced")
+        buffer = mmap.mmap(fd, info.st_size)
     finally:
         os.close(fd)
     magic, region_id, token, _ = _HEADER.unpack_from(buffer, 0)
     if magic != MAGIC or region_id != announced.region_id:
-        _LOGGER.debug("shared memory off: %s is another server's region", announced.path)
         buffer.close()
-        return None
+        raise ValueError("another server's region (another host's, or a stale one)")
     _LOGGER.debug("shared memory on: %s", announced.path)
     return ClientRegion(instance_id, buffer, token)

@@ -135,6 +135,7 @@ class MMCacheServer:
         """Bind every port and serve; OSError or ConfigError (with the fix) when it cannot."""
         config = self.config
         interceptors: list[grpc.aio.ServerInterceptor] = [GrpcServerMetrics(self.registry)]
+        book = None
         if config.authenticates:
             book = TokenBook(config.tokens_file, config.tokens)
             interceptors.append(AuthInterceptor(book, self.instance_id))
@@ -158,10 +159,22 @@ class MMCacheServer:
             )
             self.health_port = _bind(self._health_server, config.host, config.health_port, None)
         self.region = _open_region(config)
+        if self.region is not None and book is not None and book.limits_namespaces:
+            _LOGGER.warning(
+                "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
+                "one file: every process that can open it (its owner, and group with "
+                "--shm-group) can read items passing through it, whatever its token. For "
+                "tenants that must not see each other, give each its own sidecar or run "
+                "with --no-shm.",
+                self.region.path,
+            )
         metrics_host = config.metrics_host or config.host
         try:
             self._endpoint = MetricsEndpoint(self.registry, metrics_host, config.metrics_port)
         except OSError as exc:
+            if self.region is not None:  # no server to own it
+                self.region.close()
+                self.region = None
             raise OSError(
                 f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
             ) from None

@@ -159,6 +159,11 @@ class TokenBook:
     def __len__(self) -> int:
         return len(self._inline) + len(self._from_file)
 
+    @property
+    def limits_namespaces(self) -> bool:
+        """Whether some token is limited to namespaces (tenants kept apart)."""
+        return any(g.namespaces is not None for g in (*self._inline, *self._from_file))
+
     def grants(self, token: str) -> list[Grant]:
         """The grants of `token`: every entry is compared, so timing tells nothing."""
         self._maybe_reload()

@@ -111,6 +111,10 @@ class ServerConfig:
             raise ConfigError(f"max_items must be >= 1, got {self.max_items}")
         if self.capacity_bytes < 0 or self.max_inflight_bytes < 0:
             raise ConfigError("capacity and max in-flight bytes must be >= 0")
+        if not 0 < self.lease_s <= 3600:
+            raise ConfigError(f"lease_s must be more than 0 and at most 3600, got {self.lease_s}")
+        if self.shm and self.shm_bytes < 1 << 20:
+            raise ConfigError(f"the shared-memory region must be 1 MiB or more: {self.shm_bytes}")
 
     @property
     def item_bound(self) -> int:

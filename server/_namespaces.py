@@ -18,6 +18,7 @@ used before, so no client's mirror mistakes its new facts for older ones.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from mmcache._errors import ResourceExhaustedError
@@ -29,6 +30,7 @@ from ._feed import Feed, FeedState
 __all__ = ["Namespace", "Namespaces", "namespace_name", "split_key"]
 
 _SEP = "\0"
+_SCAN_EVERY_S = 1.0
 
 
 def split_key(key: str) -> tuple[str, str]:
@@ -85,6 +87,7 @@ class Namespaces:
         max_namespaces: int = 64,
         ring_bytes: int = 32 << 20,
         on_snapshot: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._instance_id = instance_id
         self._state = state
@@ -93,6 +96,8 @@ class Namespaces:
         self._ring_bytes = ring_bytes
         self._on_snapshot = on_snapshot
         self._changes = 0  # every namespace's, together: where a new feed starts
+        self._clock = clock
+        self._next_scan = 0.0
         self._all: dict[str, Namespace] = {}
         self.default = self._make("")
 
@@ -112,7 +117,9 @@ class Namespaces:
         found = self._all.get(name)
         if found is not None:
             return found
-        if len(self._all) >= self._max:
+        if len(self._all) >= self._max and self._clock() >= self._next_scan:
+            # A scan of every key: at most once a second, however many ask.
+            self._next_scan = self._clock() + _SCAN_EVERY_S
             self._forget_idle()
         if len(self._all) >= self._max:
             raise ResourceExhaustedError(

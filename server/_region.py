@@ -118,6 +118,9 @@ class Region:
         # Free extents (start, length), by start; neighbours merge on free.
         self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
         self._slots: dict[int, Slot] = {}
+        # Expired write slots, kept out of use a while longer: their writer may
+        # be stalled mid-copy, and must not write into another's slot.
+        self._quarantine: list[tuple[float, Slot]] = []
         self.leased_bytes = 0
         self.expired = 0  # slots freed by expiry: clients that never said "done"
 
@@ -161,6 +164,12 @@ class Region:
             )
         return slot
 
+    def claim(self, lease: int, offset: int, length: int) -> Slot:
+        """A write slot an upload names, kept from expiry until the upload frees it."""
+        slot = self.get(lease, WRITE, offset, length)
+        slot.expires = float("inf")
+        return slot
+
     def release(self, lease: int, kind: str) -> bool:
         """Free the slot of `lease` if it is a live one of `kind` (a client's "done")."""
         slot = self._slots.get(lease)
@@ -179,19 +188,32 @@ class Region:
         if slot is None:
             return False
         _WORD.pack_into(self._map, slot.start, 0)  # readers of the old lease see it gone
-        self.leased_bytes -= slot.span
-        insort(self._free, (slot.start, slot.span))
-        self._merge_around(slot.start)
+        self._reuse(slot)
         return True
 
     def expire(self) -> int:
-        """Free the slots past their lease (a client that died mid-read); how many."""
+        """Free the slots past their lease (a client that died or stalled); how many.
+
+        A write slot's memory waits one more lease before it is used again.
+        """
         now = self._clock()
-        late = [lease for lease, slot in self._slots.items() if slot.expires <= now]
-        for lease in late:
-            self.free(lease)
+        late = [slot for slot in self._slots.values() if slot.expires <= now]
+        for slot in late:
+            del self._slots[slot.lease]
+            _WORD.pack_into(self._map, slot.start, 0)
+            if slot.kind == WRITE:
+                self._quarantine.append((now + self._lease_s, slot))
+            else:
+                self._reuse(slot)
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._reuse(self._quarantine.pop(0)[1])
         self.expired += len(late)
         return len(late)
+
+    def _reuse(self, slot: Slot) -> None:
+        self.leased_bytes -= slot.span
+        insort(self._free, (slot.start, slot.span))
+        self._merge_around(slot.start)
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -264,9 +286,13 @@ def open_region(directory: str, size: int, *, lease_s: float, group: int | None 
         with contextlib.suppress(OSError):
             os.unlink(path)
             _LOGGER.info("removed %s, the region of a server that is gone", path)
-    path = os.path.join(directory, f"{_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{_SUFFIX}")
+    name = f"{os.getpid()}-{secrets.token_hex(8)}"
+    path = os.path.join(directory, f"{_PREFIX}{name}{_SUFFIX}")
+    # Made under a name the stale scan does not match, and renamed once locked:
+    # a neighbour starting meanwhile never takes it for a dead server's.
+    making = os.path.join(directory, f".{_PREFIX}{name}.new")
     mode = 0o600 if group is None else 0o660
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if group is not None:
@@ -283,9 +309,11 @@ def open_region(directory: str, size: int, *, lease_s: float, group: int | None 
                 f"{free.f_bavail * free.f_frsize >> 20} MiB free): give --shm-mb less, or "
                 "mount a larger tmpfs"
             ) from None
-        return Region(path, fd, size, lease_s=lease_s)
+        region = Region(path, fd, size, lease_s=lease_s)
+        os.rename(making, path)
+        return region
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(making)
         raise

@@ -211,26 +211,14 @@ class CacheServicer:
         namespace = self._namespace(context)
         request, in_metadata = await read_request(context, frames)
         entries = parse_header(request, namespace.key)
-        # Past the wait the entry is simply MISSING and its sender re-sends it:
-        # a stalled upload elsewhere never holds this call up for long.
-        remaining = context.time_remaining()
-        wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
-        waited = await self._pending.wait(
-            [e.key for e in entries if e.spec is None], max(0.0, wait_s)
-        )
-        if waited:
-            self._metrics.upload_waits.inc(waited)
-        marked = self._pending.mark(data_hashes(entries))
+        # Slots named are checked, and kept from expiry, before anything waits.
+        claimed = self._claim(request.shm_token, entries)
         try:
-            result = await self._receive_and_apply(namespace, request, entries, frames, in_metadata)
-        except TruncatedUploadError:
-            # A client's cancel can end its stream here before grpc marks the
-            # call cancelled: give it a moment to, so a cancel is counted as
-            # one, and only a stream its client really closed early is refused.
-            await asyncio.sleep(TRUNCATION_GRACE_S)
-            raise
+            result = await self._wait_receive_apply(
+                context, namespace, request, entries, frames, in_metadata, claimed
+            )
         finally:
-            self._pending.settle(marked)
+            self._unclaim(claimed)  # those a failed call never read
         for entry, outcome in zip(entries, result.outcomes, strict=True):
             self._count(entry.modality or self._modality_of(entry.key), outcome, entry.resend)
         leased = request.lease != pb.LEASE_NONE
@@ -245,6 +233,39 @@ class CacheServicer:
             result,
         )
 
+    async def _wait_receive_apply(
+        self,
+        context: Context,
+        namespace: Namespace,
+        request: pb.UpdateRequest,
+        entries: list[EntryHeader],
+        frames: AsyncIterator[bytes],
+        in_metadata: bool,
+        claimed: dict[int, Slot],
+    ) -> BatchResult:
+        # Past the wait the entry is simply MISSING and its sender re-sends it:
+        # a stalled upload elsewhere never holds this call up for long.
+        remaining = context.time_remaining()
+        wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
+        waited = await self._pending.wait(
+            [e.key for e in entries if e.spec is None], max(0.0, wait_s)
+        )
+        if waited:
+            self._metrics.upload_waits.inc(waited)
+        marked = self._pending.mark(data_hashes(entries))
+        try:
+            return await self._receive_and_apply(
+                namespace, request, entries, frames, in_metadata, claimed
+            )
+        except TruncatedUploadError:
+            # A client's cancel can end its stream here before grpc marks the
+            # call cancelled: give it a moment to, so a cancel is counted as
+            # one, and only a stream its client really closed early is refused.
+            await asyncio.sleep(TRUNCATION_GRACE_S)
+            raise
+        finally:
+            self._pending.settle(marked)
+
     async def _receive_and_apply(
         self,
         namespace: Namespace,
@@ -252,6 +273,7 @@ class CacheServicer:
         entries: list[EntryHeader],
         frames: AsyncIterator[bytes],
         in_metadata: bool,
+        claimed: dict[int, Slot],
     ) -> BatchResult:
         payload = sum(e.payload for e in entries if e.chunks is not None)
         # Made only now: an iterator never started (a call refused on its
@@ -265,8 +287,8 @@ class CacheServicer:
                     e,
                     ()
                     if e.chunks is None
-                    else self._from_region(request.shm_token, e)
-                    if e.shm is not None
+                    else self._from_region(claimed[e.index])
+                    if e.index in claimed
                     else await read_chunks(stream, e),
                 )
                 for e in entries
@@ -276,15 +298,35 @@ class CacheServicer:
             touches = namespace.keys(request.touches)
             return self._store.update(touches, uploads, lease=request.lease)
 
-    def _from_region(self, token: bytes, entry: EntryHeader) -> tuple[bytes, ...]:
-        """An uploaded payload out of its shared-memory slot, as chunk frames; the slot freed."""
+    def _claim(self, token: bytes, entries: Sequence[EntryHeader]) -> dict[int, Slot]:
+        """The write slots this upload names, checked now and kept from expiry
+        until the call ends (`_from_region` reads them), by entry index."""
+        named = [e for e in entries if e.shm is not None]
+        if not named:
+            return {}
         region = self._region_of(token)
-        assert entry.shm is not None
-        if entry.shm.length != entry.payload:
-            raise InvalidArgumentError(
-                f"{entry.where}: its slot holds {entry.shm.length} bytes, its spec {entry.payload}"
-            )
-        slot = region.get(entry.shm.lease, WRITE, entry.shm.offset, entry.shm.length)
+        claimed: dict[int, Slot] = {}
+        for entry in named:
+            assert entry.shm is not None
+            try:
+                claimed[entry.index] = region.claim(
+                    entry.shm.lease, entry.shm.offset, entry.shm.length
+                )
+            except InvalidArgumentError as exc:
+                self._unclaim(claimed)
+                raise InvalidArgumentError(f"{entry.where}: {exc}") from None
+        return claimed
+
+    def _unclaim(self, claimed: dict[int, Slot]) -> None:
+        region = self._region()
+        for slot in claimed.values():
+            if region is not None:
+                region.free(slot.lease)
+
+    def _from_region(self, slot: Slot) -> tuple[bytes, ...]:
+        """An uploaded payload out of its claimed slot, as chunk frames; the slot freed."""
+        region = self._region()
+        assert region is not None
         try:
             frames = region_frames(region.payload(slot))
         finally:
@@ -300,13 +342,19 @@ class CacheServicer:
             request = pb.FetchRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"FetchRequest does not parse: {exc}") from None
+        region = self._region()
+        if region is not None and region.matches(request.shm_token):
+            for lease in request.shm_done:  # first: whatever this call meets next
+                region.release(lease, READ)
+        else:
+            region = None
         namespace = self._namespace(context)
         keys = self._keys(namespace, request.mm_hashes)
         try:
             items = self._store.fetch(keys)
         except CacheMissError as exc:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
-        slots = self._stage(request, items)
+        slots = None if region is None else self._stage(region, items)
         header = pb.FetchHeader(instance_id=self._instance_id)
         for index, (mm_hash, item) in enumerate(zip(request.mm_hashes, items, strict=True)):
             fetched = header.items.add(mm_hash=mm_hash, item=item.spec)
@@ -314,7 +362,13 @@ class CacheServicer:
                 fetched.num_chunks = len(item.frames)
             else:
                 fetched.shm.CopyFrom(_slot_message(slots[index]))
-        await write(context, header_frame(header.SerializeToString()))
+        try:
+            await write(context, header_frame(header.SerializeToString()))
+        except BaseException:
+            if region is not None and slots is not None:  # nobody will copy them out
+                for slot in slots:
+                    region.free(slot.lease)
+            raise
         # The frames are the very objects that arrived: held references keep
         # them alive even if the items are evicted meanwhile.
         for item in items:
@@ -324,14 +378,9 @@ class CacheServicer:
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(keys)
 
-    def _stage(self, request: pb.FetchRequest, items: Sequence[StoredItem]) -> list[Slot] | None:
-        """Copy the items into read slots when the client maps the region (else None:
-        chunk frames). All or none: a region without room for all sends frames."""
-        region = self._region()
-        if region is None or not region.matches(request.shm_token):
-            return None
-        for lease in request.shm_done:
-            region.release(lease, READ)
+    def _stage(self, region: Region, items: Sequence[StoredItem]) -> list[Slot] | None:
+        """Copy the items into read slots of a region the client maps (None: chunk
+        frames). All or none: a region without room for all sends frames."""
         region.expire()
         slots: list[Slot] = []
         for item in items:

@@ -99,6 +99,7 @@ async def test_the_namespace_bound_refuses_one_more_with_the_fix() -> None:
                 async with client(server, "b", follow=False):
                     pass
             await a.clear_cache()  # "a" holds nothing now: it may be forgotten
+        await asyncio.sleep(1.05)  # (idle namespaces are looked for at most once a second)
         async with client(server, "b", follow=False) as b:
             await b.get_and_update([image_item(9)], ["h"])
         samples = await scrape(server.metrics_port)

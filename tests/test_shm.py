@@ -15,7 +15,7 @@ import torch
 
 from mmcache._equal import nested_equal
 from mmcache._frames import header_frame, header_frame_body
-from mmcache.client import MMCacheClient
+from mmcache.client import CacheMissError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
 from mmcache.client._shm import attach
 from mmcache.server import MMCacheServer, ServerConfig
@@ -305,3 +305,84 @@ async def test_a_full_region_sends_over_grpc(tmp_path: Path) -> None:
 def test_attach_refuses_a_path_it_cannot_open(tmp_path: Path) -> None:
     announced = pb.ShmRegion(path=str(tmp_path / "gone.shm"), size_bytes=8192, region_id=b"x")
     assert attach("i", announced) is None
+
+
+def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) -> None:
+    """A writer stalled past its lease must not land in another client's slot."""
+    from mmcache.server._region import READ, WRITE, open_region
+
+    now = [0.0]
+    region = open_region(str(tmp_path), 1 << 20, lease_s=1.0)
+    region._clock = lambda: now[0]
+    try:
+        stalled = region.allocate(4096, WRITE)
+        assert stalled is not None
+        now[0] = 1.5
+        assert region.expire() == 1
+        reader = region.allocate(4096, READ)
+        assert reader is not None and reader.start != stalled.start  # quarantined
+        now[0] = 2.6
+        region.expire()
+        again = [region.allocate(4096, READ) for _ in range(200)]
+        assert stalled.start in {s.start for s in again if s is not None}  # back in use
+    finally:
+        region.close()
+
+
+async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
+        assert c._region is not None and server.region is not None
+        item = {"x": tensor(torch.float32, 1 << 20, 7)}  # 4 MiB: through a slot
+        real_write = c._region.write
+
+        def stall_then_write(slot: pb.ShmSlot, encoded: object) -> None:
+            import time
+
+            time.sleep(0.3)  # past the lease: the server expires the slot meanwhile
+            server.region.expire()  # type: ignore[union-attr]
+            real_write(slot, encoded)  # type: ignore[arg-type]
+
+        c._region.write = stall_then_write  # type: ignore[method-assign]
+        await c.get_and_update([item], ["late"], lease=False)
+        c._region.write = real_write  # type: ignore[method-assign]
+        assert same((await c.fetch(["late"]))[0], item)
+        assert await shm_bytes(server, "write") == 0  # the bytes went as chunk frames
+
+
+async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+        item = image_item(4, numel=1 << 16)
+        await c.get_and_update([item], ["twice"])  # one lease
+        await c.get_and_update([item], ["twice"])  # and another
+        assert server.store.leases == 2
+        region = c._region
+        assert region is not None
+        real_read = region.read
+        region.read = lambda slot, decoder: False  # type: ignore[method-assign]
+        try:
+            assert (await c.fetch(["twice"]))[0] == item  # via gRPC, after the race
+        finally:
+            region.read = real_read  # type: ignore[method-assign]
+        assert server.store.leases == 1  # one request's read: one lease given back
+
+
+async def test_done_slots_are_said_again_when_a_fetch_fails(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+        assert server.region is not None
+        await c.get_and_update([image_item(5)], ["here"], lease=False)
+        await c.fetch(["here"])
+        assert server.region.slots == 1
+        with pytest.raises(CacheMissError):
+            await c.fetch(["absent"])  # the server frees the done slot before the miss
+        assert server.region.slots == 0
+        await c.fetch(["here"])
+        assert server.region.slots == 1
+
+
+def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.shm"
+    empty.write_bytes(b"")
+    for size in (0, 10, 8192):
+        announced = pb.ShmRegion(path=str(empty), size_bytes=size, region_id=b"x")
+        assert attach("i", announced) is None
+    assert attach("i", pb.ShmRegion(path=str(tmp_path), size_bytes=8192)) is None  # a directory
