@@ -37,6 +37,10 @@ if __name__ == "__main__":
     parser.add_argument("--feed-buffer-mib", type=float, default=32)
     parser.add_argument("--lease-s", type=float, default=ServerConfig.lease_s)
     parser.add_argument("--log-level", default=None)
+    parser.add_argument(
+        "--shm-mib", type=int, default=ServerConfig.shm_bytes // MIB, help="0: no region"
+    )
+    parser.add_argument("--shm-dir", default=ServerConfig.shm_dir)
     args = parser.parse_args()
     if args.log_level is not None:
         logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -50,5 +54,8 @@ if __name__ == "__main__":
         feed_buffer_bytes=int(args.feed_buffer_mib * MIB),
         lease_s=args.lease_s,
         grace_s=0,
+        shm=args.shm_mib > 0,
+        shm_bytes=max(args.shm_mib, 1) * MIB,
+        shm_dir=args.shm_dir,
     )
     asyncio.run(main(config, args.metrics))

@@ -1,7 +1,7 @@
 """A bounded soak: many clients mix every kind of call against a small cache.
 
     python -m bench.soak [--minutes 2] [--clients 64] [--workers 4] [--capacity-mib 128]
-                         [--inflight-mib 64] [--feed-buffer-mib 32] [--lease-s 5]
+                         [--inflight-mib 64] [--feed-buffer-mib 32] [--lease-s 5] [--shm-mib 64]
                          [--max-item-kib 4096] [--sample-s 5] [--seed 0]
 
 The server runs in its own process (bench._cache_server, with its /metrics).
@@ -127,10 +127,11 @@ SERVER_EXPECTED = {"OK", "Canceled", "DeadlineExceeded"}
 SERVER_EXPECTED_FETCH = {*SERVER_EXPECTED, "NotFound"}
 
 
-def rule_bytes(capacity: int, inflight: int, feed_buffer: int) -> int:
-    """docs/deploy.md: 1.25 x capacity + max-inflight + 256 MiB (which holds the
+def rule_bytes(capacity: int, inflight: int, feed_buffer: int, region: int = 0) -> int:
+    """docs/deploy.md: 1.25 x capacity + max-inflight + shm region + 256 MiB (which holds the
     default 32 MiB feed ring; a larger ring adds what it has beyond that)."""
-    return int(1.25 * capacity) + inflight + 256 * MIB + max(0, feed_buffer - 32 * MIB)
+    fixed = 256 * MIB + max(0, feed_buffer - 32 * MIB)
+    return int(1.25 * capacity) + inflight + region + fixed
 
 
 # ---------------------------------------------------------------- items
@@ -638,6 +639,7 @@ def start_server(args: argparse.Namespace, log: IO[str]) -> tuple[subprocess.Pop
     command += ["--capacity-mib", str(args.capacity_mib), "--inflight-mib", str(args.inflight_mib)]
     command += ["--feed-buffer-mib", str(args.feed_buffer_mib)]
     command += ["--lease-s", str(args.lease_s), "--log-level", "WARNING"]
+    command += ["--shm-mib", str(args.shm_mib)]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True)
     assert server.stdout is not None
     line = server.stdout.readline()
@@ -699,6 +701,7 @@ LEFT = (
     "mmcache_leased_bytes",
     "mmcache_inflight_bytes",
     "mmcache_feed_subscribers",
+    "mmcache_shm_leased_bytes",
 )
 
 
@@ -823,6 +826,7 @@ def report(args: argparse.Namespace, run: Run, bound: int) -> int:
             "in-flight bytes": total(final, "mmcache_inflight_bytes"),
             "pending uploads": float(run.pending),
             "feed subscribers": total(final, "mmcache_feed_subscribers"),
+            "shared-memory slot bytes": total(final, "mmcache_shm_leased_bytes"),
         }
         for what, value in left.items():
             if value:
@@ -878,12 +882,16 @@ def report(args: argparse.Namespace, run: Run, bound: int) -> int:
 
 def drive(args: argparse.Namespace) -> int:
     bound = rule_bytes(
-        args.capacity_mib * MIB, args.inflight_mib * MIB, int(args.feed_buffer_mib * MIB)
+        args.capacity_mib * MIB,
+        args.inflight_mib * MIB,
+        int(args.feed_buffer_mib * MIB),
+        args.shm_mib * MIB,
     )
     print(
         f"soak: {args.clients} clients in {args.workers} processes for {args.minutes:g} min; "
         f"cache {args.capacity_mib} MiB, {args.inflight_mib} MiB in flight, leases of "
-        f"{args.lease_s:g} s, feed ring {args.feed_buffer_mib:g} MiB; items 1 KiB-"
+        f"{args.lease_s:g} s, feed ring {args.feed_buffer_mib:g} MiB, shared-memory region "
+        f"{args.shm_mib} MiB; items 1 KiB-"
         f"{args.max_item_kib} KiB; sizing rule "
         f"{bound / MIB:.0f} MiB",
         flush=True,
@@ -901,6 +909,9 @@ def main() -> None:
     parser.add_argument("--inflight-mib", type=int, default=64)
     parser.add_argument("--feed-buffer-mib", type=float, default=32)
     parser.add_argument("--lease-s", type=float, default=5.0)
+    parser.add_argument(
+        "--shm-mib", type=int, default=64, help="the server's shared-memory region; 0: gRPC only"
+    )
     parser.add_argument("--max-item-kib", type=int, default=4096)
     parser.add_argument("--sample-s", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=0)
