@@ -23,8 +23,10 @@ items lose their time). All three processes call
 A second client of the same server maps its shared-memory region (a client
 on the server's host): its puts and fetches ("shm") move the bytes through
 the region, beside a one-thread memcpy of the same bytes in this process
-and the gRPC client's figures, all in the same rounds. "ms/call" is the
-time of one call (the item's bytes over its rate), beside the raw call's.
+and the gRPC client's figures, all in the same rounds; "view" is its
+zero-copy read (`client.view`: tensors that view the region, no copy on the
+client). "ms/call" is the time of one call (the item's bytes over its
+rate), beside the raw call's.
 
 The machine's speed drifts by tens of percent over seconds (shared cores),
 so the cells are not measured one after another: every round runs each of
@@ -169,7 +171,17 @@ async def mmcache_ops(
         if not client.is_cached_item(fetched):
             await client.get_and_update([item], [fetched], lease=False)
 
-    return {f"{prefix}put": put, f"{prefix}fetch": get}, {f"{prefix}fetch": upload_fetched}
+    ops = {f"{prefix}put": put, f"{prefix}fetch": get}
+    before = {f"{prefix}fetch": upload_fetched}
+    if prefix:  # the co-located client: also its zero-copy view
+
+        async def view() -> None:
+            async with client.view([fetched]):
+                pass
+
+        ops[f"{prefix}view"] = view
+        before[f"{prefix}view"] = upload_fetched
+    return ops, before
 
 
 async def measure(
@@ -283,12 +295,13 @@ def grpc_table_rows(mib: int, rates: dict[str, list[float]], med: dict[str, floa
 
 def shm_table_rows(mib: int, rates: dict[str, list[float]], med: dict[str, float]) -> list[str]:
     rows = []
-    for op in ("put", "fetch"):
+    # "view": the zero-copy read (client.view), against the gRPC fetch.
+    for op, grpc_op in (("put", "put"), ("fetch", "fetch"), ("view", "fetch")):
         shm = f"shm {op}"
         rows.append(
             f"{mib:>5} MiB | {op:>5} | {med[shm]:6.2f} | {med['memcpy']:6.2f} | "
-            f"{ratio_of(rates, shm, 'memcpy'):8.0%} | {med[op]:6.2f} | "
-            f"{ratio_of(rates, shm, op):8.2f} | {_ms(mib * MIB, med[shm]):7.2f}"
+            f"{ratio_of(rates, shm, 'memcpy'):8.0%} | {med[grpc_op]:6.2f} | "
+            f"{ratio_of(rates, shm, grpc_op):8.2f} | {_ms(mib * MIB, med[shm]):7.2f}"
         )
     return rows
 

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from mmcache._errors import (
     CacheMissError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     MMCacheError,
     UnavailableError,
@@ -31,7 +32,7 @@ from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 from mmcache.v1 import cache_pb2 as pb
 
 from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
-from ._codec import EncodedItem, ItemDecoder, encode_item
+from ._codec import EncodedItem, ItemDecoder, encode_item, view_item
 from ._encoder import (
     EncoderBudget,
     EncoderCache,
@@ -555,6 +556,54 @@ class MMCacheClient:
             self._restarted()  # a new server: its region is another
         return items
 
+    @contextlib.asynccontextmanager
+    async def view(
+        self, mm_hashes: Sequence[str], *, release: bool = True
+    ) -> AsyncIterator[list[Item]]:
+        """The items as `fetch` gives them, but where the server shares memory with
+        this client, their tensors are views of it: no copy on this side.
+
+        The views are valid inside the block only, and only for reading (copy
+        what must outlive it, e.g. `.to("cuda")`); the slots go back when it
+        ends. A block that outlives the server's lease (`--lease-s`) raises
+        FailedPreconditionError at its end: the memory may have been reused.
+        Without shared memory the items are fetched (and owned) as usual::
+
+            async with client.view(hashes) as items:
+                on_gpu = [item["pixel_values"].to("cuda") for item in items]
+        """
+        region = self._region
+        if region is None:
+            yield await self.fetch(mm_hashes, release=release)
+            return
+        _check_hashes(mm_hashes)
+        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release, shm_token=region.token)
+        done, self._shm_done = self._shm_done, []
+        request.shm_done.extend(done)
+        frames = self._rpc.fetch(request)
+        slots: list[pb.ShmSlot] = []
+        try:
+            header, items = await _read_fetch(frames, len(mm_hashes), region, None, slots)
+        except BaseException:
+            self._shm_done.extend(done)
+            raise
+        finally:
+            await frames.aclose()
+        if header.instance_id != region.instance_id:
+            self._restarted()
+        try:
+            yield items
+        except BaseException:
+            self._shm_done.extend(s.lease for s in slots)
+            raise
+        outlived = [s.lease for s in slots if not region.live(s)]
+        self._shm_done.extend(s.lease for s in slots)
+        if outlived:
+            raise FailedPreconditionError(
+                f"a view of {len(outlived)} items outlived its lease (--lease-s on the "
+                "server): their memory may have been reused under it; copy sooner"
+            )
+
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves."""
@@ -833,9 +882,11 @@ async def _read_fetch(
     expected: int,
     region: ClientRegion | None = None,
     done: list[int] | None = None,
+    views: list[pb.ShmSlot] | None = None,
 ) -> tuple[pb.FetchHeader, list[Item]]:
-    """The header and the items of a Fetch reply; items in slots are read from `region`,
-    their leases added to `done`."""
+    """The header and the items of a Fetch reply. Items in slots are copied out of
+    `region`, their leases added to `done`; or, given `views`, viewed in place,
+    their slots added to `views` (the caller gives them back)."""
     # The transport gives the header's bytes first, wherever they travelled.
     try:
         header = pb.FetchHeader.FromString(await anext(frames))
@@ -846,6 +897,13 @@ async def _read_fetch(
     items: list[Item] = []
     for fetched in header.items:
         # Each frame is copied into the item's tensors as it arrives and dropped.
+        if fetched.HasField("shm") and views is not None and region is not None:
+            try:
+                items.append(view_item(fetched.item, region.view(fetched.shm)))
+            except ValueError as exc:
+                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
+            views.append(fetched.shm)
+            continue
         decoder = ItemDecoder(fetched.item)
         if fetched.HasField("shm"):
             if region is None or done is None:

@@ -41,6 +41,7 @@ __all__ = [
     "encode_item",
     "iter_chunk_frames",
     "num_chunks",
+    "view_item",
 ]
 
 # Fetched tensors from this size up have their pages faulted in on a helper
@@ -259,18 +260,49 @@ class ItemDecoder:
                 f"the item's tensors need {self._total} bytes but its chunk frames "
                 f"carry {self._received}"
             )
-        leaves = iter(raw for raw, _ in self._buffers)
-        spec = self._spec
-        if spec.form == pb.ItemSpec.FORM_ITEM:
-            return MMItem(
-                {
-                    elem.key: FieldElem(
-                        elem.modality, elem.key, _build(elem.data, leaves), _decode_field(elem)
-                    )
-                    for elem in spec.fields
-                }
-            )
-        return {elem.key: _build(elem.data, leaves) for elem in spec.fields}
+        return _assemble(self._spec, iter(raw for raw, _ in self._buffers))
+
+
+def view_item(spec: pb.ItemSpec, payload: memoryview) -> Item:
+    """The item with its tensors as views of `payload`: no copy, valid only while
+    `payload`'s memory is (a shared-memory slot under its lease).
+
+        item = view_item(fetched.item, slot_view)
+    """
+    size = item_size(spec)
+    if len(payload) != size.payload:
+        raise InvalidArgumentError(
+            f"the item's tensors need {size.payload} bytes, the view holds {len(payload)}"
+        )
+    leaves: list[torch.Tensor] = []
+    pos = 0
+    for elem in spec.fields:
+        for tensor_spec in _tensor_specs(elem.data):
+            n = nbytes_of(tensor_spec.dtype, tensor_spec.shape)
+            if tensor_spec.dtype not in _DTYPES:
+                raise InvalidArgumentError(
+                    f"this torch ({torch.__version__}) has no dtype {tensor_spec.dtype}"
+                )
+            if n:
+                leaves.append(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=pos))
+            else:
+                leaves.append(torch.empty(0, dtype=torch.uint8))
+            pos += n
+    return _assemble(spec, iter(leaves))
+
+
+def _assemble(spec: pb.ItemSpec, leaves: Iterator[torch.Tensor]) -> Item:
+    """The item in the form it was stored, from its filled leaves in payload order."""
+    if spec.form == pb.ItemSpec.FORM_ITEM:
+        return MMItem(
+            {
+                elem.key: FieldElem(
+                    elem.modality, elem.key, _build(elem.data, leaves), _decode_field(elem)
+                )
+                for elem in spec.fields
+            }
+        )
+    return {elem.key: _build(elem.data, leaves) for elem in spec.fields}
 
 
 # -- encoding ---------------------------------------------------------------

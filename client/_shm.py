@@ -15,6 +15,7 @@ caller fetches again over gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -50,6 +51,16 @@ class ClientRegion:
             raise ValueError(f"slot {slot.lease} lies outside the region")
         return self._view[slot.offset : slot.offset + slot.length]
 
+    def view(self, slot: pb.ShmSlot) -> memoryview:
+        """The slot's payload in place (no copy), while its lease is live."""
+        payload = self._payload(slot)
+        if not self._live(slot):
+            raise ValueError(f"slot {slot.lease} is no longer leased")
+        return payload
+
+    def live(self, slot: pb.ShmSlot) -> bool:
+        return self._live(slot)
+
     def _live(self, slot: pb.ShmSlot) -> bool:
         word: int = _WORD.unpack_from(self._map, slot.offset - SLOT_HEADER_BYTES)[0]
         return word == slot.lease
@@ -73,8 +84,10 @@ class ClientRegion:
         copy_payload(encoded, payload)
 
     def close(self) -> None:
-        self._view.release()
-        self._map.close()
+        # Tensors viewing it (client.view) keep the mapping; the collector unmaps.
+        with contextlib.suppress(BufferError):
+            self._view.release()
+            self._map.close()
 
 
 def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:

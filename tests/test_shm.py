@@ -15,7 +15,7 @@ import torch
 
 from mmcache._equal import nested_equal
 from mmcache._frames import header_frame, header_frame_body
-from mmcache.client import CacheMissError, MMCacheClient
+from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
 from mmcache.client._shm import attach
 from mmcache.server import MMCacheServer, ServerConfig
@@ -386,3 +386,42 @@ def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> Non
         announced = pb.ShmRegion(path=str(empty), size_bytes=size, region_id=b"x")
         assert attach("i", announced) is None
     assert attach("i", pb.ShmRegion(path=str(tmp_path), size_bytes=8192)) is None  # a directory
+
+
+async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+        assert server.region is not None and c._region is not None
+        mapping = {"x": tensor(torch.float32, 1 << 18, 8), "y": tensor(torch.int8, 5, 9), "n": 2}
+        await c.get_and_update([mapping, image_item(6)], ["v", "w"], lease=False)
+        async with c.view(["v", "w"]) as items:
+            assert same(items[0], mapping) and items[1] == image_item(6)
+            assert server.region.slots == 2
+            # No copy: the tensor's bytes are the slot's, in the region.
+            slot_view = c._region._view
+            base = torch.frombuffer(slot_view, dtype=torch.uint8).data_ptr()
+            assert base <= items[0]["x"].data_ptr() < base + len(slot_view)
+            on_device = items[0]["x"].clone()
+        assert torch.equal(on_device, mapping["x"])
+        await c.fetch(["w"])  # the view's slots go back with the next Fetch
+        assert server.region.slots == 1
+
+
+async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
+        await c.get_and_update([image_item(7)], ["slow"], lease=False)
+
+        async def hold_too_long() -> None:
+            async with c.view(["slow"]):
+                await asyncio.sleep(0.3)
+                assert server.region is not None
+                server.region.expire()
+
+        with pytest.raises(FailedPreconditionError, match="outlived its lease"):
+            await hold_too_long()
+
+
+async def test_without_shared_memory_a_view_is_a_fetch(tmp_path: Path) -> None:
+    async with MMCacheServer(server_config()) as server, client(server) as c:
+        await c.get_and_update([image_item(8)], ["g"], lease=False)
+        async with c.view(["g"]) as items:
+            assert items == [image_item(8)]
