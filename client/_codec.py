@@ -206,26 +206,20 @@ class ItemDecoder:
         self._total = item_size(spec).payload
         self._buffers: list[tuple[torch.Tensor, memoryview]] = []
         large: list[tuple[int, int]] = []
-        for elem in spec.fields:
-            for tensor_spec in _tensor_specs(elem.data):
-                n = nbytes_of(tensor_spec.dtype, tensor_spec.shape)
-                if tensor_spec.dtype not in _DTYPES:
-                    raise InvalidArgumentError(
-                        f"this torch ({torch.__version__}) has no dtype {tensor_spec.dtype}"
-                    )
-                # Allocated as bytes and viewed as the dtype at the end: the
-                # same fresh storage, and no "experimental" warning for complex32.
-                try:
-                    raw = torch.empty(n, dtype=torch.uint8)
-                except (RuntimeError, MemoryError):
-                    raise ResourceExhaustedError(
-                        f"cannot allocate {n} bytes for a {tensor_spec.dtype} tensor of "
-                        f"field {elem.key!r}"
-                    ) from None
-                advise_hugepages(raw.data_ptr(), n)
-                if n >= _PREFAULT_BYTES:
-                    large.append((raw.data_ptr(), n))
-                self._buffers.append((raw, raw.numpy().data))
+        for elem, tensor_spec, n in _leaves(spec):
+            # Allocated as bytes and viewed as the dtype at the end: the
+            # same fresh storage, and no "experimental" warning for complex32.
+            try:
+                raw = torch.empty(n, dtype=torch.uint8)
+            except (RuntimeError, MemoryError):
+                raise ResourceExhaustedError(
+                    f"cannot allocate {n} bytes for a {tensor_spec.dtype} tensor of "
+                    f"field {elem.key!r}"
+                ) from None
+            advise_hugepages(raw.data_ptr(), n)
+            if n >= _PREFAULT_BYTES:
+                large.append((raw.data_ptr(), n))
+            self._buffers.append((raw, raw.numpy().data))
         prefault_in_background(large)
         self._leaf = 0
         self._pos = 0
@@ -276,6 +270,18 @@ def view_item(spec: pb.ItemSpec, payload: memoryview) -> Item:
         )
     leaves: list[torch.Tensor] = []
     pos = 0
+    for _, _, n in _leaves(spec):
+        if n:
+            leaves.append(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=pos))
+        else:
+            leaves.append(torch.empty(0, dtype=torch.uint8))
+        pos += n
+    return _assemble(spec, iter(leaves))
+
+
+def _leaves(spec: pb.ItemSpec) -> Iterator[tuple[pb.FieldElem, pb.TensorSpec, int]]:
+    """Each tensor leaf of `spec` in payload order, with its field and its bytes;
+    InvalidArgumentError for a dtype this torch lacks."""
     for elem in spec.fields:
         for tensor_spec in _tensor_specs(elem.data):
             n = nbytes_of(tensor_spec.dtype, tensor_spec.shape)
@@ -283,12 +289,7 @@ def view_item(spec: pb.ItemSpec, payload: memoryview) -> Item:
                 raise InvalidArgumentError(
                     f"this torch ({torch.__version__}) has no dtype {tensor_spec.dtype}"
                 )
-            if n:
-                leaves.append(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=pos))
-            else:
-                leaves.append(torch.empty(0, dtype=torch.uint8))
-            pos += n
-    return _assemble(spec, iter(leaves))
+            yield elem, tensor_spec, n
 
 
 def _assemble(spec: pb.ItemSpec, leaves: Iterator[torch.Tensor]) -> Item:
