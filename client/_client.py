@@ -537,23 +537,41 @@ class MMCacheClient:
     async def _fetch(
         self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
     ) -> list[Item]:
-        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
-        done: list[int] = []
         if region is not None:
-            request.shm_token = region.token
-            done, self._shm_done = self._shm_done, []
-            request.shm_done.extend(done)
-        frames = self._rpc.fetch(request)
+            read = await self._read_shm(mm_hashes, release, region, None)
+            if read is not None:
+                return read
+        # No region, or no room in it: chunk frames.
+        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
-            header, items = await _read_fetch(frames, len(mm_hashes), region, self._shm_done)
-        except BaseException:
-            # The server may not have read them: say them again (twice is harmless).
-            self._shm_done.extend(done)
-            raise
+            _, items = await _read_fetch(frames, len(mm_hashes))
         finally:
             await frames.aclose()
-        if region is not None and header.instance_id != region.instance_id:
-            self._restarted()  # a new server: its region is another
+        return items
+
+    async def _read_shm(
+        self,
+        mm_hashes: Sequence[str],
+        release: bool,
+        region: ClientRegion,
+        views: list[pb.ShmSlot] | None,
+    ) -> list[Item] | None:
+        """The items through read slots (copied out, or viewed into `views`), in one
+        unary call; None when the server had no room (or is another server now)."""
+        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release, shm_token=region.token)
+        done, self._shm_done = self._shm_done, []
+        request.shm_done.extend(done)
+        try:
+            raw = await self._rpc.read_shm(request)
+        except InvalidArgumentError:
+            self._restarted()  # the token is not the server's: a new server
+            return None
+        except BaseException:
+            self._shm_done.extend(done)  # the server may not have read them
+            raise
+        if not pb.FetchHeader.FromString(raw).items and mm_hashes:
+            return None
+        _, items = await _read_fetch(_frames_of(raw), len(mm_hashes), region, self._shm_done, views)
         return items
 
     @contextlib.asynccontextmanager
@@ -573,24 +591,18 @@ class MMCacheClient:
                 on_gpu = [item["pixel_values"].to("cuda") for item in items]
         """
         region = self._region
-        if region is None:
+        _check_hashes(mm_hashes)
+        slots: list[pb.ShmSlot] = []
+        items = None
+        if region is not None:
+            try:
+                items = await self._read_shm(mm_hashes, release, region, slots)
+            except CacheMissError as exc:
+                self._mirror.forget(exc.missing_hashes)
+                raise
+        if items is None or region is None:  # no shared memory: owned, as fetch gives
             yield await self.fetch(mm_hashes, release=release)
             return
-        _check_hashes(mm_hashes)
-        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release, shm_token=region.token)
-        done, self._shm_done = self._shm_done, []
-        request.shm_done.extend(done)
-        frames = self._rpc.fetch(request)
-        slots: list[pb.ShmSlot] = []
-        try:
-            header, items = await _read_fetch(frames, len(mm_hashes), region, None, slots)
-        except BaseException:
-            self._shm_done.extend(done)
-            raise
-        finally:
-            await frames.aclose()
-        if header.instance_id != region.instance_id:
-            self._restarted()
         try:
             yield items
         except BaseException:
@@ -875,6 +887,11 @@ class MMCacheClient:
 
 class _ShmRace(Exception):
     """A read slot was freed while its bytes were copied: read again over gRPC."""
+
+
+async def _frames_of(header: bytes) -> AsyncIterator[bytes]:
+    """A ReadShm reply as the frames of a Fetch: its header alone."""
+    yield header
 
 
 async def _read_fetch(

@@ -95,6 +95,11 @@ class CacheTransport:
             request_serializer=pb.ReleaseRequest.SerializeToString,
             response_deserializer=pb.ReleaseReply.FromString,
         )
+        self._read_shm: grpc.aio.UnaryUnaryMultiCallable[pb.FetchRequest, bytes] = (
+            channel.unary_unary(
+                f"{_SERVICE}/ReadShm", request_serializer=pb.FetchRequest.SerializeToString
+            )
+        )
         self._shm_allocate = channel.unary_unary(
             f"{_SERVICE}/ShmAllocate",
             request_serializer=pb.ShmAllocateRequest.SerializeToString,
@@ -142,6 +147,12 @@ class CacheTransport:
             reply: pb.ReleaseReply = await self._release(
                 pb.ReleaseRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
             )
+        return reply
+
+    async def read_shm(self, request: pb.FetchRequest) -> bytes:
+        """A serialised FetchHeader whose items are all in read slots (or none)."""
+        with translate_errors():
+            reply: bytes = await self._read_shm(request, timeout=self._timeout, wait_for_ready=True)
         return reply
 
     async def shm_allocate(

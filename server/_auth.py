@@ -64,6 +64,7 @@ def _methods() -> dict[str, frozenset[str]]:
         "Touch": frozenset({"write"}),
         "ShmAllocate": frozenset({"write"}),
         "Fetch": frozenset({"read"}),
+        "ReadShm": frozenset({"read"}),
         "Release": frozenset({"read", "write"}),
         "Subscribe": frozenset({"read", "write"}),
         "Clear": frozenset({"admin"}),

@@ -118,6 +118,7 @@ class CacheServicer:
             "ShmAllocate": protobuf_method(
                 self.shm_allocate, pb.ShmAllocateRequest, self._instance_id
             ),
+            "ReadShm": protobuf_method(self.read_shm, pb.FetchRequest, self._instance_id),
             # The feed serialises each message once for every subscriber.
             "Subscribe": grpc.unary_stream_rpc_method_handler(g(self.subscribe)),
         }
@@ -377,6 +378,27 @@ class CacheServicer:
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
             self._store.release(keys)
+
+    async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
+        region = self._region_of(request.shm_token)
+        for lease in request.shm_done:
+            region.release(lease, READ)
+        namespace = self._namespace(context)
+        keys = self._keys(namespace, request.mm_hashes)
+        try:
+            items = self._store.fetch(keys)
+        except CacheMissError as exc:
+            raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
+        slots = self._stage(region, items)
+        header = pb.FetchHeader(instance_id=self._instance_id)
+        if slots is None:
+            return header  # no room: the client calls Fetch
+        for mm_hash, item, slot in zip(request.mm_hashes, items, slots, strict=True):
+            header.items.add(mm_hash=mm_hash, item=item.spec, shm=_slot_message(slot))
+            self._metrics.sent_bytes.inc(item.payload)
+        if request.release:  # the reply carries every item: the leases' promise is kept
+            self._store.release(keys)
+        return header
 
     def _stage(self, region: Region, items: Sequence[StoredItem]) -> list[Slot] | None:
         """Copy the items into read slots of a region the client maps (None: chunk
