@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import stat
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -425,3 +426,77 @@ async def test_without_shared_memory_a_view_is_a_fetch(tmp_path: Path) -> None:
         await c.get_and_update([image_item(8)], ["g"], lease=False)
         async with c.view(["g"]) as items:
             assert items == [image_item(8)]
+
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+KILLED_READER = """
+import asyncio, sys
+from mmcache.client import MMCacheClient
+from mmcache.v1 import cache_pb2 as pb
+
+async def main() -> None:
+    async with MMCacheClient(sys.argv[1], follow=False) as client:
+        assert client._region is not None
+        request = pb.FetchRequest(mm_hashes=["held"], shm_token=client._region.token)
+        await client._rpc.read_shm(request)  # slots handed out, never said done
+        print("read", flush=True)
+        await asyncio.sleep(60)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_reader_killed_mid_read_gives_its_slots_back_by_expiry(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path, lease_s=0.5)) as server, client(server) as c:
+        assert server.region is not None
+        await c.get_and_update([image_item(9)], ["held"], lease=False)
+        reader = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", KILLED_READER, f"127.0.0.1:{server.port}",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert reader.stdout is not None
+        assert (await asyncio.wait_for(reader.stdout.readline(), 30)).strip() == b"read"
+        assert server.region.slots == 1
+        reader.kill()
+        await reader.wait()
+        for _ in range(100):  # the server's own sweep frees it
+            if server.region.slots == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert server.region.slots == 0 and server.region.leased_bytes == 0
+        assert (await c.fetch(["held"]))[0] == image_item(9)
+
+
+def status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+async def test_the_capacity_bound_holds_with_shared_memory_on(tmp_path: Path) -> None:
+    """A server process under churn through its region: peak RSS plus the region
+    within the sizing rule (docs/deploy.md)."""
+    capacity, inflight, region = 64, 32, 32  # MiB
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench._cache_server", "--capacity-mib", str(capacity),
+        "--inflight-mib", str(inflight), "--shm-mib", str(region), "--shm-dir", str(tmp_path),
+        stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        port = int(await asyncio.wait_for(server.stdout.readline(), 30))
+        async with MMCacheClient(f"127.0.0.1:{port}", follow=False) as c:
+            assert c._region is not None
+            for i in range(6 * capacity // 4):  # 4 MiB items, 6x the capacity: all through slots
+                await c.get_and_update(
+                    [{"x": tensor(torch.float32, 1 << 20, i)}], [f"c{i}"], lease=False
+                )
+                await c.fetch([f"c{i}"])
+            peak = status_kib(server.pid, "VmHWM") * 1024 + region * MIB
+        rule = int(1.25 * capacity * MIB) + inflight * MIB + region * MIB + 256 * MIB
+        assert peak <= rule, (peak // MIB, rule // MIB)
+    finally:
+        server.terminate()
+        await server.wait()
