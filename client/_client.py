@@ -175,7 +175,7 @@ class MMCacheClient:
         self.namespace = namespace
         self._shm = shm
         self._region: ClientRegion | None = None
-        self._shm_done: list[int] = []  # read slots copied out, freed with the next Fetch
+        self._shm_done: list[int] = []  # read slots copied out, freed with the next read
         self._reattach: asyncio.Task[None] | None = None
         server_name = (
             () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
@@ -544,10 +544,9 @@ class MMCacheClient:
         # No region, or no room in it: chunk frames.
         frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
-            _, items = await _read_fetch(frames, len(mm_hashes))
+            return await _read_fetch(frames, len(mm_hashes))
         finally:
             await frames.aclose()
-        return items
 
     async def _read_shm(
         self,
@@ -569,10 +568,12 @@ class MMCacheClient:
         except BaseException:
             self._shm_done.extend(done)  # the server may not have read them
             raise
-        if not pb.FetchHeader.FromString(raw).items and mm_hashes:
+        header = _parse_header(raw)
+        if not header.items and mm_hashes:
             return None
-        _, items = await _read_fetch(_frames_of(raw), len(mm_hashes), region, self._shm_done, views)
-        return items
+        return await _decode_items(
+            header, _no_frames(), len(mm_hashes), region, self._shm_done, views
+        )
 
     @contextlib.asynccontextmanager
     async def view(
@@ -838,7 +839,7 @@ class MMCacheClient:
         self, entries: Sequence[Entry], touches: Sequence[str], lease: pb.LeaseMode.ValueType
     ) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""
-        slots = await self._shm_slots(entries)
+        slots = await self._shm_slots(entries) if self._region is not None else {}
         if slots:
             try:
                 return await self._send_batch(entries, touches, lease, slots)
@@ -889,26 +890,36 @@ class _ShmRace(Exception):
     """A read slot was freed while its bytes were copied: read again over gRPC."""
 
 
-async def _frames_of(header: bytes) -> AsyncIterator[bytes]:
-    """A ReadShm reply as the frames of a Fetch: its header alone."""
-    yield header
+async def _no_frames() -> AsyncIterator[bytes]:
+    """A ReadShm reply's frames: none (every item is in a slot)."""
+    return
+    yield
 
 
-async def _read_fetch(
+def _parse_header(raw: bytes) -> pb.FetchHeader:
+    try:
+        return pb.FetchHeader.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
+
+
+async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:
+    """The items of a Fetch reply."""
+    # The transport gives the header's bytes first, wherever they travelled.
+    return await _decode_items(_parse_header(await anext(frames)), frames, expected)
+
+
+async def _decode_items(
+    header: pb.FetchHeader,
     frames: AsyncIterator[bytes],
     expected: int,
     region: ClientRegion | None = None,
     done: list[int] | None = None,
     views: list[pb.ShmSlot] | None = None,
-) -> tuple[pb.FetchHeader, list[Item]]:
-    """The header and the items of a Fetch reply. Items in slots are copied out of
-    `region`, their leases added to `done`; or, given `views`, viewed in place,
-    their slots added to `views` (the caller gives them back)."""
-    # The transport gives the header's bytes first, wherever they travelled.
-    try:
-        header = pb.FetchHeader.FromString(await anext(frames))
-    except DecodeError as exc:
-        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
+) -> list[Item]:
+    """The items a reply's header names. Items in slots are copied out of `region`,
+    their leases added to `done`; or, given `views`, viewed in place, their slots
+    added to `views` (the caller gives them back); the rest from chunk frames."""
     if len(header.items) != expected:
         raise InvalidArgumentError("the Fetch reply names a different number of items")
     items: list[Item] = []
@@ -946,4 +957,4 @@ async def _read_fetch(
     # buffers) alive until the garbage collector runs.
     if await anext(frames, None) is not None:
         raise InvalidArgumentError("the Fetch reply carries more frames than its header declares")
-    return header, items
+    return items

@@ -99,10 +99,10 @@ class Mirror:
                 self._touched = self.take_touches()
 
     def take_touches(self) -> list[str]:
-        """The touches since the last batch, each once, at most a call's worth
-        (the most recent: touches only order the LRU, so the oldest may go)."""
+        """The touches since the last batch; past a call's worth, each once and the
+        most recent only (touches only order the LRU, so the oldest may go)."""
         touched, self._touched = self._touched, []
-        if len(touched) <= 1:
+        if len(touched) <= MAX_HASHES_PER_CALL:
             return touched
         latest = list(dict.fromkeys(reversed(touched)))[:MAX_HASHES_PER_CALL]
         return latest[::-1]

@@ -3,7 +3,7 @@
 When Info announces a region, the client maps its file and checks the
 header: the magic, and the id Info gave (a file of the same name on another
 host, or a stale one, has another). The header's token then goes with the
-client's Fetch and ShmAllocate calls: the server answers with slots of the
+client's ReadShm and ShmAllocate calls: the server answers with slots of the
 region instead of chunk frames. Whatever goes wrong (no such file, no
 permission, another host's file, a restarted server) leaves the client on
 gRPC, silently and correctly.

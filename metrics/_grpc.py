@@ -113,7 +113,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         ) -> None:
             code = context.code()  # None unless the handler set or aborted with one
             if code is None:
-                code = _gone(context, error)
+                code = _code_without_status(context, error)
             counter = handled.get(code)
             if counter is None:
                 name = _CODE_NAMES.get(code, "Unknown")
@@ -153,7 +153,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         return call
 
 
-def _gone(
+def _code_without_status(
     context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None
 ) -> grpc.StatusCode:
     """The status of a call whose handler set none: OK, UNKNOWN for a failure,

@@ -166,14 +166,17 @@ class Namespaces:
         state = self._state()
         if len(self._all) == 1:
             return state  # the only namespace: every key is its own
-        hashes: list[str] = []
-        sizes: list[int] = []
-        for key, size in zip(state.mm_hashes, state.sizes, strict=True):
-            if namespace.owns(key):
-                hashes.append(namespace.hashes((key,))[0])
-                sizes.append(size)
+        owned = [
+            (key, size)
+            for key, size in zip(state.mm_hashes, state.sizes, strict=True)
+            if namespace.owns(key)
+        ]
         return FeedState(
-            hashes, sizes, namespace.hashes(state.pending), state.capacity, state.max_items
+            namespace.hashes(key for key, _ in owned),
+            [size for _, size in owned],
+            namespace.hashes(state.pending),
+            state.capacity,
+            state.max_items,
         )
 
     def _forget_idle(self) -> None:

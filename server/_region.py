@@ -12,9 +12,9 @@ The region is a transfer window, not a second copy of the cache: items
 live in the store (charged once, in the capacity), and a slot of the region
 holds an item's bytes only while one transfer needs them, under a lease:
 
-- a read: Fetch copies an item's payload into a slot, the client copies it
-  out into tensors it owns and gives the lease back (with its next Fetch, or
-  the lease expires);
+- a read: ReadShm copies an item's payload into a slot, the client copies
+  it out into tensors it owns and gives the lease back (with its next read,
+  or the lease expires);
 - a write: the client asks for slots (ShmAllocate), writes payloads, and
   names the slots in GetAndUpdate, which copies them into the store and
   frees them.

@@ -215,7 +215,7 @@ class CacheServicer:
         # Slots named are checked, and kept from expiry, before anything waits.
         claimed = self._claim(request.shm_token, entries)
         try:
-            result = await self._wait_receive_apply(
+            result = await self._receive(
                 context, namespace, request, entries, frames, in_metadata, claimed
             )
         finally:
@@ -234,7 +234,7 @@ class CacheServicer:
             result,
         )
 
-    async def _wait_receive_apply(
+    async def _receive(
         self,
         context: Context,
         namespace: Namespace,
@@ -244,6 +244,8 @@ class CacheServicer:
         in_metadata: bool,
         claimed: dict[int, Slot],
     ) -> BatchResult:
+        """Wait for other calls' uploads of the hashes sent alone, read this call's
+        data, and apply the batch once every byte has arrived and been checked."""
         # Past the wait the entry is simply MISSING and its sender re-sends it:
         # a stalled upload elsewhere never holds this call up for long.
         remaining = context.time_remaining()
@@ -253,11 +255,28 @@ class CacheServicer:
         )
         if waited:
             self._metrics.upload_waits.inc(waited)
+        payload = sum(e.payload for e in entries if e.chunks is not None)
         marked = self._pending.mark(data_hashes(entries))
+        # Made only now: an iterator never started (a call refused on its
+        # header) would warn when collected. grpc hands back the same one.
+        stream = aiter(frames)
         try:
-            return await self._receive_and_apply(
-                namespace, request, entries, frames, in_metadata, claimed
-            )
+            # Nothing is stored until every byte has arrived and been checked,
+            # so a cancelled or malformed upload leaves the cache as it was.
+            async with self._inflight.reserve(payload):
+                uploads = []
+                for e in entries:
+                    if e.chunks is None:
+                        data: tuple[bytes, ...] = ()
+                    elif e.index in claimed:
+                        data = self._from_region(claimed[e.index])
+                    else:
+                        data = await read_chunks(stream, e)
+                    uploads.append(upload_entry(e, data))
+                await check_no_surplus(stream, in_metadata)
+                self._metrics.received_bytes.inc(payload)
+                touches = namespace.keys(request.touches)
+                return self._store.update(touches, uploads, lease=request.lease)
         except TruncatedUploadError:
             # A client's cancel can end its stream here before grpc marks the
             # call cancelled: give it a moment to, so a cancel is counted as
@@ -266,38 +285,6 @@ class CacheServicer:
             raise
         finally:
             self._pending.settle(marked)
-
-    async def _receive_and_apply(
-        self,
-        namespace: Namespace,
-        request: pb.UpdateRequest,
-        entries: list[EntryHeader],
-        frames: AsyncIterator[bytes],
-        in_metadata: bool,
-        claimed: dict[int, Slot],
-    ) -> BatchResult:
-        payload = sum(e.payload for e in entries if e.chunks is not None)
-        # Made only now: an iterator never started (a call refused on its
-        # header) would warn when collected. grpc hands back the same one.
-        stream = aiter(frames)
-        # Nothing is stored until every byte has arrived and been checked, so
-        # a cancelled or malformed upload leaves the cache as it was.
-        async with self._inflight.reserve(payload):
-            uploads = [
-                upload_entry(
-                    e,
-                    ()
-                    if e.chunks is None
-                    else self._from_region(claimed[e.index])
-                    if e.index in claimed
-                    else await read_chunks(stream, e),
-                )
-                for e in entries
-            ]
-            await check_no_surplus(stream, in_metadata)
-            self._metrics.received_bytes.inc(payload)
-            touches = namespace.keys(request.touches)
-            return self._store.update(touches, uploads, lease=request.lease)
 
     def _claim(self, token: bytes, entries: Sequence[EntryHeader]) -> dict[int, Slot]:
         """The write slots this upload names, checked now and kept from expiry
@@ -343,37 +330,15 @@ class CacheServicer:
             request = pb.FetchRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"FetchRequest does not parse: {exc}") from None
-        region = self._region()
-        if region is not None and region.matches(request.shm_token):
-            for lease in request.shm_done:  # first: whatever this call meets next
-                region.release(lease, READ)
-        else:
-            region = None
-        namespace = self._namespace(context)
-        keys = self._keys(namespace, request.mm_hashes)
-        try:
-            items = self._store.fetch(keys)
-        except CacheMissError as exc:
-            raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
-        slots = None if region is None else self._stage(region, items)
+        keys, items = self._fetched(request, context)
         header = pb.FetchHeader(instance_id=self._instance_id)
-        for index, (mm_hash, item) in enumerate(zip(request.mm_hashes, items, strict=True)):
-            fetched = header.items.add(mm_hash=mm_hash, item=item.spec)
-            if slots is None:
-                fetched.num_chunks = len(item.frames)
-            else:
-                fetched.shm.CopyFrom(_slot_message(slots[index]))
-        try:
-            await write(context, header_frame(header.SerializeToString()))
-        except BaseException:
-            if region is not None and slots is not None:  # nobody will copy them out
-                for slot in slots:
-                    region.free(slot.lease)
-            raise
+        for mm_hash, item in zip(request.mm_hashes, items, strict=True):
+            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
+        await write(context, header_frame(header.SerializeToString()))
         # The frames are the very objects that arrived: held references keep
         # them alive even if the items are evicted meanwhile.
         for item in items:
-            for frame in item.frames if slots is None else ():
+            for frame in item.frames:
                 await write(context, frame)
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
@@ -381,14 +346,9 @@ class CacheServicer:
 
     async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
         region = self._region_of(request.shm_token)
-        for lease in request.shm_done:
+        for lease in request.shm_done:  # first: whatever this call meets next
             region.release(lease, READ)
-        namespace = self._namespace(context)
-        keys = self._keys(namespace, request.mm_hashes)
-        try:
-            items = self._store.fetch(keys)
-        except CacheMissError as exc:
-            raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
+        keys, items = self._fetched(request, context)
         slots = self._stage(region, items)
         header = pb.FetchHeader(instance_id=self._instance_id)
         if slots is None:
@@ -399,6 +359,18 @@ class CacheServicer:
         if request.release:  # the reply carries every item: the leases' promise is kept
             self._store.release(keys)
         return header
+
+    def _fetched(
+        self, request: pb.FetchRequest, context: Context
+    ) -> tuple[list[str], list[StoredItem]]:
+        """The store keys of a read's hashes and their items; CacheMissError names
+        the missing ones as the caller did."""
+        namespace = self._namespace(context)
+        keys = self._keys(namespace, request.mm_hashes)
+        try:
+            return keys, self._store.fetch(keys)
+        except CacheMissError as exc:
+            raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
 
     def _stage(self, region: Region, items: Sequence[StoredItem]) -> list[Slot] | None:
         """Copy the items into read slots of a region the client maps (None: chunk

@@ -43,6 +43,13 @@ from .oracle import oracle_batch
 
 # Few keys, so that batches hit, repeat and evict one another.
 KEYS = [f"k{i}" for i in range(7)]
+# A machine's bounds: by bytes (sizes 0 to above the capacity) or by count.
+BOUNDS = {
+    "counted": st.booleans(),
+    "capacity": st.integers(0, 40),
+    "max_items": st.integers(1, 4),
+    "sizes": st.lists(st.integers(0, 45), min_size=len(KEYS), max_size=len(KEYS)),
+}
 BATCHES = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5)
 LOTS = 1 << 40  # a bound that never binds
 
@@ -109,12 +116,7 @@ class MirrorRuleAgainstOracle(RuleBasedStateMachine):
         self.counted = False
         self.maxsize = 0
 
-    @initialize(
-        counted=st.booleans(),
-        capacity=st.integers(0, 40),
-        max_items=st.integers(1, 4),
-        sizes=st.lists(st.integers(0, 45), min_size=len(KEYS), max_size=len(KEYS)),
-    )
+    @initialize(**BOUNDS)
     def start(self, counted: bool, capacity: int, max_items: int, sizes: list[int]) -> None:
         self.counted = counted
         if counted:  # bytes to spare: only the count binds
@@ -343,12 +345,7 @@ class MirrorAndStoreAgainstOracle(RuleBasedStateMachine):
         self.seq = 0
         self.touched = False  # touches the store has yet to get
 
-    @initialize(
-        counted=st.booleans(),
-        capacity=st.integers(0, 40),
-        max_items=st.integers(1, 4),
-        sizes=st.lists(st.integers(0, 45), min_size=len(KEYS), max_size=len(KEYS)),
-    )
+    @initialize(**BOUNDS)
     def start(self, counted: bool, capacity: int, max_items: int, sizes: list[int]) -> None:
         self.counted = counted
         self.maxsize = max_items if counted else capacity

@@ -283,7 +283,7 @@ def test_uploads_pass_the_server_parsers_and_come_back_bit_exact_in_a_fetch(
     reply = [header_frame(fetched.SerializeToString())]
     reply += [f for upload in stored for f in upload.frames]
     transported = [header_frame_body(reply[0], "the first Fetch frame"), *reply[1:]]
-    _, out = drive(_read_fetch(in_memory(transported), len(stored)))
+    out = drive(_read_fetch(in_memory(transported), len(stored)))
     for got, (item, _) in zip(out, batch, strict=True):
         assert_same_item(got, item)
 

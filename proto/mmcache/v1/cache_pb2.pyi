@@ -674,14 +674,14 @@ class FetchRequest(_message.Message):
     engine's read of what its frontend leased). Unleased hashes are ignored.
     """
     shm_token: _builtins.bytes
-    """The shared-memory region's token: the client maps the region, so the
-    items may come in slots of it rather than in chunk frames.
+    """ReadShm only: the shared-memory region's token (the client maps the
+    region, so the items come in slots of it rather than in chunk frames).
     """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Read slots of earlier Fetches this client has copied out: freed."""
+        """ReadShm only: read slots of earlier reads this client has copied out: freed."""
 
     def __init__(
         self,
@@ -713,7 +713,7 @@ class FetchedItem(_message.Message):
     def item(self) -> Global___ItemSpec: ...
     @_builtins.property
     def shm(self) -> Global___ShmSlot:
-        """Set instead of chunk frames: the payload is in this slot of the region."""
+        """In ReadShm replies, instead of chunk frames: the payload is in this slot."""
 
     def __init__(
         self,
