@@ -161,7 +161,7 @@ async def mmcache_ops(
     for _ in range(CAPACITY // nbytes + 1):
         await put()
 
-    fetched = f"fetched-{nbytes}"
+    fetched = f"{prefix}fetched-{nbytes}"
 
     async def get() -> None:
         await client.fetch([fetched])

@@ -28,6 +28,7 @@ from mmcache._frames import (
 )
 from mmcache._items import Item
 from mmcache._lru import Outcome
+from mmcache._shm_layout import store_key
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 from mmcache.v1 import cache_pb2 as pb
 
@@ -42,8 +43,11 @@ from ._encoder import (
 )
 from ._feed import FeedFollower
 from ._mirror import Mirror
+from ._pool import BufferPool
+from ._reports import Reports
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._shm import ClientRegion, attach
+from ._slots import Size, WriteSlots, size_of
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
@@ -57,6 +61,9 @@ _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
 # Uploads from this size up go through shared memory when the region is
 # mapped: below it, the slot's extra round trip costs more than the bytes.
 SHM_MIN_BYTES = 2 << 20
+# Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
+# of their size (client/_pool.py): pages already mapped, no zeroing.
+DEFAULT_REUSE_BYTES = 256 << 20
 
 
 def _check_hashes(mm_hashes: Sequence[str]) -> None:
@@ -138,6 +145,11 @@ class MMCacheClient:
         )
 
     The namespace and token apply to every call on the client's channel.
+
+    Tensors that `fetch` hands out are the caller's; the memory of large ones
+    (4 MiB and up) returns to the client when the caller drops them, and the
+    next read of that size reuses it, which spares the kernel zeroing fresh
+    pages (docs/shm.md). At most `reuse_bytes` are kept; 0 turns it off.
     """
 
     def __init__(
@@ -155,6 +167,7 @@ class MMCacheClient:
         token: str | None = None,
         namespace: str = "",
         shm: bool = True,
+        reuse_bytes: int = DEFAULT_REUSE_BYTES,
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
         fail_open: bool = False,
@@ -175,7 +188,9 @@ class MMCacheClient:
         self.namespace = namespace
         self._shm = shm
         self._region: ClientRegion | None = None
-        self._shm_done: list[int] = []  # read slots copied out, freed with the next read
+        self._reports = Reports(lambda request: self._rpc.report(request))
+        self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
+        self._write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
         server_name = (
             () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
@@ -252,6 +267,11 @@ class MMCacheClient:
             self._follower_task = asyncio.create_task(self._follower.run())
 
     async def close(self) -> None:
+        if self._transport is not None:  # what reads owe the server: leases, holds, spares
+            if self._region is not None:
+                self._reports.add(self._region.token, done=self._write_slots.drain())
+            await self._reports.flush(self._fail_open_timeout)
+        self._reports.cancel()
         if self._reattach is not None:
             self._reattach.cancel()
             self._reattach = None
@@ -518,21 +538,56 @@ class MMCacheClient:
         (the engine's read of a request), one lease of each hash is given back
         once every item has arrived. Raises CacheMissError naming every hash
         the server does not hold.
+
+        Where the server shares memory with this client (docs/shm.md), items
+        resident there are copied straight out of it, with no call: their
+        leases are then given back by a call in the background, just after.
         """
         _check_hashes(mm_hashes)
         region = self._region
         try:
-            if region is not None:
-                try:
-                    return await self._fetch(mm_hashes, release, region)
-                except _ShmRace:
-                    # A slot freed under a stalled read: read again over gRPC.
-                    # That call ran to its end, so its leases are released.
-                    release = False
-            return await self._fetch(mm_hashes, release, None)
+            if region is None:
+                return await self._fetch(mm_hashes, release, None)
+            found = self._read_resident(region, mm_hashes, release)
+            missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
+            if missing:
+                fetched = iter(await self._fetch_through(missing, release, region))
+                found = [next(fetched) if item is None else item for item in found]
+            return found  # type: ignore[return-value]
         except CacheMissError as exc:
             self._mirror.forget(exc.missing_hashes)
             raise
+
+    def _read_resident(
+        self, region: ClientRegion, mm_hashes: Sequence[str], release: bool
+    ) -> list[Item | None]:
+        """The items resident in the region, copied out with no call (None for the
+        rest); their leases given back in the background."""
+        found: list[Item | None] = []
+        read, nbytes = [], 0
+        for mm_hash in mm_hashes:
+            got = region.read_resident(store_key(self.namespace, mm_hash), self._pool)
+            if got is None:
+                found.append(None)
+                continue
+            found.append(got[0])
+            nbytes += got[1]
+            read.append(mm_hash)
+        if read:
+            self._reports.add(region.token, released=read if release else (), read_bytes=nbytes)
+        return found
+
+    async def _fetch_through(
+        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion
+    ) -> list[Item]:
+        """Items not (yet) resident: ReadShm moves them into the region and says
+        where, or the chunk frames of a Fetch bring them."""
+        try:
+            return await self._fetch(mm_hashes, release, region)
+        except _ShmRace:
+            # Freed under the copy: read again over gRPC. That call ran to its
+            # end, so its leases are released.
+            return await self._fetch(mm_hashes, False, None)
 
     async def _fetch(
         self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
@@ -544,7 +599,7 @@ class MMCacheClient:
         # No region, or no room in it: chunk frames.
         frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
-            return await _read_fetch(frames, len(mm_hashes))
+            return await _read_fetch(frames, len(mm_hashes), self._pool)
         finally:
             await frames.aclose()
 
@@ -555,25 +610,21 @@ class MMCacheClient:
         region: ClientRegion,
         views: list[pb.ShmSlot] | None,
     ) -> list[Item] | None:
-        """The items through read slots (copied out, or viewed into `views`), in one
-        unary call; None when the server had no room (or is another server now)."""
-        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release, shm_token=region.token)
-        done, self._shm_done = self._shm_done, []
-        request.shm_done.extend(done)
+        """The items through the region (copied out, or viewed into `views` under
+        holds), in one unary call; None when the server had no room (or is
+        another server now)."""
+        request = pb.FetchRequest(
+            mm_hashes=mm_hashes, release=release, shm_token=region.token, shm_hold=views is not None
+        )
         try:
             raw = await self._rpc.read_shm(request)
         except InvalidArgumentError:
             self._restarted()  # the token is not the server's: a new server
             return None
-        except BaseException:
-            self._shm_done.extend(done)  # the server may not have read them
-            raise
         header = _parse_header(raw)
         if not header.items and mm_hashes:
             return None
-        return await _decode_items(
-            header, _no_frames(), len(mm_hashes), region, self._shm_done, views
-        )
+        return await _decode_items(header, _no_frames(), len(mm_hashes), self._pool, region, views)
 
     @contextlib.asynccontextmanager
     async def view(
@@ -583,10 +634,11 @@ class MMCacheClient:
         this client, their tensors are views of it: no copy on this side.
 
         The views are valid inside the block only, and only for reading (copy
-        what must outlive it, e.g. `.to("cuda")`); the slots go back when it
-        ends. A block that outlives the server's lease (`--lease-s`) raises
-        FailedPreconditionError at its end: the memory may have been reused.
-        Without shared memory the items are fetched (and owned) as usual::
+        what must outlive it, e.g. `.to("cuda")`); the server holds the items'
+        memory until the block ends. A block that outlives the server's lease
+        (`--lease-s`) raises FailedPreconditionError at its end: the memory may
+        have been reused. Without shared memory the items are fetched (and
+        owned) as usual::
 
             async with client.view(hashes) as items:
                 on_gpu = [item["pixel_values"].to("cuda") for item in items]
@@ -606,11 +658,9 @@ class MMCacheClient:
             return
         try:
             yield items
-        except BaseException:
-            self._shm_done.extend(s.lease for s in slots)
-            raise
-        outlived = [s.lease for s in slots if not region.live(s)]
-        self._shm_done.extend(s.lease for s in slots)
+        finally:
+            outlived = [s.lease for s in slots if not region.live(s)]
+            self._reports.add(region.token, done=[s.hold for s in slots])
         if outlived:
             raise FailedPreconditionError(
                 f"a view of {len(outlived)} items outlived its lease (--lease-s on the "
@@ -635,7 +685,7 @@ class MMCacheClient:
         if self._region is not None:
             self._region.close()
             self._region = None
-        self._shm_done.clear()
+        self._write_slots.drain()  # the old region's
 
     def _restarted(self) -> None:
         """The server is a new instance: drop its old region, and map the new one."""
@@ -654,28 +704,23 @@ class MMCacheClient:
         region = self._region
         if region is None:
             return {}
-        chosen = [
-            i
+        sizes = {
+            i: size_of(e.data.size.payload, self._trailer(e))
             for i, e in enumerate(entries)
             if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
-        ]
-        if not chosen:
-            return {}
-        try:
-            reply = await self._rpc.shm_allocate(
-                region.token,
-                [entries[i].data.size.payload for i in chosen],  # type: ignore[union-attr]
-                timeout=self._fail_open_timeout if self._fail_open else None,
-            )
-        except InvalidArgumentError:
-            self._restarted()  # the token is not the server's: a restart
-            return {}
-        if reply.instance_id != region.instance_id:
-            self._restarted()
-            return {}
-        if len(reply.slots) != len(chosen):
-            return {}  # no room: all over gRPC
-        slots = dict(zip(chosen, reply.slots, strict=True))
+        }
+        slots: dict[int, pb.ShmSlot] = {}
+        for index, size in sizes.items():
+            spare = self._write_slots.take(region, size)
+            if spare is not None:
+                slots[index] = spare
+        needed = [i for i in sizes if i not in slots]
+        if needed:
+            given = await self._allocate(region, [sizes[i] for i in needed])
+            if given is None:  # no room: all over gRPC, the spares taken kept for later
+                self._write_slots.put_back([sizes[i] for i in slots], slots.values())
+                return {}
+            slots.update(zip(needed, given, strict=True))
         try:
             for index, slot in slots.items():
                 region.write(slot, entries[index].data)  # type: ignore[arg-type]
@@ -683,6 +728,35 @@ class MMCacheClient:
             _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
             return {}
         return slots
+
+    async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
+        """Write slots of `sizes` (and spares kept for the next uploads), or None."""
+        extra = self._write_slots.extra(sizes)
+        for asked in (sizes + extra, sizes) if extra else (sizes,):
+            try:
+                reply = await self._rpc.shm_allocate(
+                    region.token,
+                    [payload for payload, _ in asked],
+                    [room for _, room in asked],
+                    timeout=self._fail_open_timeout if self._fail_open else None,
+                )
+            except InvalidArgumentError:
+                self._restarted()  # the token is not the server's: a restart
+                return None
+            if reply.instance_id != region.instance_id:
+                self._restarted()
+                return None
+            if len(reply.slots) == len(asked):
+                self._write_slots.put_back(asked[len(sizes) :], reply.slots[len(sizes) :])
+                return list(reply.slots[: len(sizes)])
+        return None  # no room (even without spares)
+
+    def _trailer(self, entry: Entry) -> int:
+        """Room after an upload's payload for its store key and spec (the item
+        becomes resident where it is written)."""
+        assert entry.data is not None
+        key = store_key(self.namespace, entry.mm_hash)
+        return len(key.encode()) + entry.data.spec.ByteSize()
 
     def _caching_disabled(self) -> bool:
         # Known only once the server has answered: out of touch, ask it.
@@ -887,7 +961,7 @@ class MMCacheClient:
 
 
 class _ShmRace(Exception):
-    """A read slot was freed while its bytes were copied: read again over gRPC."""
+    """An extent was freed while its bytes were copied: read again over gRPC."""
 
 
 async def _no_frames() -> AsyncIterator[bytes]:
@@ -903,23 +977,25 @@ def _parse_header(raw: bytes) -> pb.FetchHeader:
         raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
 
 
-async def _read_fetch(frames: AsyncIterator[bytes], expected: int) -> list[Item]:
+async def _read_fetch(
+    frames: AsyncIterator[bytes], expected: int, pool: BufferPool | None = None
+) -> list[Item]:
     """The items of a Fetch reply."""
     # The transport gives the header's bytes first, wherever they travelled.
-    return await _decode_items(_parse_header(await anext(frames)), frames, expected)
+    return await _decode_items(_parse_header(await anext(frames)), frames, expected, pool)
 
 
 async def _decode_items(
     header: pb.FetchHeader,
     frames: AsyncIterator[bytes],
     expected: int,
+    pool: BufferPool | None = None,
     region: ClientRegion | None = None,
-    done: list[int] | None = None,
     views: list[pb.ShmSlot] | None = None,
 ) -> list[Item]:
-    """The items a reply's header names. Items in slots are copied out of `region`,
-    their leases added to `done`; or, given `views`, viewed in place, their slots
-    added to `views` (the caller gives them back); the rest from chunk frames."""
+    """The items a reply's header names. Items in the region are copied out of
+    `region`; or, given `views`, viewed in place, their extents added to `views`
+    (the caller gives their holds back); the rest from chunk frames."""
     if len(header.items) != expected:
         raise InvalidArgumentError("the Fetch reply names a different number of items")
     items: list[Item] = []
@@ -932,15 +1008,14 @@ async def _decode_items(
                 raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
             views.append(fetched.shm)
             continue
-        decoder = ItemDecoder(fetched.item)
+        decoder = ItemDecoder(fetched.item, pool)
         if fetched.HasField("shm"):
-            if region is None or done is None:
+            if region is None:
                 raise InvalidArgumentError("the Fetch reply names a slot this client cannot map")
             try:
                 copied = region.read(fetched.shm, decoder)
             except ValueError as exc:
                 raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
-            done.append(fetched.shm.lease)
             if not copied:
                 raise _ShmRace
         for index in range(fetched.num_chunks):

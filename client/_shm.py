@@ -3,14 +3,15 @@
 When Info announces a region, the client maps its file and checks the
 header: the magic, and the id Info gave (a file of the same name on another
 host, or a stale one, has another). The header's token then goes with the
-client's ReadShm and ShmAllocate calls: the server answers with slots of the
-region instead of chunk frames. Whatever goes wrong (no such file, no
-permission, another host's file, a restarted server) leaves the client on
-gRPC, silently and correctly.
+client's ReadShm, ShmAllocate and Release calls. Whatever goes wrong (no
+such file, no permission, another host's file, a restarted server) leaves
+the client on gRPC, silently and correctly.
 
-A read checks the slot's lease word before and after copying: a slot freed
-meanwhile (its lease expired under a stalled reader) fails the read, and the
-caller fetches again over gRPC.
+An item resident in the region is read with no call at all: the index
+(mmcache._shm_layout) says where its extent is, and the extent holds its key
+and spec. Every read checks the extent's generation word before and after
+copying: an extent freed meanwhile (the item evicted, its memory maybe
+reused) fails the read, and the caller reads again through a call.
 """
 
 from __future__ import annotations
@@ -22,56 +23,120 @@ import os
 import stat
 import struct
 
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import MMCacheError
+from mmcache._items import Item
+from mmcache._shm_layout import (
+    BUCKET,
+    EXTENT_HEAD,
+    HEAD_BYTES,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    PAGE,
+    PROBES,
+    WORD,
+    fingerprint,
+    index_buckets,
+)
+from mmcache._spec import item_size
 from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, ItemDecoder, copy_payload
+from ._pool import BufferPool
 
 __all__ = ["ClientRegion", "attach"]
 
 _LOGGER = logging.getLogger(__name__)
 
-MAGIC = b"MMCSHM01"
-_HEADER = struct.Struct("<8s16s32sQ")  # magic, region id, token, size (server/_region.py)
-_WORD = struct.Struct("<Q")
-SLOT_HEADER_BYTES = 64
-MIN_REGION_BYTES = 8192  # a header page and one slot page
-
 
 class ClientRegion:
     """A mapped region of one server instance."""
 
-    def __init__(self, instance_id: str, buffer: mmap.mmap, token: bytes) -> None:
+    def __init__(
+        self, instance_id: str, buffer: mmap.mmap, token: bytes, index: int, buckets: int
+    ) -> None:
         self.instance_id = instance_id
         self.token = token
         self._map = buffer
         self._view = memoryview(buffer)
+        self._index = index
+        self._mask = buckets - 1
+        self._data = index + -(-buckets * BUCKET.size // PAGE) * PAGE
 
     def _payload(self, slot: pb.ShmSlot) -> memoryview:
-        if slot.offset < SLOT_HEADER_BYTES or slot.offset + slot.length > len(self._view):
+        if slot.offset < self._data + HEAD_BYTES or slot.offset + slot.length > len(self._view):
             raise ValueError(f"slot {slot.lease} lies outside the region")
         return self._view[slot.offset : slot.offset + slot.length]
 
     def view(self, slot: pb.ShmSlot) -> memoryview:
-        """The slot's payload in place (no copy), while its lease is live."""
+        """The slot's payload in place (no copy), while it is live."""
         payload = self._payload(slot)
-        if not self._live(slot):
-            raise ValueError(f"slot {slot.lease} is no longer leased")
+        if not self.live(slot):
+            raise ValueError(f"slot {slot.lease} is no longer live")
         return payload
 
     def live(self, slot: pb.ShmSlot) -> bool:
-        return self._live(slot)
+        return self._word(slot.offset - HEAD_BYTES) == slot.lease
 
-    def _live(self, slot: pb.ShmSlot) -> bool:
-        word: int = _WORD.unpack_from(self._map, slot.offset - SLOT_HEADER_BYTES)[0]
-        return word == slot.lease
+    def _word(self, start: int) -> int:
+        word: int = WORD.unpack_from(self._map, start)[0]
+        return word
 
     def read(self, slot: pb.ShmSlot, decoder: ItemDecoder) -> bool:
-        """Copy a read slot into the decoder; False if the slot was freed under the copy."""
+        """Copy an extent's payload into the decoder; False if it was freed under the copy."""
         payload = self._payload(slot)
-        if not self._live(slot):
+        if not self.live(slot):
             return False
-        decoder.feed_payload(payload)
-        return self._live(slot)
+        decoder.feed_payload(payload, parallel=True)
+        return self.live(slot)
+
+    def read_resident(self, key: str, pool: BufferPool | None) -> tuple[Item, int] | None:
+        """The item under store key `key` and its payload bytes, copied straight
+        from its extent with no call; None when it is not resident (or not
+        indexed), or was freed under the copy."""
+        found = self._find(key)
+        if found is None:
+            return None
+        start, generation, length, spec_bytes = found
+        try:
+            spec = pb.ItemSpec.FromString(spec_bytes)
+            if item_size(spec).payload != length:
+                return None
+            decoder = ItemDecoder(spec, pool)
+        except (DecodeError, MMCacheError):
+            return None
+        offset = start + HEAD_BYTES
+        decoder.feed_payload(self._view[offset : offset + length], parallel=True)
+        if self._word(start) != generation:
+            return None
+        return decoder.finish(), length
+
+    def _find(self, key: str) -> tuple[int, int, int, bytes] | None:
+        """(start, generation, payload bytes, spec) of the extent the index names
+        for `key`, checked: a bucket caught half written, or naming a freed
+        extent, matches nothing."""
+        fp = fingerprint(key)
+        wanted = key.encode()
+        size = len(self._map)
+        for probe in range(PROBES):
+            at = self._index + ((fp + probe) & self._mask) * BUCKET.size
+            bucket_fp, start, generation, _ = BUCKET.unpack_from(self._map, at)
+            if bucket_fp != fp or not generation:
+                continue
+            if start < self._data or start % PAGE or start + HEAD_BYTES > size:
+                continue
+            word, length, key_len, spec_len = EXTENT_HEAD.unpack_from(self._map, start)
+            end = start + HEAD_BYTES + length
+            if word != generation or end + key_len + spec_len > size:
+                continue
+            if key_len != len(wanted) or self._map[end : end + key_len] != wanted:
+                continue
+            spec = self._map[end + key_len : end + key_len + spec_len]
+            if self._word(start) == generation:  # the spec was read whole while live
+                return start, generation, length, spec
+        return None
 
     def write(self, slot: pb.ShmSlot, encoded: EncodedItem) -> None:
         """Copy an item's payload into a write slot; ValueError for a slot that does
@@ -79,7 +144,7 @@ class ClientRegion:
         if slot.length != encoded.size.payload:
             raise ValueError(f"slot {slot.lease} holds {slot.length} bytes, not the payload's")
         payload = self._payload(slot)
-        if not self._live(slot):  # expired while this client stalled: not ours to write
+        if not self.live(slot):  # expired while this client stalled: not ours to write
             raise ValueError(f"slot {slot.lease} is no longer leased")
         copy_payload(encoded, payload)
 
@@ -104,16 +169,19 @@ def _attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion:
     fd = os.open(announced.path, flags)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size < MIN_REGION_BYTES:
+        if not stat.S_ISREG(info.st_mode) or info.st_size < HEADER_BYTES + 2 * PAGE:
             raise ValueError("no region file")
         if info.st_size != announced.size_bytes:
             raise ValueError("not the size the server announced")
         buffer = mmap.mmap(fd, info.st_size)
     finally:
         os.close(fd)
-    magic, region_id, token, _ = _HEADER.unpack_from(buffer, 0)
+    magic, region_id, token, size, index, buckets = HEADER.unpack_from(buffer, 0)
     if magic != MAGIC or region_id != announced.region_id:
         buffer.close()
         raise ValueError("another server's region (another host's, or a stale one)")
+    if size != info.st_size or index != HEADER_BYTES or buckets != index_buckets(size):
+        buffer.close()
+        raise ValueError("a region laid out otherwise (another version's)")
     _LOGGER.debug("shared memory on: %s", announced.path)
-    return ClientRegion(instance_id, buffer, token)
+    return ClientRegion(instance_id, buffer, token, index, buckets)

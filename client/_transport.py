@@ -143,24 +143,32 @@ class CacheTransport:
         return reply
 
     async def release(self, mm_hashes: Sequence[str]) -> pb.ReleaseReply:
+        return await self.report(pb.ReleaseRequest(mm_hashes=mm_hashes))
+
+    async def report(self, request: pb.ReleaseRequest) -> pb.ReleaseReply:
+        """A Release: leases given back, and a co-located client's report."""
         with translate_errors():
             reply: pb.ReleaseReply = await self._release(
-                pb.ReleaseRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
+                request, timeout=self._timeout, wait_for_ready=True
             )
         return reply
 
     async def read_shm(self, request: pb.FetchRequest) -> bytes:
-        """A serialised FetchHeader whose items are all in read slots (or none)."""
+        """A serialised FetchHeader whose items are all in the region (or none)."""
         with translate_errors():
             reply: bytes = await self._read_shm(request, timeout=self._timeout, wait_for_ready=True)
         return reply
 
     async def shm_allocate(
-        self, token: bytes, lengths: Sequence[int], timeout: float | None = None
+        self,
+        token: bytes,
+        lengths: Sequence[int],
+        trailers: Sequence[int],
+        timeout: float | None = None,
     ) -> pb.ShmAllocateReply:
         with translate_errors():
             reply: pb.ShmAllocateReply = await self._shm_allocate(
-                pb.ShmAllocateRequest(shm_token=token, lengths=lengths),
+                pb.ShmAllocateRequest(shm_token=token, lengths=lengths, trailers=trailers),
                 timeout=timeout or self._timeout,
             )
         return reply

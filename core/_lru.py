@@ -178,6 +178,25 @@ class ByteLRU(Generic[V]):
         self._used -= entry[1]
         return entry[0]
 
+    def replace_value(self, key: str, value: V) -> bool:
+        """Put `value` in place of the held entry's, its size and place kept."""
+        for table in (self._data, self._pinned):
+            entry = table.get(key)
+            if entry is not None:
+                table[key] = (value, entry[1])
+                return True
+        return False
+
+    def evict(self, key: str) -> bool:
+        """Evict one unpinned entry now, as if room were needed (`on_evict` hears of it)."""
+        entry = self._data.pop(key, None)
+        if entry is None:
+            return False
+        self._used -= entry[1]
+        if self._on_evict is not None:
+            self._on_evict(key, *entry)
+        return True
+
     def clear(self, *, keep_pinned: bool = False) -> list[str]:
         """Remove every entry (every unpinned one with `keep_pinned`); the keys removed."""
         removed = list(self._data)

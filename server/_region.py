@@ -3,29 +3,29 @@
 The server owns one file in a shared-memory directory (`/dev/shm`, a
 Kubernetes `emptyDir` of `medium: Memory`, a Compose tmpfs), created 0600 (or
 0660 with a group the deployment names) and mapped by the server and by
-every client that can open it. The file starts with a header: a magic, the
-region's id (announced by Info) and a secret token. A client that can read
-the token proves it maps the very same file (not another host's, not a stale
-one) by sending it with its calls; anything else uses gRPC.
+every client that can open it. Its layout is mmcache._shm_layout's. A client
+that can read the header's token proves it maps the very same file (not
+another host's, not a stale one) by sending it with its calls; anything else
+uses gRPC.
 
-The region is a transfer window, not a second copy of the cache: items
-live in the store (charged once, in the capacity), and a slot of the region
-holds an item's bytes only while one transfer needs them, under a lease:
+The region holds two kinds of extent, from one allocator:
 
-- a read: ReadShm copies an item's payload into a slot, the client copies
-  it out into tensors it owns and gives the lease back (with its next read,
-  or the lease expires);
-- a write: the client asks for slots (ShmAllocate), writes payloads, and
-  names the slots in GetAndUpdate, which copies them into the store and
-  frees them.
+- items resident in it: an item whose bytes live here and not in the heap
+  (charged once, in the store's capacity). The index lets a co-located
+  client find and copy it with no call at all. An upload through shared
+  memory becomes resident where the client wrote it; an item uploaded over
+  gRPC moves here the first time a co-located client reads it (ReadShm). A
+  resident extent is freed when its item is gone from the store and no
+  in-flight read holds it (`Resident` is that reference);
+- write slots: a client asks for them (ShmAllocate), writes payloads, and
+  names them in GetAndUpdate, under a lease that expires.
 
-Every slot starts with a 64-byte header whose first word is its lease (a
-random 63-bit number, unguessable): written when the slot is handed out, and
-zeroed when it is freed, before the memory can be handed out again. A reader
-checks the word before and after copying: if it changed, the slot was freed
-(its lease expired) and maybe reused meanwhile, and the copy is discarded.
-Handles from a client are checked here: the lease must be live, of the
-right kind, and its range inside the region.
+An extent's generation word is zeroed when it is freed, before its memory
+can be used again: a reader checks the word before and after copying, and
+discards a copy the word changed under. A view (client.view) instead takes
+a hold, which keeps the extent from being freed until the client gives it
+back or the hold expires. Handles from a client are checked here: the lease
+must be live, of the right kind, and its range inside the region.
 
 Transport-free; one event loop uses it.
 """
@@ -39,7 +39,6 @@ import logging
 import mmap
 import os
 import secrets
-import struct
 import time
 from bisect import insort
 from collections.abc import Callable, Iterator, Sequence
@@ -47,54 +46,76 @@ from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
+from mmcache._shm_layout import (
+    BUCKET,
+    EXTENT_HEAD,
+    HEAD_BYTES,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    PAGE,
+    PROBES,
+    WORD,
+    fingerprint,
+    index_buckets,
+)
 
 __all__ = [
-    "HEADER_BYTES",
-    "MAGIC",
-    "READ",
-    "SLOT_HEADER_BYTES",
+    "ITEM",
     "WRITE",
     "Region",
+    "Resident",
     "Slot",
     "copy_payload",
+    "frame_count",
     "open_region",
     "region_frames",
 ]
 
 _LOGGER = logging.getLogger(__name__)
 
-MAGIC = b"MMCSHM01"
-HEADER_BYTES = 4096
-SLOT_HEADER_BYTES = 64  # the lease word, then padding: payloads start cache-aligned
-_ALIGN = 4096  # slots start on pages: memcpy runs at full speed, and no false sharing
-# Header layout: magic, region id (16 bytes), token (32 bytes), size.
-_HEADER = struct.Struct("<8s16s32sQ")
-_WORD = struct.Struct("<Q")
 _PREFIX = "mmcache-"
 _SUFFIX = ".shm"
 
-READ = "read"
 WRITE = "write"
+ITEM = "item"
 
 
 @dataclass(slots=True)
 class Slot:
-    """A leased piece of the region: [offset, offset + length) holds the payload."""
+    """An extent of the region: [offset, offset + length) holds the payload."""
 
-    lease: int
-    kind: str  # READ or WRITE
-    start: int  # where its header begins
-    span: int  # bytes taken, header and padding included
+    lease: int  # its generation word
+    kind: str  # WRITE or ITEM
+    start: int  # where its head begins
+    span: int  # bytes taken, head, trailer and padding included
     length: int  # payload bytes
     expires: float
 
     @property
     def offset(self) -> int:
-        return self.start + SLOT_HEADER_BYTES
+        return self.start + HEAD_BYTES
+
+
+class Resident:
+    """The reference that keeps a resident item's extent: the store's item holds
+    one, as does a read in flight; the extent is freed when the last goes."""
+
+    __slots__ = ("_region", "slot")
+
+    def __init__(self, region: Region, slot: Slot) -> None:
+        self._region = region
+        self.slot = slot
+
+    def payload(self) -> memoryview:
+        return self._region.payload(self.slot)
+
+    def __del__(self) -> None:
+        self._region.drop(self.slot)
 
 
 class Region:
-    """A mapped region file, its free extents and its leased slots."""
+    """A mapped region file, its free extents, its leased slots and resident items."""
 
     def __init__(
         self,
@@ -109,28 +130,45 @@ class Region:
         self.size = size
         self.id = secrets.token_bytes(16)
         self.token = secrets.token_bytes(32)
+        self._buckets = index_buckets(size)
+        index_bytes = -(-self._buckets * BUCKET.size // PAGE) * PAGE
+        if HEADER_BYTES + index_bytes + 2 * PAGE > size:
+            raise OSError(f"a shared-memory region of {size} bytes holds nothing")
         self._fd = fd  # held open: its lock tells other servers this file is alive
         self._map = mmap.mmap(fd, size)
         self.view = memoryview(self._map)
-        _HEADER.pack_into(self._map, 0, MAGIC, self.id, self.token, size)
+        HEADER.pack_into(
+            self._map, 0, MAGIC, self.id, self.token, size, HEADER_BYTES, self._buckets
+        )
         self._lease_s = lease_s
         self._clock = clock
+        self._closed = False
+        data = HEADER_BYTES + index_bytes
         # Free extents (start, length), by start; neighbours merge on free.
-        self._free: list[tuple[int, int]] = [(HEADER_BYTES, size - HEADER_BYTES)]
-        self._slots: dict[int, Slot] = {}
+        self._free: list[tuple[int, int]] = [(data, size - data)]
+        self._slots: dict[int, Slot] = {}  # every extent, by its generation
+        self._writes: dict[int, Slot] = {}  # the write slots among them
         # Expired write slots, kept out of use a while longer: their writer may
         # be stalled mid-copy, and must not write into another's slot.
         self._quarantine: list[tuple[float, Slot]] = []
-        self.leased_bytes = 0
-        self.expired = 0  # slots freed by expiry: clients that never said "done"
+        # The index, as this side knows it: the generation in each bucket.
+        self._bucket_gen = [0] * self._buckets
+        self._indexed: dict[int, int] = {}  # generation -> bucket
+        # Views' holds: hold id -> (the resident it keeps, when the hold ends).
+        self._holds: dict[int, tuple[Resident, float]] = {}
+        self.leased_bytes = 0  # write slots
+        self.resident_bytes = 0  # resident items' extents
+        self.expired = 0  # slots and holds ended by expiry: clients that never said "done"
 
     @property
     def slots(self) -> int:
-        return len(self._slots)
+        """Write slots and holds outstanding: what clients have yet to give back."""
+        return len(self._writes) + len(self._holds)
 
-    def allocate(self, length: int, kind: str) -> Slot | None:
-        """A slot for `length` payload bytes, or None when the region has no room."""
-        span = -(-(SLOT_HEADER_BYTES + length) // _ALIGN) * _ALIGN
+    def allocate(self, length: int, kind: str, trailer: int = 0) -> Slot | None:
+        """An extent for `length` payload bytes and `trailer` bytes after them, or
+        None when the region has no room."""
+        span = -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
         index = next((i for i, (_, free) in enumerate(self._free) if free >= span), None)
         if index is None:
             return None
@@ -139,14 +177,29 @@ class Region:
             del self._free[index]
         else:
             self._free[index] = (start + span, free - span)
-        lease = secrets.randbits(63) | 1
-        while lease in self._slots:
-            lease = secrets.randbits(63) | 1
-        slot = Slot(lease, kind, start, span, length, self._clock() + self._lease_s)
-        _WORD.pack_into(self._map, start, lease)
-        self._slots[lease] = slot
-        self.leased_bytes += span
+        slot = Slot(self._new_lease(), kind, start, span, length, self._clock() + self._lease_s)
+        WORD.pack_into(self._map, start, slot.lease)
+        self._slots[slot.lease] = slot
+        if kind == WRITE:
+            self._writes[slot.lease] = slot
+        self._count(slot, 1)
         return slot
+
+    def fits(self, length: int, trailer: int = 0) -> bool:
+        """Whether an extent of that size could ever be had (the region is large enough)."""
+        return HEAD_BYTES + length + trailer <= self.size - HEADER_BYTES
+
+    def _new_lease(self) -> int:
+        lease = secrets.randbits(63) | 1
+        while lease in self._slots or lease in self._holds:
+            lease = secrets.randbits(63) | 1
+        return lease
+
+    def _count(self, slot: Slot, sign: int) -> None:
+        if slot.kind == ITEM:
+            self.resident_bytes += sign * slot.span
+        else:
+            self.leased_bytes += sign * slot.span
 
     def get(self, lease: int, kind: str, offset: int, length: int) -> Slot:
         """The live slot a client's handle names; InvalidArgumentError for a handle
@@ -170,10 +223,68 @@ class Region:
         slot.expires = float("inf")
         return slot
 
-    def release(self, lease: int, kind: str) -> bool:
-        """Free the slot of `lease` if it is a live one of `kind` (a client's "done")."""
-        slot = self._slots.get(lease)
-        return slot is not None and slot.kind == kind and self.free(lease)
+    def settle(self, slot: Slot, key: str, spec: bytes) -> Resident | None:
+        """Make a claimed write slot, or a fresh ITEM extent whose payload is
+        written, the resident extent of the item under `key` (its spec
+        serialised): indexed, with a generation no client has seen. None when
+        the slot has no room for the key and spec after its payload."""
+        key_bytes = key.encode()
+        end = slot.offset + slot.length
+        if end + len(key_bytes) + len(spec) > slot.start + slot.span:
+            return None
+        self._map[end : end + len(key_bytes)] = key_bytes
+        self._map[end + len(key_bytes) : end + len(key_bytes) + len(spec)] = spec
+        self._count(slot, -1)
+        del self._slots[slot.lease]
+        self._writes.pop(slot.lease, None)
+        slot.kind, slot.lease, slot.expires = ITEM, self._new_lease(), float("inf")
+        self._slots[slot.lease] = slot
+        self._count(slot, 1)
+        # The generation last: a reader that sees it sees the rest written.
+        EXTENT_HEAD.pack_into(self._map, slot.start, 0, slot.length, len(key_bytes), len(spec))
+        WORD.pack_into(self._map, slot.start, slot.lease)
+        self._index(fingerprint(key), slot)
+        return Resident(self, slot)
+
+    def reindex(self, key: str, resident: Resident) -> None:
+        """Index a resident item again (its bucket was taken by another of its key's)."""
+        if resident.slot.lease not in self._indexed:
+            self._index(fingerprint(key), resident.slot)
+
+    def _index(self, fp: int, slot: Slot) -> None:
+        mask = self._buckets - 1
+        for probe in range(PROBES):
+            bucket = (fp + probe) & mask
+            gen = self._bucket_gen[bucket]
+            at = HEADER_BYTES + bucket * BUCKET.size
+            if gen == 0 or BUCKET.unpack_from(self._map, at)[0] == fp:
+                if gen:
+                    self._indexed.pop(gen, None)
+                self._bucket_gen[bucket] = slot.lease
+                self._indexed[slot.lease] = bucket
+                BUCKET.pack_into(self._map, at, fp, slot.start, slot.lease, 0)
+                return
+        # All its buckets taken: the item is read through ReadShm, which says where.
+
+    def _unindex(self, lease: int) -> None:
+        bucket = self._indexed.pop(lease, None)
+        if bucket is not None and self._bucket_gen[bucket] == lease:
+            self._bucket_gen[bucket] = 0
+            BUCKET.pack_into(self._map, HEADER_BYTES + bucket * BUCKET.size, 0, 0, 0, 0)
+
+    def hold(self, resident: Resident) -> int:
+        """Keep a resident item's extent until `release` or the lease ends; the hold's id."""
+        hold = self._new_lease()
+        self._holds[hold] = (resident, self._clock() + self._lease_s)
+        return hold
+
+    def release(self, lease: int) -> bool:
+        """A client's "done": end a view's hold, or free a write slot it will not
+        use (not one an upload has claimed); False when neither is live."""
+        if self._holds.pop(lease, None) is not None:
+            return True
+        slot = self._writes.get(lease)
+        return slot is not None and slot.expires != float("inf") and self.free(lease)
 
     def matches(self, token: bytes) -> bool:
         """Whether a client's token is this region's (compared in constant time)."""
@@ -183,39 +294,52 @@ class Region:
         return self.view[slot.offset : slot.offset + slot.length]
 
     def free(self, lease: int) -> bool:
-        """Give a slot back; False when the lease is not live (already freed, expired)."""
-        slot = self._slots.pop(lease, None)
+        """Give a write slot back; False when the lease is not live (already freed, expired)."""
+        slot = self._writes.get(lease)
         if slot is None:
             return False
-        _WORD.pack_into(self._map, slot.start, 0)  # readers of the old lease see it gone
-        self._reuse(slot)
+        self._free_slot(slot)
         return True
 
-    def expire(self) -> int:
-        """Free the slots past their lease (a client that died or stalled); how many.
+    def drop(self, slot: Slot) -> None:
+        """Free a resident item's extent (its last reference went)."""
+        if not self._closed and self._slots.get(slot.lease) is slot:
+            self._unindex(slot.lease)
+            self._free_slot(slot)
 
-        A write slot's memory waits one more lease before it is used again.
-        """
+    def _free_slot(self, slot: Slot) -> None:
+        del self._slots[slot.lease]
+        self._writes.pop(slot.lease, None)
+        WORD.pack_into(self._map, slot.start, 0)  # readers of the old generation see it gone
+        self._reuse(slot)
+
+    def expire(self) -> int:
+        """End the write slots and holds past their lease (a client that died or
+        stalled); how many. A write slot's memory waits one more lease before
+        it is used again."""
         now = self._clock()
-        late = [slot for slot in self._slots.values() if slot.expires <= now]
+        late = [s for s in self._writes.values() if s.expires <= now]
         for slot in late:
             del self._slots[slot.lease]
-            _WORD.pack_into(self._map, slot.start, 0)
-            if slot.kind == WRITE:
-                self._quarantine.append((now + self._lease_s, slot))
-            else:
-                self._reuse(slot)
+            del self._writes[slot.lease]
+            WORD.pack_into(self._map, slot.start, 0)
+            self._quarantine.append((now + self._lease_s, slot))
+        holds = [hold for hold, (_, ends) in self._holds.items() if ends <= now]
+        for hold in holds:
+            del self._holds[hold]
         while self._quarantine and self._quarantine[0][0] <= now:
             self._reuse(self._quarantine.pop(0)[1])
-        self.expired += len(late)
-        return len(late)
+        self.expired += len(late) + len(holds)
+        return len(late) + len(holds)
 
     def _reuse(self, slot: Slot) -> None:
-        self.leased_bytes -= slot.span
+        self._count(slot, -1)
         insort(self._free, (slot.start, slot.span))
         self._merge_around(slot.start)
 
     def close(self) -> None:
+        self._closed = True
+        self._holds.clear()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self._fd)
@@ -245,17 +369,16 @@ def copy_payload(frames: Sequence[bytes], into: memoryview) -> None:
         pos = end
 
 
-def region_frames(payload: memoryview) -> tuple[bytes, ...]:
-    """A slot's payload as the chunk frames the store keeps (one copy)."""
-    return tuple(
-        b"".join(
-            (
-                chunk_prefix(min(MAX_CHUNK_BYTES, len(payload) - at)),
-                payload[at : at + MAX_CHUNK_BYTES],
-            )
-        )
-        for at in range(0, len(payload), MAX_CHUNK_BYTES)
-    )
+def region_frames(payload: memoryview) -> Iterator[bytes]:
+    """A payload in the region as chunk frames (each one copy), made one at a time."""
+    for at in range(0, len(payload), MAX_CHUNK_BYTES):
+        piece = payload[at : at + MAX_CHUNK_BYTES]
+        yield b"".join((chunk_prefix(len(piece)), piece))
+
+
+def frame_count(payload: int) -> int:
+    """How many chunk frames `region_frames` makes of `payload` bytes."""
+    return -(-payload // MAX_CHUNK_BYTES)
 
 
 def _stale(directory: str) -> Iterator[str]:
@@ -280,8 +403,6 @@ def open_region(directory: str, size: int, *, lease_s: float, group: int | None 
     Files left by servers that died are removed first (a crash leaves its
     region behind; a live server holds a lock on its own).
     """
-    if size <= HEADER_BYTES + _ALIGN:
-        raise OSError(f"a shared-memory region of {size} bytes holds nothing")
     for path in _stale(directory):
         with contextlib.suppress(OSError):
             os.unlink(path)

@@ -36,7 +36,16 @@ from mmcache.v1 import cache_pb2 as pb
 from ._inflight import InflightBudget
 from ._namespaces import Namespace, Namespaces
 from ._pending import PendingUploads
-from ._region import READ, WRITE, Region, Slot, copy_payload, region_frames
+from ._region import (
+    ITEM,
+    WRITE,
+    Region,
+    Resident,
+    Slot,
+    copy_payload,
+    frame_count,
+    region_frames,
+)
 from ._status import guard, protobuf_method, write
 from ._store import BatchResult, ItemStore, StoredItem
 from ._upload import (
@@ -147,11 +156,17 @@ class CacheServicer:
     ) -> pb.ShmAllocateReply:
         region = self._region_of(request.shm_token)
         check_count("lengths", len(request.lengths))
+        trailers = list(request.trailers) or [0] * len(request.lengths)
+        if len(trailers) != len(request.lengths):
+            raise InvalidArgumentError(
+                f"ShmAllocate names {len(request.lengths)} lengths but {len(trailers)} "
+                "trailers: give one per length, or none"
+            )
         reply = pb.ShmAllocateReply(instance_id=self._instance_id)
         region.expire()
         slots: list[Slot] = []
-        for length in request.lengths:
-            slot = region.allocate(length, WRITE) if length <= region.size else None
+        for length, trailer in zip(request.lengths, trailers, strict=True):
+            slot = self._allocate(region, length, WRITE, trailer)
             if slot is None:  # no room for all: none, and the client uses gRPC
                 for given in slots:
                     region.free(given.lease)
@@ -161,6 +176,21 @@ class CacheServicer:
             pb.ShmSlot(offset=s.offset, length=s.length, lease=s.lease) for s in slots
         )
         return reply
+
+    def _allocate(
+        self, region: Region, length: int, kind: str, trailer: int, keep: Sequence[str] = ()
+    ) -> Slot | None:
+        """An extent of the region, made room for by evicting the items resident
+        there longest unused (but none of `keep`); None when even that fails."""
+        if not region.fits(length, trailer):
+            return None
+        slot = region.allocate(length, kind, trailer)
+        if slot is None:
+            for _ in self._store.evict_resident(keep):
+                slot = region.allocate(length, kind, trailer)
+                if slot is not None:
+                    break
+        return slot
 
     def _region_of(self, token: bytes) -> Region:
         region = self._region()
@@ -193,6 +223,15 @@ class CacheServicer:
 
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
         keys = self._keys(self._namespace(context), request.mm_hashes)
+        check_count("shm_done", len(request.shm_done))
+        region = self._region()
+        # Only a client that maps the region reports; one of a region gone is
+        # too late, but its leases are still given back.
+        if region is not None and region.matches(request.shm_token):
+            for hold in request.shm_done:
+                region.release(hold)
+            self._metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
+            self._metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
         return pb.ReleaseReply(instance_id=self._instance_id, released=self._store.release(keys))
 
     async def subscribe(self, request_bytes: bytes, context: Context) -> None:
@@ -266,13 +305,14 @@ class CacheServicer:
             async with self._inflight.reserve(payload):
                 uploads = []
                 for e in entries:
+                    resident = None
                     if e.chunks is None:
                         data: tuple[bytes, ...] = ()
                     elif e.index in claimed:
-                        data = self._from_region(claimed[e.index])
+                        data, resident = self._from_region(claimed[e.index], e)
                     else:
                         data = await read_chunks(stream, e)
-                    uploads.append(upload_entry(e, data))
+                    uploads.append(upload_entry(e, data, resident))
                 await check_no_surplus(stream, in_metadata)
                 self._metrics.received_bytes.inc(payload)
                 touches = namespace.keys(request.touches)
@@ -311,16 +351,22 @@ class CacheServicer:
             if region is not None:
                 region.free(slot.lease)
 
-    def _from_region(self, slot: Slot) -> tuple[bytes, ...]:
-        """An uploaded payload out of its claimed slot, as chunk frames; the slot freed."""
+    def _from_region(
+        self, slot: Slot, entry: EntryHeader
+    ) -> tuple[tuple[bytes, ...], Resident | None]:
+        """An uploaded payload in its claimed slot: resident there from now on (no
+        copy), or, when the slot has no room for its key and spec, copied out as
+        chunk frames and the slot freed."""
         region = self._region()
-        assert region is not None
+        assert region is not None and entry.spec is not None
+        self._metrics.shm_bytes.labels("write").inc(slot.length)
+        resident = region.settle(slot, entry.key, entry.spec.SerializeToString())
+        if resident is not None:
+            return (), resident
         try:
-            frames = region_frames(region.payload(slot))
+            return tuple(region_frames(region.payload(slot))), None
         finally:
             region.free(slot.lease)
-        self._metrics.shm_bytes.labels("write").inc(slot.length)
-        return frames
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(frames_of(frame), context)
@@ -333,12 +379,15 @@ class CacheServicer:
         keys, items = self._fetched(request, context)
         header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
-            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=len(item.frames))
+            chunks = len(item.frames) if item.resident is None else frame_count(item.payload)
+            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=chunks)
         await write(context, header_frame(header.SerializeToString()))
-        # The frames are the very objects that arrived: held references keep
-        # them alive even if the items are evicted meanwhile.
+        # The frames are the very objects that arrived, or made from the region
+        # one at a time: held references keep either alive if the items are
+        # evicted meanwhile.
         for item in items:
-            for frame in item.frames:
+            resident = item.resident
+            for frame in item.frames if resident is None else region_frames(resident.payload()):
                 await write(context, frame)
             self._metrics.sent_bytes.inc(item.payload)
         if request.release:  # read to the end: the leases' promise is kept
@@ -346,17 +395,20 @@ class CacheServicer:
 
     async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
         region = self._region_of(request.shm_token)
-        for lease in request.shm_done:  # first: whatever this call meets next
-            region.release(lease, READ)
         keys, items = self._fetched(request, context)
-        slots = self._stage(region, items)
         header = pb.FetchHeader(instance_id=self._instance_id)
-        if slots is None:
+        residents = self._residents(region, keys, items)
+        if residents is None:
             return header  # no room: the client calls Fetch
-        for mm_hash, item, slot in zip(request.mm_hashes, items, slots, strict=True):
-            header.items.add(mm_hash=mm_hash, item=item.spec, shm=_slot_message(slot))
+        for mm_hash, item, resident in zip(request.mm_hashes, items, residents, strict=True):
+            slot = resident.slot
+            where = pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease)
+            if request.shm_hold:
+                where.hold = region.hold(resident)
+            header.items.add(mm_hash=mm_hash, item=item.spec, shm=where)
             self._metrics.sent_bytes.inc(item.payload)
-        if request.release:  # the reply carries every item: the leases' promise is kept
+        self._metrics.shm_bytes.labels("read").inc(sum(item.payload for item in items))
+        if request.release:  # the reply says where every item is: the leases' promise is kept
             self._store.release(keys)
         return header
 
@@ -372,21 +424,27 @@ class CacheServicer:
         except CacheMissError as exc:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
 
-    def _stage(self, region: Region, items: Sequence[StoredItem]) -> list[Slot] | None:
-        """Copy the items into read slots of a region the client maps (None: chunk
-        frames). All or none: a region without room for all sends frames."""
-        region.expire()
-        slots: list[Slot] = []
-        for item in items:
-            slot = region.allocate(item.payload, READ)
+    def _residents(
+        self, region: Region, keys: Sequence[str], items: Sequence[StoredItem]
+    ) -> list[Resident] | None:
+        """The items' extents in the region, moving there those that are not yet
+        (their frames then dropped); None when the region has no room for all."""
+        residents: list[Resident] = []
+        for key, item in zip(keys, items, strict=True):
+            if item.resident is not None:
+                region.reindex(key, item.resident)
+                residents.append(item.resident)
+                continue
+            spec = item.spec.SerializeToString()
+            slot = self._allocate(region, item.payload, ITEM, len(key.encode()) + len(spec), keys)
             if slot is None:
-                for given in slots:
-                    region.free(given.lease)
                 return None
             copy_payload(item.frames, region.payload(slot))
-            slots.append(slot)
-        self._metrics.shm_bytes.labels("read").inc(sum(s.length for s in slots))
-        return slots
+            resident = region.settle(slot, key, spec)
+            assert resident is not None  # allocated with room for its trailer
+            self._store.make_resident(key, item, resident)
+            residents.append(resident)
+        return residents
 
     def _modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""
@@ -400,7 +458,3 @@ class CacheServicer:
             self._metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
         if outcome == Outcome.UNCACHED:
             self._metrics.uncached.labels(modality or "unknown").inc()
-
-
-def _slot_message(slot: Slot) -> pb.ShmSlot:
-    return pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease)

@@ -1,7 +1,8 @@
 """The P1 item cache: a byte-bounded LRU of validated items, with leases (no gRPC here).
 
 Items are kept as the chunk frames they arrived in, so a Fetch sends the very
-same `bytes` objects back: no copy on the way in or out. Every change to the
+same `bytes` objects back: no copy on the way in or out; or resident in the
+shared-memory region (server/_region.py), where co-located clients read them. Every change to the
 key set is reported to `on_change` (the mirror feed), and a leased item is
 pinned: it counts in the capacity and is never evicted until its lease ends.
 """
@@ -9,7 +10,7 @@ pinned: it counts in the capacity and is never evicted until its lease ends.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from mmcache._errors import CacheMissError
@@ -18,6 +19,7 @@ from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import FeedState
 from ._leases import LeaseBook
+from ._region import Resident
 
 __all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
 
@@ -34,10 +36,12 @@ ChangeHook = Callable[["pb.ChangeKind.ValueType", str, int], None]
 @dataclass(frozen=True, slots=True)
 class StoredItem:
     spec: pb.ItemSpec
-    frames: tuple[bytes, ...]
+    frames: tuple[bytes, ...]  # empty when resident
     payload: int  # tensor bytes carried by the frames
     size: int  # bytes charged to the LRU: the spec's size plus the metadata's
     metadata: bytes = b""
+    # The payload's home in the shared-memory region instead of `frames`.
+    resident: Resident | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +212,24 @@ class ItemStore:
         if missing:
             raise CacheMissError(missing)
         return items  # type: ignore[return-value]
+
+    def make_resident(self, key: str, item: StoredItem, resident: Resident) -> None:
+        """The held `item` under `key` keeps its bytes in the region from now on
+        (its frames dropped: charged once), its place in the order kept."""
+        if self._lru.peek(key) is item:
+            self._lru.replace_value(key, replace(item, frames=(), resident=resident))
+
+    def evict_resident(self, keep: Collection[str] = ()) -> Iterator[None]:
+        """Evict unpinned items resident in the region, oldest first, one a step,
+        but none of `keep`: the caller stops once the region has the room it needs."""
+        keys = [
+            key
+            for key, item, _ in self._lru.items()
+            if item.resident is not None and key not in keep and not self._lru.is_pinned(key)
+        ]
+        for key in keys:
+            if self._lru.evict(key):
+                yield
 
     def release(self, mm_hashes: Iterable[str]) -> int:
         """Give back one lease of each hash; how many were leased."""

@@ -27,6 +27,7 @@ from mmcache._frames import (
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
+from ._region import Resident
 from ._store import BatchResult, StoredItem, UploadEntry
 
 __all__ = [
@@ -218,13 +219,16 @@ async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: boo
     raise InvalidArgumentError("more chunk frames arrived than the header's num_chunks declare")
 
 
-def upload_entry(entry: EntryHeader, frames: tuple[bytes, ...]) -> UploadEntry:
-    """What the store applies for one entry, its frames read."""
+def upload_entry(
+    entry: EntryHeader, frames: tuple[bytes, ...], resident: Resident | None = None
+) -> UploadEntry:
+    """What the store applies for one entry, its frames read (or its payload
+    resident in the shared-memory region)."""
     if entry.spec is None:
         return UploadEntry(entry.key, want_metadata=entry.want_metadata)
     if entry.withheld:
         return UploadEntry(entry.key, withheld=True)
-    item = StoredItem(entry.spec, frames, entry.payload, entry.charged, entry.metadata)
+    item = StoredItem(entry.spec, frames, entry.payload, entry.charged, entry.metadata, resident)
     return UploadEntry(entry.key, item)
 
 

@@ -7,7 +7,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -110,44 +110,176 @@ async def test_every_dtype_and_form_round_trips_bit_exact_through_shared_memory(
     assert await shm_bytes(shm_server, "write") > 0  # the 2 MiB+ uploads went through slots
 
 
-async def test_read_slots_are_freed_by_the_next_fetch_or_by_expiry(tmp_path: Path) -> None:
-    config = shm_config(tmp_path, lease_s=0.3)
-    async with MMCacheServer(config) as server, client(server) as c:
-        region = server.region
-        assert region is not None
-        await c.get_and_update([image_item(1)], ["a"], lease=False)
-        await c.fetch(["a"])
-        assert region.slots == 1  # copied out; "done" rides with the next Fetch
-        await c.fetch(["a"])
-        assert region.slots == 1  # the first freed, the second now held
-        # A client that dies mid-read never says "done": the lease runs out.
-        await asyncio.sleep(0.4)
-        region.expire()
-        assert region.slots == 0 and region.leased_bytes == 0
+async def handled(server: MMCacheServer, method: str) -> float:
+    """Calls of `method` the server has answered, whatever their status."""
+    samples = await scrape(server.metrics_port)
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "grpc_server_handled_total" and ("grpc_method", method) in labels
+    )
 
 
-async def test_a_slot_freed_under_a_stalled_read_fails_the_read_and_grpc_takes_over(
+async def eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    assert check()
+
+
+async def test_resident_items_are_read_with_no_call_and_reported_after(
+    shm_server: MMCacheServer,
+) -> None:
+    async with client(shm_server) as c:
+        item = {"x": tensor(torch.float32, 1 << 20, 1)}  # 4 MiB: uploaded through a slot
+        await c.get_and_update([item], ["r"])  # leased, for the engine's read
+        stored = shm_server.store.peek("r")
+        assert stored is not None and stored.resident is not None and stored.frames == ()
+        calls = await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch")
+        for _ in range(3):
+            assert same((await c.fetch(["r"], release=False))[0], item)
+        assert same((await c.fetch(["r"]))[0], item)
+        assert await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch") == calls
+        # What the reads owe the server goes in one Release, just after.
+        await eventually(lambda: shm_server.store.leases == 0)
+        assert await shm_bytes(shm_server, "read") == 4 * item["x"].nbytes
+
+
+async def test_an_item_uploaded_over_grpc_moves_into_the_region_on_its_first_read(
+    shm_server: MMCacheServer,
+) -> None:
+    async with client(shm_server, shm=False) as remote, client(shm_server) as local:
+        await remote.get_and_update([image_item(1)], ["g"], lease=False)
+        before = shm_server.store.peek("g")
+        assert before is not None and before.resident is None and before.frames
+        used = shm_server.store.used
+        assert (await local.fetch(["g"]))[0] == image_item(1)  # ReadShm moves it
+        after = shm_server.store.peek("g")
+        assert after is not None and after.resident is not None and after.frames == ()
+        assert shm_server.store.used == used  # charged once, wherever it lives
+        calls = await handled(shm_server, "ReadShm")
+        assert (await local.fetch(["g"]))[0] == image_item(1)  # now with no call
+        assert await handled(shm_server, "ReadShm") == calls
+        # A client off the host still reads it, as chunk frames made from the region.
+        assert (await remote.fetch(["g"]))[0] == image_item(1)
+
+
+async def test_namespaces_read_their_own_resident_items(shm_server: MMCacheServer) -> None:
+    async with client(shm_server, namespace="a") as a, client(shm_server, namespace="b") as b:
+        mine = {"x": tensor(torch.float32, 1 << 19, 2)}
+        theirs = {"x": tensor(torch.float32, 1 << 19, 3)}
+        await a.get_and_update([mine], ["same"], lease=False)
+        await b.get_and_update([theirs], ["same"], lease=False)
+        for _ in range(2):
+            assert same((await a.fetch(["same"]))[0], mine)
+            assert same((await b.fetch(["same"]))[0], theirs)
+        async with client(shm_server, namespace="c") as c:
+            with pytest.raises(CacheMissError):
+                await c.fetch(["same"])
+
+
+async def test_items_past_the_index_are_read_through_readshm(tmp_path: Path) -> None:
+    """A small region has few index buckets: items whose buckets are all taken
+    are still resident, and ReadShm says where they are."""
+    async with MMCacheServer(shm_config(tmp_path, shm_bytes=4 * MIB)) as server:
+        async with client(server) as c:
+            items = [{"x": tensor(torch.int32, 256, i)} for i in range(300)]
+            hashes = [f"n{i}" for i in range(300)]
+            await c.get_and_update(items, hashes, lease=False)
+            for _ in range(2):  # the first read moves them in, the second finds them
+                fetched = await c.fetch(hashes)
+                assert all(same(a, b) for a, b in zip(fetched, items, strict=True))
+            assert server.region is not None and len(server.region._indexed) <= 256 < 300
+            assert all(server.store.peek(h).resident is not None for h in hashes)  # type: ignore[union-attr]
+
+
+async def test_region_pressure_evicts_the_oldest_resident_items_never_leased_ones(
     tmp_path: Path,
 ) -> None:
-    config = shm_config(tmp_path, lease_s=0.2)
+    config = shm_config(tmp_path, shm_bytes=24 * MIB, capacity_bytes=256 * MIB)
     async with MMCacheServer(config) as server, client(server) as c:
+        kept = {"x": tensor(torch.float32, 1 << 20, 99)}
+        await c.get_and_update([kept], ["kept"])  # leased: pressure must not evict it
+        items = [{"x": tensor(torch.float32, 1 << 20, i)} for i in range(8)]  # 4 MiB each
+        for i, item in enumerate(items):
+            await c.get_and_update([item], [f"p{i}"], lease=False)
+        assert await shm_bytes(server, "write") == 9 * 4 * MIB  # every one through a slot
+        assert "kept" in server.store and "p7" in server.store and "p0" not in server.store
+        assert server.region is not None and server.region.resident_bytes <= 24 * MIB
+        assert same((await c.fetch(["kept"]))[0], kept)
+        assert same((await c.fetch(["p7"]))[0], items[7])
+
+
+async def test_fetched_tensors_reuse_the_memory_of_dropped_ones_never_held_ones(
+    shm_server: MMCacheServer,
+) -> None:
+    item = {"x": tensor(torch.float32, 1 << 21, 4)}  # 8 MiB
+    async with client(shm_server) as c:
+        await c.get_and_update([item], ["big"], lease=False)
+        held = (await c.fetch(["big"]))[0]["x"]
+        second = (await c.fetch(["big"]))[0]["x"]
+        assert second.data_ptr() != held.data_ptr()  # still the caller's
+        address = second.data_ptr()
+        del second
+        third = (await c.fetch(["big"]))[0]["x"]
+        assert third.data_ptr() == address  # the dropped buffer, used again
+        assert torch.equal(held, item["x"]) and torch.equal(third, item["x"])
+        held.zero_()
+        assert torch.equal(third, item["x"])
+    async with client(shm_server, reuse_bytes=0) as c:
+        assert torch.equal((await c.fetch(["big"]))[0]["x"], item["x"])
+
+
+async def test_spare_write_slots_save_a_call_and_go_back_at_close(
+    shm_server: MMCacheServer,
+) -> None:
+    region = shm_server.region
+    assert region is not None
+    async with client(shm_server) as c:
+        allocations = await handled(shm_server, "ShmAllocate")
+        for i in range(4):
+            await c.get_and_update([{"x": tensor(torch.float32, 1 << 20, i)}], [f"s{i}"])
+        assert await handled(shm_server, "ShmAllocate") == allocations + 1  # three spares
+        await c.get_and_update([{"x": tensor(torch.float32, 1 << 20, 9)}], ["s9"])
+        assert region.slots == 3  # the next three spares
+    await eventually(lambda: region.slots == 0)
+    assert await shm_bytes(shm_server, "write") == 5 * 4 * MIB
+
+
+async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(3, numel=1 << 18)
         await c.get_and_update([item], ["s"], lease=False)
-        # The engine's read, by hand, then a stall past the lease.
         assert c._region is not None
         request = pb.FetchRequest(mm_hashes=["s"], shm_token=c._region.token)
         header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
-        slot = header.items[0].shm
-        await asyncio.sleep(0.3)
-        assert server.region is not None
-        server.region.expire()  # (the server's own sweep may have been first)
-        assert server.region.slots == 0 and server.region.expired == 1
+        server.store.clear()  # no hold: the extent is freed at once
         decoder = ItemDecoder(header.items[0].item)
-        assert not c._region.read(slot, decoder)  # the lease word is gone: no torn read
-        assert (await c.fetch(["s"]))[0] == item  # the client's own path still reads it
+        assert not c._region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
+        assert c._region.read_resident("s", None) is None
 
 
-async def test_eviction_and_overwrite_during_a_read_do_not_touch_the_slot(
+async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mmcache.client import _shm
+
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+        item = {"x": tensor(torch.float32, 1 << 20, 6)}
+        await c.get_and_update([item], ["m"], lease=False)
+
+        class EvictedMidCopy(ItemDecoder):
+            def feed_payload(self, src: memoryview, *, parallel: bool = False) -> None:
+                server.store.clear()  # the server frees the extent under the copy
+                super().feed_payload(src, parallel=parallel)
+
+        monkeypatch.setattr(_shm, "ItemDecoder", EvictedMidCopy)
+        with pytest.raises(CacheMissError):
+            await c.fetch(["m"])
+
+
+async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
     tmp_path: Path,
 ) -> None:
     config = shm_config(tmp_path, capacity_bytes=3 * MIB)
@@ -155,14 +287,16 @@ async def test_eviction_and_overwrite_during_a_read_do_not_touch_the_slot(
         first = {"x": tensor(torch.float32, 1 << 18, 1)}
         await c.get_and_update([first], ["h"], lease=False)
         assert c._region is not None
-        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c._region.token)
+        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c._region.token, shm_hold=True)
         header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
         # New data under the hash, and enough more to evict everything old.
         await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 2)}], ["h"], lease=False)
         for i in range(4):
             await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 10 + i)}], [f"e{i}"])
+            await c.fetch([f"e{i}"])  # each moved into the region
+        assert "h" not in server.store
         decoder = ItemDecoder(header.items[0].item)
-        assert c._region.read(header.items[0].shm, decoder)
+        assert c._region.read(header.items[0].shm, decoder)  # the hold kept it
         assert same(decoder.finish(), first)
 
 
@@ -304,7 +438,7 @@ def test_attach_refuses_a_path_it_cannot_open(tmp_path: Path) -> None:
 
 def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) -> None:
     """A writer stalled past its lease must not land in another client's slot."""
-    from mmcache.server._region import READ, WRITE, open_region
+    from mmcache.server._region import WRITE, open_region
 
     now = [0.0]
     region = open_region(str(tmp_path), 1 << 20, lease_s=1.0)
@@ -314,11 +448,11 @@ def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) 
         assert stalled is not None
         now[0] = 1.5
         assert region.expire() == 1
-        reader = region.allocate(4096, READ)
-        assert reader is not None and reader.start != stalled.start  # quarantined
+        other = region.allocate(4096, WRITE)
+        assert other is not None and other.start != stalled.start  # quarantined
         now[0] = 2.6
         region.expire()
-        again = [region.allocate(4096, READ) for _ in range(200)]
+        again = [region.allocate(4096, WRITE) for _ in range(200)]
         assert stalled.start in {s.start for s in again if s is not None}  # back in use
     finally:
         region.close()
@@ -361,17 +495,17 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
         assert server.store.leases == 1  # one request's read: one lease given back
 
 
-async def test_done_slots_are_said_again_when_a_fetch_fails(tmp_path: Path) -> None:
+async def test_call_free_reads_give_their_leases_back_once(tmp_path: Path) -> None:
     async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
-        assert server.region is not None
-        await c.get_and_update([image_item(5)], ["here"], lease=False)
-        await c.fetch(["here"])
-        assert server.region.slots == 1
-        with pytest.raises(CacheMissError):
-            await c.fetch(["absent"])  # the server frees the done slot before the miss
-        assert server.region.slots == 0
-        await c.fetch(["here"])
-        assert server.region.slots == 1
+        item = {"x": tensor(torch.float32, 1 << 20, 5)}
+        for _ in range(3):
+            await c.get_and_update([item], ["thrice"])  # three requests' leases
+        assert server.store.leases == 3
+        await c.fetch(["thrice"])
+        await c.fetch(["thrice"], release=False)
+        await eventually(lambda: server.store.leases == 2)
+        await c.fetch(["thrice", "thrice"])
+        await eventually(lambda: server.store.leases == 0)
 
 
 def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> None:
@@ -390,15 +524,15 @@ async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) ->
         await c.get_and_update([mapping, image_item(6)], ["v", "w"], lease=False)
         async with c.view(["v", "w"]) as items:
             assert same(items[0], mapping) and items[1] == image_item(6)
-            assert server.region.slots == 2
+            assert server.region.slots == 2  # two holds
             # No copy: the tensor's bytes are the slot's, in the region.
             slot_view = c._region._view
             base = torch.frombuffer(slot_view, dtype=torch.uint8).data_ptr()
             assert base <= items[0]["x"].data_ptr() < base + len(slot_view)
             on_device = items[0]["x"].clone()
         assert torch.equal(on_device, mapping["x"])
-        await c.fetch(["w"])  # the view's slots go back with the next Fetch
-        assert server.region.slots == 1
+        region = server.region
+        await eventually(lambda: region.slots == 0)  # given back just after the block
 
 
 async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
@@ -409,7 +543,8 @@ async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
             async with c.view(["slow"]):
                 await asyncio.sleep(0.3)
                 assert server.region is not None
-                server.region.expire()
+                server.region.expire()  # the hold ends, and then the item goes
+                server.store.clear()
 
         with pytest.raises(FailedPreconditionError, match="outlived its lease"):
             await hold_too_long()
@@ -431,8 +566,10 @@ from mmcache.v1 import cache_pb2 as pb
 async def main() -> None:
     async with MMCacheClient(sys.argv[1], follow=False) as client:
         assert client._region is not None
-        request = pb.FetchRequest(mm_hashes=["held"], shm_token=client._region.token)
-        await client._rpc.read_shm(request)  # slots handed out, never said done
+        request = pb.FetchRequest(
+            mm_hashes=["held"], shm_token=client._region.token, shm_hold=True
+        )
+        await client._rpc.read_shm(request)  # a hold taken, never said done
         print("read", flush=True)
         await asyncio.sleep(60)
 
@@ -440,7 +577,7 @@ asyncio.run(main())
 """
 
 
-async def test_a_reader_killed_mid_read_gives_its_slots_back_by_expiry(tmp_path: Path) -> None:
+async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path: Path) -> None:
     async with MMCacheServer(shm_config(tmp_path, lease_s=0.5)) as server, client(server) as c:
         assert server.region is not None
         await c.get_and_update([image_item(9)], ["held"], lease=False)
@@ -457,7 +594,7 @@ async def test_a_reader_killed_mid_read_gives_its_slots_back_by_expiry(tmp_path:
             if server.region.slots == 0:
                 break
             await asyncio.sleep(0.05)
-        assert server.region.slots == 0 and server.region.leased_bytes == 0
+        assert server.region.slots == 0 and server.region.expired == 1
         assert (await c.fetch(["held"]))[0] == image_item(9)
 
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcache/v1/cache.proto\x12\nmmcache.v1\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"+\n\x08NodeList\x12\x1f\n\x05items\x18\x01 \x03(\x0b\x32\x10.mmcache.v1.Node\"\xc7\x01\n\x04Node\x12(\n\x06tensor\x18\x01 \x01(\x0b\x32\x16.mmcache.v1.TensorSpecH\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x04 \x01(\x08H\x00\x12$\n\x04list\x18\x05 \x01(\x0b\x32\x14.mmcache.v1.NodeListH\x00\x12%\n\x05tuple\x18\x06 \x01(\x0b\x32\x14.mmcache.v1.NodeListH\x00\x42\x06\n\x04kind\"]\n\x05Slice\x12\x12\n\x05start\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\x04stop\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04step\x18\x03 \x01(\x03H\x02\x88\x01\x01\x42\x08\n\x06_startB\x07\n\x05_stopB\x07\n\x05_step\"a\n\nSliceEntry\x12\"\n\x05slice\x18\x01 \x01(\x0b\x32\x11.mmcache.v1.SliceH\x00\x12\'\n\x05tuple\x18\x02 \x01(\x0b\x32\x16.mmcache.v1.SliceTupleH\x00\x42\x06\n\x04kind\"/\n\nSliceTuple\x12!\n\x06slices\x18\x01 \x03(\x0b\x32\x11.mmcache.v1.Slice\"\x0e\n\x0c\x42\x61tchedField\"@\n\tFlatField\x12&\n\x06slices\x18\x01 \x03(\x0b\x32\x16.mmcache.v1.SliceEntry\x12\x0b\n\x03\x64im\x18\x02 \x01(\x03\"!\n\x0bSharedField\x12\x12\n\nbatch_size\x18\x01 \x01(\x03\"\xe7\x01\n\tFieldElem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x10.mmcache.v1.Node\x12+\n\x07\x62\x61tched\x18\x04 \x01(\x0b\x32\x18.mmcache.v1.BatchedFieldH\x00\x12%\n\x04\x66lat\x18\x05 \x01(\x0b\x32\x15.mmcache.v1.FlatFieldH\x00\x12)\n\x06shared\x18\x06 \x01(\x0b\x32\x17.mmcache.v1.SharedFieldH\x00\x12\x13\n\x0bkeep_on_cpu\x18\x07 \x01(\x08\x42\x07\n\x05\x66ield\"\x99\x01\n\x08ItemSpec\x12\'\n\x04\x66orm\x18\x01 \x01(\x0e\x32\x19.mmcache.v1.ItemSpec.Form\x12%\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x15.mmcache.v1.FieldElem\"=\n\x04\x46orm\x12\x14\n\x10\x46ORM_UNSPECIFIED\x10\x00\x12\r\n\tFORM_ITEM\x10\x01\x12\x10\n\x0c\x46ORM_MAPPING\x10\x02\"\xd5\x01\n\x0bUpdateEntry\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\"\n\x04item\x18\x03 \x01(\x0b\x32\x14.mmcache.v1.ItemSpec\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x10\n\x08withheld\x18\x05 \x01(\x08\x12\x0e\n\x06resend\x18\x06 \x01(\x08\x12\x10\n\x08metadata\x18\x07 \x01(\x0c\x12\x15\n\rwant_metadata\x18\x08 \x01(\x08\x12 \n\x03shm\x18\t \x01(\x0b\x32\x13.mmcache.v1.ShmSlot\"\x83\x01\n\rUpdateRequest\x12\x0f\n\x07touches\x18\x01 \x03(\t\x12(\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x17.mmcache.v1.UpdateEntry\x12$\n\x05lease\x18\x03 \x01(\x0e\x32\x15.mmcache.v1.LeaseMode\x12\x11\n\tshm_token\x18\x04 \x01(\x0c\"T\n\x0bUpdateFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.mmcache.v1.UpdateRequestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\xfc\x01\n\x0bUpdateReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12%\n\x08outcomes\x18\x03 \x03(\x0e\x32\x13.mmcache.v1.Outcome\x12\r\n\x05sizes\x18\x04 \x03(\x03\x12\x11\n\tmax_items\x18\x05 \x01(\x03\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x03(\t\x12\x19\n\x11\x65victed_truncated\x18\x08 \x01(\x08\x12\x10\n\x08metadata\x18\t \x03(\x0c\x12\x1a\n\x12metadata_truncated\x18\x0b \x01(\x08\x12\x10\n\x08lease_ms\x18\n \x01(\x03\"W\n\x0c\x46\x65tchRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\x12\x0f\n\x07release\x18\x02 \x01(\x08\x12\x11\n\tshm_token\x18\x03 \x01(\x0c\x12\x10\n\x08shm_done\x18\x04 \x03(\x04\"x\n\x0b\x46\x65tchedItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\"\n\x04item\x18\x02 \x01(\x0b\x32\x14.mmcache.v1.ItemSpec\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12 \n\x03shm\x18\x04 \x01(\x0b\x32\x13.mmcache.v1.ShmSlot\"J\n\x0b\x46\x65tchHeader\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.mmcache.v1.FetchedItem\"Q\n\nFetchFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.mmcache.v1.FetchHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"!\n\x0cMissingItems\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"@\n\tShmRegion\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x11\n\tregion_id\x18\x03 \x01(\x0c\"8\n\x07ShmSlot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\r\n\x05lease\x18\x03 \x01(\x04\"8\n\x12ShmAllocateRequest\x12\x11\n\tshm_token\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\"K\n\x10ShmAllocateReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05slots\x18\x02 \x03(\x0b\x32\x13.mmcache.v1.ShmSlot\"\xbc\x01\n\tInfoReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\x12\r\n\x05items\x18\x05 \x01(\x03\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x11\n\tmax_items\x18\x07 \x01(\x03\x12\"\n\x03shm\x18\x08 \x01(\x0b\x32\x15.mmcache.v1.ShmRegion\"!\n\x0cTouchRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\"2\n\nTouchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07touched\x18\x02 \x01(\x03\"\x0e\n\x0c\x43learRequest\"T\n\nClearReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07removed\x18\x02 \x01(\x03\x12\x13\n\x0bkept_leased\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"#\n\x0eReleaseRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\"5\n\x0cReleaseReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08released\x18\x02 \x01(\x03\"\x12\n\x10SubscribeRequest\"V\n\x0b\x46\x65\x65\x64\x43hanges\x12%\n\x05kinds\x18\x01 \x03(\x0e\x32\x16.mmcache.v1.ChangeKind\x12\x11\n\tmm_hashes\x18\x02 \x03(\t\x12\r\n\x05sizes\x18\x03 \x03(\x03\"z\n\x0c\x46\x65\x65\x64Snapshot\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x03\x12\x0f\n\x07pending\x18\x03 \x03(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x03\x12\x11\n\tmax_items\x18\x06 \x01(\x03\"\x91\x01\n\x0b\x46\x65\x65\x64Message\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x07\x63hanges\x18\x03 \x01(\x0b\x32\x17.mmcache.v1.FeedChangesH\x00\x12,\n\x08snapshot\x18\x04 \x01(\x0b\x32\x18.mmcache.v1.FeedSnapshotH\x00\x42\x06\n\x04\x62ody*\x88\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTCOME_HIT\x10\x01\x12\x13\n\x0fOUTCOME_MISSING\x10\x02\x12\x12\n\x0eOUTCOME_STORED\x10\x03\x12\x14\n\x10OUTCOME_REPLACED\x10\x04\x12\x14\n\x10OUTCOME_UNCACHED\x10\x05*;\n\tLeaseMode\x12\x0e\n\nLEASE_NONE\x10\x00\x12\x0e\n\nLEASE_HELD\x10\x01\x12\x0e\n\nLEASE_HITS\x10\x02*s\n\nChangeKind\x12\x16\n\x12\x43HANGE_UNSPECIFIED\x10\x00\x12\x11\n\rCHANGE_STORED\x10\x01\x12\x12\n\x0e\x43HANGE_REMOVED\x10\x02\x12\x12\n\x0e\x43HANGE_PENDING\x10\x03\x12\x12\n\x0e\x43HANGE_SETTLED\x10\x04\x32\x8f\x05\n\x07MMCache\x12\x36\n\x04Info\x12\x17.mmcache.v1.InfoRequest\x1a\x15.mmcache.v1.InfoReply\x12\x42\n\x0cGetAndUpdate\x12\x17.mmcache.v1.UpdateFrame\x1a\x17.mmcache.v1.UpdateReply(\x01\x12\x43\n\x0fGetAndUpdateOne\x12\x17.mmcache.v1.UpdateFrame\x1a\x17.mmcache.v1.UpdateReply\x12;\n\x05\x46\x65tch\x12\x18.mmcache.v1.FetchRequest\x1a\x16.mmcache.v1.FetchFrame0\x01\x12\x39\n\x05Touch\x12\x18.mmcache.v1.TouchRequest\x1a\x16.mmcache.v1.TouchReply\x12\x39\n\x05\x43lear\x12\x18.mmcache.v1.ClearRequest\x1a\x16.mmcache.v1.ClearReply\x12?\n\x07Release\x12\x1a.mmcache.v1.ReleaseRequest\x1a\x18.mmcache.v1.ReleaseReply\x12\x44\n\tSubscribe\x12\x1c.mmcache.v1.SubscribeRequest\x1a\x17.mmcache.v1.FeedMessage0\x01\x12K\n\x0bShmAllocate\x12\x1e.mmcache.v1.ShmAllocateRequest\x1a\x1c.mmcache.v1.ShmAllocateReply\x12<\n\x07ReadShm\x12\x18.mmcache.v1.FetchRequest\x1a\x17.mmcache.v1.FetchHeaderb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16mmcache/v1/cache.proto\x12\nmmcache.v1\"*\n\nTensorSpec\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"+\n\x08NodeList\x12\x1f\n\x05items\x18\x01 \x03(\x0b\x32\x10.mmcache.v1.Node\"\xc7\x01\n\x04Node\x12(\n\x06tensor\x18\x01 \x01(\x0b\x32\x16.mmcache.v1.TensorSpecH\x00\x12\x13\n\tint_value\x18\x02 \x01(\x12H\x00\x12\x15\n\x0b\x66loat_value\x18\x03 \x01(\x01H\x00\x12\x14\n\nbool_value\x18\x04 \x01(\x08H\x00\x12$\n\x04list\x18\x05 \x01(\x0b\x32\x14.mmcache.v1.NodeListH\x00\x12%\n\x05tuple\x18\x06 \x01(\x0b\x32\x14.mmcache.v1.NodeListH\x00\x42\x06\n\x04kind\"]\n\x05Slice\x12\x12\n\x05start\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\x04stop\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04step\x18\x03 \x01(\x03H\x02\x88\x01\x01\x42\x08\n\x06_startB\x07\n\x05_stopB\x07\n\x05_step\"a\n\nSliceEntry\x12\"\n\x05slice\x18\x01 \x01(\x0b\x32\x11.mmcache.v1.SliceH\x00\x12\'\n\x05tuple\x18\x02 \x01(\x0b\x32\x16.mmcache.v1.SliceTupleH\x00\x42\x06\n\x04kind\"/\n\nSliceTuple\x12!\n\x06slices\x18\x01 \x03(\x0b\x32\x11.mmcache.v1.Slice\"\x0e\n\x0c\x42\x61tchedField\"@\n\tFlatField\x12&\n\x06slices\x18\x01 \x03(\x0b\x32\x16.mmcache.v1.SliceEntry\x12\x0b\n\x03\x64im\x18\x02 \x01(\x03\"!\n\x0bSharedField\x12\x12\n\nbatch_size\x18\x01 \x01(\x03\"\xe7\x01\n\tFieldElem\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x1e\n\x04\x64\x61ta\x18\x03 \x01(\x0b\x32\x10.mmcache.v1.Node\x12+\n\x07\x62\x61tched\x18\x04 \x01(\x0b\x32\x18.mmcache.v1.BatchedFieldH\x00\x12%\n\x04\x66lat\x18\x05 \x01(\x0b\x32\x15.mmcache.v1.FlatFieldH\x00\x12)\n\x06shared\x18\x06 \x01(\x0b\x32\x17.mmcache.v1.SharedFieldH\x00\x12\x13\n\x0bkeep_on_cpu\x18\x07 \x01(\x08\x42\x07\n\x05\x66ield\"\x99\x01\n\x08ItemSpec\x12\'\n\x04\x66orm\x18\x01 \x01(\x0e\x32\x19.mmcache.v1.ItemSpec.Form\x12%\n\x06\x66ields\x18\x02 \x03(\x0b\x32\x15.mmcache.v1.FieldElem\"=\n\x04\x46orm\x12\x14\n\x10\x46ORM_UNSPECIFIED\x10\x00\x12\r\n\tFORM_ITEM\x10\x01\x12\x10\n\x0c\x46ORM_MAPPING\x10\x02\"\xd5\x01\n\x0bUpdateEntry\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\"\n\x04item\x18\x03 \x01(\x0b\x32\x14.mmcache.v1.ItemSpec\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x10\n\x08withheld\x18\x05 \x01(\x08\x12\x0e\n\x06resend\x18\x06 \x01(\x08\x12\x10\n\x08metadata\x18\x07 \x01(\x0c\x12\x15\n\rwant_metadata\x18\x08 \x01(\x08\x12 \n\x03shm\x18\t \x01(\x0b\x32\x13.mmcache.v1.ShmSlot\"\x83\x01\n\rUpdateRequest\x12\x0f\n\x07touches\x18\x01 \x03(\t\x12(\n\x07\x65ntries\x18\x02 \x03(\x0b\x32\x17.mmcache.v1.UpdateEntry\x12$\n\x05lease\x18\x03 \x01(\x0e\x32\x15.mmcache.v1.LeaseMode\x12\x11\n\tshm_token\x18\x04 \x01(\x0c\"T\n\x0bUpdateFrame\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.mmcache.v1.UpdateRequestH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"\xfc\x01\n\x0bUpdateReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12%\n\x08outcomes\x18\x03 \x03(\x0e\x32\x13.mmcache.v1.Outcome\x12\r\n\x05sizes\x18\x04 \x03(\x03\x12\x11\n\tmax_items\x18\x05 \x01(\x03\x12\x0b\n\x03seq\x18\x06 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x07 \x03(\t\x12\x19\n\x11\x65victed_truncated\x18\x08 \x01(\x08\x12\x10\n\x08metadata\x18\t \x03(\x0c\x12\x1a\n\x12metadata_truncated\x18\x0b \x01(\x08\x12\x10\n\x08lease_ms\x18\n \x01(\x03\"]\n\x0c\x46\x65tchRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\x12\x0f\n\x07release\x18\x02 \x01(\x08\x12\x11\n\tshm_token\x18\x03 \x01(\x0c\x12\x10\n\x08shm_hold\x18\x05 \x01(\x08J\x04\x08\x04\x10\x05\"x\n\x0b\x46\x65tchedItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\"\n\x04item\x18\x02 \x01(\x0b\x32\x14.mmcache.v1.ItemSpec\x12\x12\n\nnum_chunks\x18\x03 \x01(\r\x12 \n\x03shm\x18\x04 \x01(\x0b\x32\x13.mmcache.v1.ShmSlot\"J\n\x0b\x46\x65tchHeader\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x05items\x18\x02 \x03(\x0b\x32\x17.mmcache.v1.FetchedItem\"Q\n\nFetchFrame\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.mmcache.v1.FetchHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x07\n\x05\x66rame\"!\n\x0cMissingItems\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\"\r\n\x0bInfoRequest\"@\n\tShmRegion\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x11\n\tregion_id\x18\x03 \x01(\x0c\"F\n\x07ShmSlot\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\x12\r\n\x05lease\x18\x03 \x01(\x04\x12\x0c\n\x04hold\x18\x04 \x01(\x04\"J\n\x12ShmAllocateRequest\x12\x11\n\tshm_token\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\x04\x12\x10\n\x08trailers\x18\x03 \x03(\x04\"K\n\x10ShmAllocateReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\"\n\x05slots\x18\x02 \x03(\x0b\x32\x13.mmcache.v1.ShmSlot\"\xbc\x01\n\tInfoReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\x03\x12\r\n\x05items\x18\x05 \x01(\x03\x12\x12\n\nused_bytes\x18\x06 \x01(\x03\x12\x11\n\tmax_items\x18\x07 \x01(\x03\x12\"\n\x03shm\x18\x08 \x01(\x0b\x32\x15.mmcache.v1.ShmRegion\"!\n\x0cTouchRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\"2\n\nTouchReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07touched\x18\x02 \x01(\x03\"\x0e\n\x0c\x43learRequest\"T\n\nClearReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07removed\x18\x02 \x01(\x03\x12\x13\n\x0bkept_leased\x18\x03 \x01(\x03\x12\x0b\n\x03seq\x18\x04 \x01(\x04\"`\n\x0eReleaseRequest\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\x12\x11\n\tshm_token\x18\x02 \x01(\x0c\x12\x16\n\x0eshm_read_bytes\x18\x03 \x01(\x04\x12\x10\n\x08shm_done\x18\x04 \x03(\x04\"5\n\x0cReleaseReply\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08released\x18\x02 \x01(\x03\"\x12\n\x10SubscribeRequest\"V\n\x0b\x46\x65\x65\x64\x43hanges\x12%\n\x05kinds\x18\x01 \x03(\x0e\x32\x16.mmcache.v1.ChangeKind\x12\x11\n\tmm_hashes\x18\x02 \x03(\t\x12\r\n\x05sizes\x18\x03 \x03(\x03\"z\n\x0c\x46\x65\x65\x64Snapshot\x12\x11\n\tmm_hashes\x18\x01 \x03(\t\x12\r\n\x05sizes\x18\x02 \x03(\x03\x12\x0f\n\x07pending\x18\x03 \x03(\t\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x03\x12\x11\n\tmax_items\x18\x06 \x01(\x03\"\x91\x01\n\x0b\x46\x65\x65\x64Message\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12*\n\x07\x63hanges\x18\x03 \x01(\x0b\x32\x17.mmcache.v1.FeedChangesH\x00\x12,\n\x08snapshot\x18\x04 \x01(\x0b\x32\x18.mmcache.v1.FeedSnapshotH\x00\x42\x06\n\x04\x62ody*\x88\x01\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x0f\n\x0bOUTCOME_HIT\x10\x01\x12\x13\n\x0fOUTCOME_MISSING\x10\x02\x12\x12\n\x0eOUTCOME_STORED\x10\x03\x12\x14\n\x10OUTCOME_REPLACED\x10\x04\x12\x14\n\x10OUTCOME_UNCACHED\x10\x05*;\n\tLeaseMode\x12\x0e\n\nLEASE_NONE\x10\x00\x12\x0e\n\nLEASE_HELD\x10\x01\x12\x0e\n\nLEASE_HITS\x10\x02*s\n\nChangeKind\x12\x16\n\x12\x43HANGE_UNSPECIFIED\x10\x00\x12\x11\n\rCHANGE_STORED\x10\x01\x12\x12\n\x0e\x43HANGE_REMOVED\x10\x02\x12\x12\n\x0e\x43HANGE_PENDING\x10\x03\x12\x12\n\x0e\x43HANGE_SETTLED\x10\x04\x32\x8f\x05\n\x07MMCache\x12\x36\n\x04Info\x12\x17.mmcache.v1.InfoRequest\x1a\x15.mmcache.v1.InfoReply\x12\x42\n\x0cGetAndUpdate\x12\x17.mmcache.v1.UpdateFrame\x1a\x17.mmcache.v1.UpdateReply(\x01\x12\x43\n\x0fGetAndUpdateOne\x12\x17.mmcache.v1.UpdateFrame\x1a\x17.mmcache.v1.UpdateReply\x12;\n\x05\x46\x65tch\x12\x18.mmcache.v1.FetchRequest\x1a\x16.mmcache.v1.FetchFrame0\x01\x12\x39\n\x05Touch\x12\x18.mmcache.v1.TouchRequest\x1a\x16.mmcache.v1.TouchReply\x12\x39\n\x05\x43lear\x12\x18.mmcache.v1.ClearRequest\x1a\x16.mmcache.v1.ClearReply\x12?\n\x07Release\x12\x1a.mmcache.v1.ReleaseRequest\x1a\x18.mmcache.v1.ReleaseReply\x12\x44\n\tSubscribe\x12\x1c.mmcache.v1.SubscribeRequest\x1a\x17.mmcache.v1.FeedMessage0\x01\x12K\n\x0bShmAllocate\x12\x1e.mmcache.v1.ShmAllocateRequest\x1a\x1c.mmcache.v1.ShmAllocateReply\x12<\n\x07ReadShm\x12\x18.mmcache.v1.FetchRequest\x1a\x17.mmcache.v1.FetchHeaderb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmcache.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTCOME']._serialized_start=3302
-  _globals['_OUTCOME']._serialized_end=3438
-  _globals['_LEASEMODE']._serialized_start=3440
-  _globals['_LEASEMODE']._serialized_end=3499
-  _globals['_CHANGEKIND']._serialized_start=3501
-  _globals['_CHANGEKIND']._serialized_end=3616
+  _globals['_OUTCOME']._serialized_start=3401
+  _globals['_OUTCOME']._serialized_end=3537
+  _globals['_LEASEMODE']._serialized_start=3539
+  _globals['_LEASEMODE']._serialized_end=3598
+  _globals['_CHANGEKIND']._serialized_start=3600
+  _globals['_CHANGEKIND']._serialized_end=3715
   _globals['_TENSORSPEC']._serialized_start=38
   _globals['_TENSORSPEC']._serialized_end=80
   _globals['_NODELIST']._serialized_start=82
@@ -70,47 +70,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEREPLY']._serialized_start=1516
   _globals['_UPDATEREPLY']._serialized_end=1768
   _globals['_FETCHREQUEST']._serialized_start=1770
-  _globals['_FETCHREQUEST']._serialized_end=1857
-  _globals['_FETCHEDITEM']._serialized_start=1859
-  _globals['_FETCHEDITEM']._serialized_end=1979
-  _globals['_FETCHHEADER']._serialized_start=1981
-  _globals['_FETCHHEADER']._serialized_end=2055
-  _globals['_FETCHFRAME']._serialized_start=2057
-  _globals['_FETCHFRAME']._serialized_end=2138
-  _globals['_MISSINGITEMS']._serialized_start=2140
-  _globals['_MISSINGITEMS']._serialized_end=2173
-  _globals['_INFOREQUEST']._serialized_start=2175
-  _globals['_INFOREQUEST']._serialized_end=2188
-  _globals['_SHMREGION']._serialized_start=2190
-  _globals['_SHMREGION']._serialized_end=2254
-  _globals['_SHMSLOT']._serialized_start=2256
-  _globals['_SHMSLOT']._serialized_end=2312
-  _globals['_SHMALLOCATEREQUEST']._serialized_start=2314
-  _globals['_SHMALLOCATEREQUEST']._serialized_end=2370
-  _globals['_SHMALLOCATEREPLY']._serialized_start=2372
-  _globals['_SHMALLOCATEREPLY']._serialized_end=2447
-  _globals['_INFOREPLY']._serialized_start=2450
-  _globals['_INFOREPLY']._serialized_end=2638
-  _globals['_TOUCHREQUEST']._serialized_start=2640
-  _globals['_TOUCHREQUEST']._serialized_end=2673
-  _globals['_TOUCHREPLY']._serialized_start=2675
-  _globals['_TOUCHREPLY']._serialized_end=2725
-  _globals['_CLEARREQUEST']._serialized_start=2727
-  _globals['_CLEARREQUEST']._serialized_end=2741
-  _globals['_CLEARREPLY']._serialized_start=2743
-  _globals['_CLEARREPLY']._serialized_end=2827
-  _globals['_RELEASEREQUEST']._serialized_start=2829
-  _globals['_RELEASEREQUEST']._serialized_end=2864
-  _globals['_RELEASEREPLY']._serialized_start=2866
-  _globals['_RELEASEREPLY']._serialized_end=2919
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=2921
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=2939
-  _globals['_FEEDCHANGES']._serialized_start=2941
-  _globals['_FEEDCHANGES']._serialized_end=3027
-  _globals['_FEEDSNAPSHOT']._serialized_start=3029
-  _globals['_FEEDSNAPSHOT']._serialized_end=3151
-  _globals['_FEEDMESSAGE']._serialized_start=3154
-  _globals['_FEEDMESSAGE']._serialized_end=3299
-  _globals['_MMCACHE']._serialized_start=3619
-  _globals['_MMCACHE']._serialized_end=4274
+  _globals['_FETCHREQUEST']._serialized_end=1863
+  _globals['_FETCHEDITEM']._serialized_start=1865
+  _globals['_FETCHEDITEM']._serialized_end=1985
+  _globals['_FETCHHEADER']._serialized_start=1987
+  _globals['_FETCHHEADER']._serialized_end=2061
+  _globals['_FETCHFRAME']._serialized_start=2063
+  _globals['_FETCHFRAME']._serialized_end=2144
+  _globals['_MISSINGITEMS']._serialized_start=2146
+  _globals['_MISSINGITEMS']._serialized_end=2179
+  _globals['_INFOREQUEST']._serialized_start=2181
+  _globals['_INFOREQUEST']._serialized_end=2194
+  _globals['_SHMREGION']._serialized_start=2196
+  _globals['_SHMREGION']._serialized_end=2260
+  _globals['_SHMSLOT']._serialized_start=2262
+  _globals['_SHMSLOT']._serialized_end=2332
+  _globals['_SHMALLOCATEREQUEST']._serialized_start=2334
+  _globals['_SHMALLOCATEREQUEST']._serialized_end=2408
+  _globals['_SHMALLOCATEREPLY']._serialized_start=2410
+  _globals['_SHMALLOCATEREPLY']._serialized_end=2485
+  _globals['_INFOREPLY']._serialized_start=2488
+  _globals['_INFOREPLY']._serialized_end=2676
+  _globals['_TOUCHREQUEST']._serialized_start=2678
+  _globals['_TOUCHREQUEST']._serialized_end=2711
+  _globals['_TOUCHREPLY']._serialized_start=2713
+  _globals['_TOUCHREPLY']._serialized_end=2763
+  _globals['_CLEARREQUEST']._serialized_start=2765
+  _globals['_CLEARREQUEST']._serialized_end=2779
+  _globals['_CLEARREPLY']._serialized_start=2781
+  _globals['_CLEARREPLY']._serialized_end=2865
+  _globals['_RELEASEREQUEST']._serialized_start=2867
+  _globals['_RELEASEREQUEST']._serialized_end=2963
+  _globals['_RELEASEREPLY']._serialized_start=2965
+  _globals['_RELEASEREPLY']._serialized_end=3018
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=3020
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=3038
+  _globals['_FEEDCHANGES']._serialized_start=3040
+  _globals['_FEEDCHANGES']._serialized_end=3126
+  _globals['_FEEDSNAPSHOT']._serialized_start=3128
+  _globals['_FEEDSNAPSHOT']._serialized_end=3250
+  _globals['_FEEDMESSAGE']._serialized_start=3253
+  _globals['_FEEDMESSAGE']._serialized_end=3398
+  _globals['_MMCACHE']._serialized_start=3718
+  _globals['_MMCACHE']._serialized_end=4373
 # @@protoc_insertion_point(module_scope)

@@ -668,7 +668,7 @@ class FetchRequest(_message.Message):
     MM_HASHES_FIELD_NUMBER: _builtins.int
     RELEASE_FIELD_NUMBER: _builtins.int
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
-    SHM_DONE_FIELD_NUMBER: _builtins.int
+    SHM_HOLD_FIELD_NUMBER: _builtins.int
     release: _builtins.bool
     """Once every item has been sent, release one lease of each hash read (the
     engine's read of what its frontend leased). Unleased hashes are ignored.
@@ -677,23 +677,21 @@ class FetchRequest(_message.Message):
     """ReadShm only: the shared-memory region's token (the client maps the
     region, so the items come in slots of it rather than in chunk frames).
     """
+    shm_hold: _builtins.bool
+    """ReadShm only: hold each item's extent until Release says it done (a view)."""
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
-    @_builtins.property
-    def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """ReadShm only: read slots of earlier reads this client has copied out: freed."""
-
     def __init__(
         self,
         *,
         mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
         release: _builtins.bool = ...,
         shm_token: _builtins.bytes = ...,
-        shm_done: _abc.Iterable[_builtins.int] | None = ...,
+        shm_hold: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release", "shm_done", b"shm_done", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release", "shm_hold", b"shm_hold", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -713,7 +711,9 @@ class FetchedItem(_message.Message):
     def item(self) -> Global___ItemSpec: ...
     @_builtins.property
     def shm(self) -> Global___ShmSlot:
-        """In ReadShm replies, instead of chunk frames: the payload is in this slot."""
+        """In ReadShm replies, instead of chunk frames: the payload is in this
+        extent of the region (the item is resident there).
+        """
 
     def __init__(
         self,
@@ -852,8 +852,8 @@ Global___ShmRegion: _TypeAlias = ShmRegion  # noqa: Y015
 
 @_typing.final
 class ShmSlot(_message.Message):
-    """A leased piece of the region: `length` payload bytes at `offset`. The
-    region's word at offset - 64 holds `lease` while the slot is live.
+    """An extent of the region: `length` payload bytes at `offset`. The region's
+    word at offset - 64 holds `lease` (its generation) while it is live.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -861,19 +861,23 @@ class ShmSlot(_message.Message):
     OFFSET_FIELD_NUMBER: _builtins.int
     LENGTH_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    HOLD_FIELD_NUMBER: _builtins.int
     offset: _builtins.int
     length: _builtins.int
     lease: _builtins.int
+    hold: _builtins.int
+    """ReadShm with `shm_hold`: the hold that keeps the extent (say it done)."""
     def __init__(
         self,
         *,
         offset: _builtins.int = ...,
         length: _builtins.int = ...,
         lease: _builtins.int = ...,
+        hold: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "length", b"length", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold", b"hold", "lease", b"lease", "length", b"length", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -885,20 +889,28 @@ class ShmAllocateRequest(_message.Message):
 
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
     LENGTHS_FIELD_NUMBER: _builtins.int
+    TRAILERS_FIELD_NUMBER: _builtins.int
     shm_token: _builtins.bytes
     @_builtins.property
     def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """payload bytes of each slot wanted"""
+
+    @_builtins.property
+    def trailers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Per slot (or none): room after the payload for the item's store key and
+        spec, so the upload becomes resident where it was written.
+        """
 
     def __init__(
         self,
         *,
         shm_token: _builtins.bytes = ...,
         lengths: _abc.Iterable[_builtins.int] | None = ...,
+        trailers: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lengths", b"lengths", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lengths", b"lengths", "shm_token", b"shm_token", "trailers", b"trailers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1069,18 +1081,34 @@ class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MM_HASHES_FIELD_NUMBER: _builtins.int
+    SHM_TOKEN_FIELD_NUMBER: _builtins.int
+    SHM_READ_BYTES_FIELD_NUMBER: _builtins.int
+    SHM_DONE_FIELD_NUMBER: _builtins.int
+    shm_token: _builtins.bytes
+    """A co-located client's report, with its region's token: the payload bytes
+    it read from items resident in the region, with no call, since its last
+    report (counted in mmcache_shm_bytes_total{direction="read"}).
+    """
+    shm_read_bytes: _builtins.int
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """one lease of each is released"""
+
+    @_builtins.property
+    def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Holds of views (`ShmSlot.hold`) the client is done with."""
 
     def __init__(
         self,
         *,
         mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        shm_token: _builtins.bytes = ...,
+        shm_read_bytes: _builtins.int = ...,
+        shm_done: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,82 @@
+"""What a co-located client tells its server after the fact, off the read's path.
+
+A read of an item resident in the shared-memory region makes no call, so
+what the server would have learnt from the call goes in a Release sent in
+the background: the leases the read gives back, the views' holds it is done
+with, and the bytes it read (for mmcache_shm_bytes_total). One such call is
+in flight at a time, and everything that piles up meanwhile goes in the
+next. Best effort: a lease or a hold never given back ends by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+from mmcache._errors import MMCacheError
+from mmcache._spec import MAX_HASHES_PER_CALL
+from mmcache.v1 import cache_pb2 as pb
+
+__all__ = ["Reports"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Reports:
+    """Releases, holds done and bytes read, sent in the background by `send`."""
+
+    def __init__(self, send: Callable[[pb.ReleaseRequest], Awaitable[object]]) -> None:
+        self._send = send
+        self._token = b""
+        self._released: list[str] = []
+        self._done: list[int] = []
+        self._read_bytes = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def add(
+        self,
+        token: bytes,
+        *,
+        released: Iterable[str] = (),
+        done: Iterable[int] = (),
+        read_bytes: int = 0,
+    ) -> None:
+        if token != self._token:  # another region (a restarted server): its holds are gone
+            self._done.clear()
+            self._read_bytes = 0
+            self._token = token
+        self._released.extend(released)
+        self._done.extend(done)
+        self._read_bytes += read_bytes
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self._released or self._done or self._read_bytes:
+            request = pb.ReleaseRequest(
+                mm_hashes=self._released[:MAX_HASHES_PER_CALL],
+                shm_token=self._token,
+                shm_read_bytes=self._read_bytes,
+                shm_done=self._done[:MAX_HASHES_PER_CALL],
+            )
+            del self._released[:MAX_HASHES_PER_CALL]
+            del self._done[:MAX_HASHES_PER_CALL]
+            self._read_bytes = 0
+            try:
+                await self._send(request)
+            except MMCacheError as exc:
+                _LOGGER.debug("could not report to the server (leases end by themselves): %s", exc)
+
+    async def flush(self, timeout: float) -> None:
+        """Wait (at most `timeout` seconds) until everything added has been sent."""
+        task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

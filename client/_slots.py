@@ -1,0 +1,70 @@
+"""Write slots for uploads through shared memory, with a few kept in reserve.
+
+An upload through the region costs two calls: ShmAllocate for slots, then
+GetAndUpdate naming them. A frontend uploads items of the same few sizes
+over and over (images resized to the model's input), so each ShmAllocate
+also asks for a few spare slots of the sizes it needed, and the next uploads
+of those sizes use them: one call each. Spares are leased like any write
+slot: one that expired unused is dropped here, and the server reuses its
+memory; a client that closes gives its spares back. They hold at most
+SPARE_BYTES of the region per client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from mmcache.v1 import cache_pb2 as pb
+
+from ._shm import ClientRegion
+
+__all__ = ["SPARE_BYTES", "Size", "WriteSlots"]
+
+SPARE_BYTES = 32 << 20
+MAX_SPARES = 3  # of one size
+_ROOM_STEP = 512  # trailers round up to this: keys and specs of similar length share spares
+
+Size = tuple[int, int]  # payload bytes, room after it for the key and spec
+
+
+def size_of(payload: int, trailer: int) -> Size:
+    return payload, -(-trailer // _ROOM_STEP) * _ROOM_STEP
+
+
+class WriteSlots:
+    """The spare write slots of one client, by size."""
+
+    def __init__(self) -> None:
+        self._spares: dict[Size, list[pb.ShmSlot]] = {}
+
+    def take(self, region: ClientRegion, size: Size) -> pb.ShmSlot | None:
+        """A live spare of `size`, if one is kept (expired ones are dropped)."""
+        spares = self._spares.get(size)
+        while spares:
+            slot = spares.pop()
+            if region.live(slot):
+                return slot
+        return None
+
+    def put_back(self, sizes: Sequence[Size], slots: Iterable[pb.ShmSlot]) -> None:
+        for size, slot in zip(sizes, slots, strict=False):
+            self._spares.setdefault(size, []).append(slot)
+
+    def extra(self, needed: Sequence[Size]) -> list[Size]:
+        """The spares to ask for beside `needed`: for each size needed whose
+        reserve is empty, as many as the budget allows."""
+        held = sum(p + r for (p, r), slots in self._spares.items() for _ in slots)
+        extra: list[Size] = []
+        for size in dict.fromkeys(needed):
+            if self._spares.get(size):
+                continue
+            count = min(MAX_SPARES, max(0, SPARE_BYTES - held) // sum(size))
+            extra += [size] * count
+            held += count * sum(size)
+        return extra
+
+    def drain(self) -> list[int]:
+        """Every spare's lease (to give back), none kept any more."""
+        leases = [slot.lease for slots in self._spares.values() for slot in slots]
+        self._spares.clear()
+        return leases

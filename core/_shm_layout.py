@@ -1,0 +1,75 @@
+"""The layout of a shared-memory region file: what the server writes and its
+co-located clients read (server/_region.py, client/_shm.py).
+
+    [header page][index: BUCKETS x 32 bytes, page-rounded][extents ...]
+
+The header holds the magic, the region's id (Info announces it), a token
+that proves a client maps this very file, the size and where the index is.
+
+Every extent (a write slot, or an item resident in the region) starts on a
+page with a 64-byte head whose first word is its generation: a random
+63-bit number, written when the extent is handed out and zeroed when it is
+freed, before its memory can be used again. Its payload follows the head. An
+item's extent also holds, after the payload, the item's store key and its
+serialised spec, so a reader needs nothing but the region to rebuild it.
+
+The index maps a store key's fingerprint to the extent of its resident item:
+a bucket is (fingerprint, extent start, generation, 0), and a key lives in
+one of PROBES buckets from `fingerprint % buckets`. Only the server writes
+it, without locks: a reader that catches a bucket half written reads a
+generation that is not the extent's, or a key that is not its own, and
+treats it as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+__all__ = [
+    "BUCKET",
+    "EXTENT_HEAD",
+    "HEADER",
+    "HEADER_BYTES",
+    "HEAD_BYTES",
+    "MAGIC",
+    "PAGE",
+    "PROBES",
+    "WORD",
+    "fingerprint",
+    "index_buckets",
+    "store_key",
+]
+
+MAGIC = b"MMCSHM02"
+PAGE = 4096
+HEADER_BYTES = PAGE
+# magic, region id (16 bytes), token (32 bytes), size, index offset, buckets
+HEADER = struct.Struct("<8s16s32sQQQ")
+BUCKET = struct.Struct("<QQQQ")  # fingerprint, extent start, generation, spare
+# An extent's head: generation, payload bytes, key bytes, spec bytes; then
+# padding, so payloads start cache-aligned.
+EXTENT_HEAD = struct.Struct("<QQII")
+HEAD_BYTES = 64
+WORD = struct.Struct("<Q")
+PROBES = 8
+# One bucket per 32 KiB of region, twice over (items resident in the region
+# are mostly 1 MiB and up): a 256 MiB region has a 256 KiB index.
+_BYTES_PER_BUCKET = 16 << 10
+
+
+def index_buckets(size: int) -> int:
+    """How many index buckets a region of `size` bytes has: a power of two."""
+    wanted = max(64, size // _BYTES_PER_BUCKET)
+    return 1 << (wanted - 1).bit_length()
+
+
+def fingerprint(key: str) -> int:
+    """A store key's 64-bit fingerprint (never 0: an empty bucket's)."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def store_key(namespace: str, mm_hash: str) -> str:
+    """The store's key of a hash in a namespace (server/_namespaces.py)."""
+    return f"{namespace}\0{mm_hash}" if namespace else mm_hash
