@@ -188,7 +188,7 @@ class MMCacheClient:
         self.namespace = namespace
         self._shm = shm
         self._region: ClientRegion | None = None
-        self._reports = Reports(lambda request: self._rpc.report(request))
+        self._reports = Reports(lambda request: self._rpc.report(request), self._answered)
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
         self._write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
@@ -550,8 +550,8 @@ class MMCacheClient:
                 return await self._fetch(mm_hashes, release, None)
             found = self._read_resident(region, mm_hashes, release)
             missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
-            if missing:
-                fetched = iter(await self._fetch_through(missing, release, region))
+            if missing:  # (a region found closed is unmapped by now)
+                fetched = iter(await self._fetch_through(missing, release, self._region))
                 found = [next(fetched) if item is None else item for item in found]
             return found  # type: ignore[return-value]
         except CacheMissError as exc:
@@ -563,6 +563,9 @@ class MMCacheClient:
     ) -> list[Item | None]:
         """The items resident in the region, copied out with no call (None for the
         rest); their leases given back in the background."""
+        if not region.open():  # the server stopped: its items are no longer served
+            self._restarted()
+            return [None] * len(mm_hashes)
         found: list[Item | None] = []
         read, nbytes = [], 0
         for mm_hash in mm_hashes:
@@ -578,10 +581,12 @@ class MMCacheClient:
         return found
 
     async def _fetch_through(
-        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion
+        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
     ) -> list[Item]:
         """Items not (yet) resident: ReadShm moves them into the region and says
         where, or the chunk frames of a Fetch bring them."""
+        if region is None:
+            return await self._fetch(mm_hashes, release, None)
         try:
             return await self._fetch(mm_hashes, release, region)
         except _ShmRace:
@@ -686,6 +691,11 @@ class MMCacheClient:
             self._region.close()
             self._region = None
         self._write_slots.drain()  # the old region's
+
+    def _answered(self, instance_id: str) -> None:
+        """A reply's instance: another than the mapped region's means a restart."""
+        if self._region is not None and instance_id != self._region.instance_id:
+            self._restarted()
 
     def _restarted(self) -> None:
         """The server is a new instance: drop its old region, and map the new one."""

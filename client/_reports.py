@@ -23,12 +23,19 @@ __all__ = ["Reports"]
 
 _LOGGER = logging.getLogger(__name__)
 
+MAX_PENDING = 4 * MAX_HASHES_PER_CALL
+
 
 class Reports:
     """Releases, holds done and bytes read, sent in the background by `send`."""
 
-    def __init__(self, send: Callable[[pb.ReleaseRequest], Awaitable[object]]) -> None:
+    def __init__(
+        self,
+        send: Callable[[pb.ReleaseRequest], Awaitable[pb.ReleaseReply]],
+        answered: Callable[[str], None],
+    ) -> None:
         self._send = send
+        self._answered = answered  # with the instance id of each reply
         self._token = b""
         self._released: list[str] = []
         self._done: list[int] = []
@@ -49,6 +56,9 @@ class Reports:
             self._token = token
         self._released.extend(released)
         self._done.extend(done)
+        # A server out of reach for long: the oldest leases end by themselves.
+        del self._released[:-MAX_PENDING]
+        del self._done[:-MAX_PENDING]
         self._read_bytes += read_bytes
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -65,9 +75,11 @@ class Reports:
             del self._done[:MAX_HASHES_PER_CALL]
             self._read_bytes = 0
             try:
-                await self._send(request)
+                reply = await self._send(request)
             except MMCacheError as exc:
                 _LOGGER.debug("could not report to the server (leases end by themselves): %s", exc)
+            else:
+                self._answered(reply.instance_id)
 
     async def flush(self, timeout: float) -> None:
         """Wait (at most `timeout` seconds) until everything added has been sent."""

@@ -80,6 +80,10 @@ class ClientRegion:
     def live(self, slot: pb.ShmSlot) -> bool:
         return self._word(slot.offset - HEAD_BYTES) == slot.lease
 
+    def open(self) -> bool:
+        """Whether the server still serves the region (it blanks the magic when it stops)."""
+        return self._map[: len(MAGIC)] == MAGIC
+
     def _word(self, start: int) -> int:
         word: int = WORD.unpack_from(self._map, start)[0]
         return word

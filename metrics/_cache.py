@@ -118,6 +118,7 @@ class StoreGauges(Collector):
         feed_subscribers: Callable[[], int],
         namespaces: Callable[[], int],
         shm_leased_bytes: Callable[[], int],
+        shm_resident_bytes: Callable[[], int],
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -147,8 +148,13 @@ class StoreGauges(Collector):
             ),
             (
                 "mmcache_shm_leased_bytes",
-                "Bytes of the shared-memory region in slots now (transfers under way).",
+                "Bytes of the shared-memory region in write slots now (uploads under way).",
                 shm_leased_bytes,
+            ),
+            (
+                "mmcache_shm_resident_bytes",
+                "Bytes of the shared-memory region holding items (within the capacity).",
+                shm_resident_bytes,
             ),
         )
 

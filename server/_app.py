@@ -108,6 +108,7 @@ class MMCacheServer:
                 feed_subscribers=lambda: self.namespaces.subscribers,
                 namespaces=lambda: len(self.namespaces),
                 shm_leased_bytes=lambda: 0 if self.region is None else self.region.leased_bytes,
+                shm_resident_bytes=lambda: 0 if self.region is None else self.region.resident_bytes,
             )
         )
         self.books = EncoderBooks()
@@ -163,7 +164,7 @@ class MMCacheServer:
             _LOGGER.warning(
                 "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
                 "one file: every process that can open it (its owner, and group with "
-                "--shm-group) can read items passing through it, whatever its token. For "
+                "--shm-group) can read and overwrite the items in it, whatever its token. For "
                 "tenants that must not see each other, give each its own sidecar or run "
                 "with --no-shm.",
                 self.region.path,

@@ -368,8 +368,9 @@ SETTINGS: tuple[Setting, ...] = (
         "--shm-mb",
         "MMCACHE_SHM_MB",
         _region_bytes,
-        "MiB of the region: the items moving through shared memory at once (a transfer "
-        "window beside the cache, not a copy of it); more go over gRPC",
+        "MiB of the region: items co-located clients read with no call live there (out "
+        "of the capacity, not beside it), and uploads pass through it; a quarter of the "
+        "capacity holds a hot set",
         _mib_shown,
     ),
     Setting(

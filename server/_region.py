@@ -220,6 +220,10 @@ class Region:
     def claim(self, lease: int, offset: int, length: int) -> Slot:
         """A write slot an upload names, kept from expiry until the upload frees it."""
         slot = self.get(lease, WRITE, offset, length)
+        if slot.expires == float("inf"):
+            raise InvalidArgumentError(
+                f"shared-memory slot {lease} is named twice: one slot holds one payload"
+            )
         slot.expires = float("inf")
         return slot
 
@@ -340,6 +344,9 @@ class Region:
     def close(self) -> None:
         self._closed = True
         self._holds.clear()
+        # Mappings outlive the file: a client still reading sees the region closed.
+        with contextlib.suppress(ValueError):
+            self._map[: len(MAGIC)] = bytes(len(MAGIC))
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self._fd)

@@ -400,6 +400,21 @@ async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: 
             assert await shm_bytes(second, "read") > 0  # remapped: shared memory again
 
 
+async def test_a_stopped_servers_region_serves_no_more_reads(tmp_path: Path) -> None:
+    first = MMCacheServer(shm_config(tmp_path))
+    await first.start()
+    port = first.port
+    async with client(first, timeout=2.0) as c:
+        item = {"x": tensor(torch.float32, 1 << 20, 11)}
+        await c.get_and_update([item], ["old"], lease=False)
+        assert same((await c.fetch(["old"]))[0], item)  # with no call
+        await first.stop(grace=0)
+        async with MMCacheServer(shm_config(tmp_path, port=port)):
+            # The old mapping still holds the bytes, but its server is gone.
+            with pytest.raises(CacheMissError):
+                await c.fetch(["old"])
+
+
 async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
     tmp_path: Path,
 ) -> None:

@@ -67,6 +67,7 @@ CONTRACT_METRICS: Mapping[str, frozenset[str]] = {
         "mmcache_namespaces": set(),
         "mmcache_shm_bytes_total": {"direction"},
         "mmcache_shm_leased_bytes": set(),
+        "mmcache_shm_resident_bytes": set(),
         "mmcache_build_info": {"version", "python", "grpcio"},
         "grpc_server_started_total": {"grpc_method", "grpc_service", "grpc_type"},
         "grpc_server_handled_total": {"grpc_code", "grpc_method", "grpc_service", "grpc_type"},

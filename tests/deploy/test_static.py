@@ -466,10 +466,11 @@ def test_sidecar_memory_follows_the_sizing_rule(
         request = quantity_bytes(resources["requests"]["memory"])
         limit = quantity_bytes(resources["limits"]["memory"])
         assert request >= required_memory_bytes(capacity, inflight, shm), (name, request)
+        assert shm in (0.0, capacity * 1024 / 4), f"{name}: the region is a quarter of the capacity"
         assert limit >= request, name
         assert "cpu" in resources["requests"], name
     # The rule itself: 1.25 x 4 GiB + 1 GiB + the region + 256 MiB.
-    assert required_memory_bytes(4, 1, 256) == quantity_bytes("6656Mi")
+    assert required_memory_bytes(4, 1, 1024) == quantity_bytes("7424Mi")
     assert required_memory_bytes(0.5, 1, 0) == quantity_bytes("1920Mi")
 
 
