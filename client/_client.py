@@ -59,8 +59,8 @@ _HELD = (Outcome.HIT, Outcome.REPLACED)
 # What a call that fails open gives up on: the server did not answer in time.
 _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
 # Uploads from this size up go through shared memory when the region is
-# mapped: below it, the slot's extra round trip costs more than the bytes.
-SHM_MIN_BYTES = 2 << 20
+# mapped: below it, the copy saves less than a slot's bookkeeping costs.
+SHM_MIN_BYTES = 1 << 20
 # Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
 # of their size (client/_pool.py): pages already mapped, no zeroing.
 DEFAULT_REUSE_BYTES = 256 << 20

@@ -165,8 +165,10 @@ class CacheServicer:
         reply = pb.ShmAllocateReply(instance_id=self._instance_id)
         region.expire()
         slots: list[Slot] = []
+        # What the store takes in if all are uploaded: past its capacity, it evicts.
+        incoming = sum(request.lengths)
         for length, trailer in zip(request.lengths, trailers, strict=True):
-            slot = self._allocate(region, length, WRITE, trailer)
+            slot = self._allocate(region, length, WRITE, trailer, incoming)
             if slot is None:  # no room for all: none, and the client uses gRPC
                 for given in slots:
                     region.free(given.lease)
@@ -178,15 +180,22 @@ class CacheServicer:
         return reply
 
     def _allocate(
-        self, region: Region, length: int, kind: str, trailer: int, keep: Sequence[str] = ()
+        self,
+        region: Region,
+        length: int,
+        kind: str,
+        trailer: int,
+        incoming: int = 0,
+        keep: Sequence[str] = (),
     ) -> Slot | None:
-        """An extent of the region, made room for by evicting the items resident
-        there longest unused (but none of `keep`); None when even that fails."""
+        """An extent of the region, made room for by taking the items resident
+        there longest unused out of it (but none of `keep`); None when even that
+        fails."""
         if not region.fits(length, trailer):
             return None
         slot = region.allocate(length, kind, trailer)
         if slot is None:
-            for _ in self._store.evict_resident(keep):
+            for _ in self._store.leave_region(incoming, keep):
                 slot = region.allocate(length, kind, trailer)
                 if slot is not None:
                     break
@@ -436,7 +445,8 @@ class CacheServicer:
                 residents.append(item.resident)
                 continue
             spec = item.spec.SerializeToString()
-            slot = self._allocate(region, item.payload, ITEM, len(key.encode()) + len(spec), keys)
+            trailer = len(key.encode()) + len(spec)
+            slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys)
             if slot is None:
                 return None
             copy_payload(item.frames, region.payload(slot))

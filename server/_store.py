@@ -19,7 +19,7 @@ from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import FeedState
 from ._leases import LeaseBook
-from ._region import Resident
+from ._region import Resident, region_frames
 
 __all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
 
@@ -219,17 +219,25 @@ class ItemStore:
         if self._lru.peek(key) is item:
             self._lru.replace_value(key, replace(item, frames=(), resident=resident))
 
-    def evict_resident(self, keep: Collection[str] = ()) -> Iterator[None]:
-        """Evict unpinned items resident in the region, oldest first, one a step,
-        but none of `keep`: the caller stops once the region has the room it needs."""
-        keys = [
-            key
-            for key, item, _ in self._lru.items()
-            if item.resident is not None and key not in keep and not self._lru.is_pinned(key)
-        ]
+    def leave_region(self, incoming: int, keep: Collection[str] = ()) -> Iterator[None]:
+        """Take items out of the region, least recently used first, one a step,
+        but none of `keep`: the caller stops once the region has the room it
+        needs for `incoming` bytes. While the store has room for them, an item
+        moves back to the heap (still cached, leased, in its place in the
+        order); once it is full, and must evict to take them anyway, the item
+        is evicted (unless leased). Extents are freed once no read holds them."""
+        keys = [key for key, item, _ in self._lru.items() if item.resident is not None]
         for key in keys:
-            if self._lru.evict(key):
-                yield
+            item = self._lru.peek(key)
+            if item is None or item.resident is None or key in keep:
+                continue
+            if self.used + incoming > self.capacity and not self._lru.is_pinned(key):
+                self._lru.evict(key)
+            else:
+                frames = tuple(region_frames(item.resident.payload()))
+                self._lru.replace_value(key, replace(item, frames=frames, resident=None))
+            del item  # the last reference to the extent, unless a read holds it
+            yield
 
     def release(self, mm_hashes: Iterable[str]) -> int:
         """Give back one lease of each hash; how many were leased."""
