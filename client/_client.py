@@ -547,61 +547,64 @@ class MMCacheClient:
         region = self._region
         try:
             if region is None:
-                return await self._fetch(mm_hashes, release, None)
-            found = self._read_resident(region, mm_hashes, release)
+                return await self._fetch(mm_hashes, release)
+            found, nbytes = self._read_resident(region, mm_hashes)
             missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
-            if missing:  # (a region found closed is unmapped by now)
-                fetched = iter(await self._fetch_through(missing, release, self._region))
-                found = [next(fetched) if item is None else item for item in found]
+            read = [h for h, item in zip(mm_hashes, found, strict=True) if item is not None]
+            whole = False
+            try:
+                if missing:  # (a region found closed is unmapped by now)
+                    fetched = iter(await self._fetch_through(missing, release, self._region))
+                    found = [next(fetched) if item is None else item for item in found]
+                whole = True
+            finally:
+                # Leases go back only when the whole read succeeded, as a Fetch's
+                # do: a caller whose read failed releases them itself.
+                if read:
+                    released = read if release and whole else ()
+                    self._reports.add(region.token, released=released, read_bytes=nbytes)
             return found  # type: ignore[return-value]
         except CacheMissError as exc:
             self._mirror.forget(exc.missing_hashes)
             raise
 
     def _read_resident(
-        self, region: ClientRegion, mm_hashes: Sequence[str], release: bool
-    ) -> list[Item | None]:
+        self, region: ClientRegion, mm_hashes: Sequence[str]
+    ) -> tuple[list[Item | None], int]:
         """The items resident in the region, copied out with no call (None for the
-        rest); their leases given back in the background."""
+        rest), and the payload bytes read."""
         if not region.open():  # the server stopped: its items are no longer served
             self._restarted()
-            return [None] * len(mm_hashes)
+            return [None] * len(mm_hashes), 0
         found: list[Item | None] = []
-        read, nbytes = [], 0
+        nbytes = 0
         for mm_hash in mm_hashes:
             got = region.read_resident(store_key(self.namespace, mm_hash), self._pool)
-            if got is None:
-                found.append(None)
-                continue
-            found.append(got[0])
-            nbytes += got[1]
-            read.append(mm_hash)
-        if read:
-            self._reports.add(region.token, released=read if release else (), read_bytes=nbytes)
-        return found
+            found.append(None if got is None else got[0])
+            nbytes += 0 if got is None else got[1]
+        return found, nbytes
 
     async def _fetch_through(
         self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
     ) -> list[Item]:
         """Items not (yet) resident: ReadShm moves them into the region and says
         where, or the chunk frames of a Fetch bring them."""
-        if region is None:
-            return await self._fetch(mm_hashes, release, None)
-        try:
-            return await self._fetch(mm_hashes, release, region)
-        except _ShmRace:
-            # Freed under the copy: read again over gRPC. That call ran to its
-            # end, so its leases are released.
-            return await self._fetch(mm_hashes, False, None)
-
-    async def _fetch(
-        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
-    ) -> list[Item]:
         if region is not None:
-            read = await self._read_shm(mm_hashes, release, region, None)
+            try:
+                # Leases go back once the bytes are copied out, not with the reply:
+                # an item moved out of the region under the copy is read again
+                # below, and must still be there.
+                read = await self._read_shm(mm_hashes, False, region, None)
+            except _ShmRace:
+                read = None
             if read is not None:
+                if release:
+                    self._reports.add(region.token, released=mm_hashes)
                 return read
-        # No region, or no room in it: chunk frames.
+        return await self._fetch(mm_hashes, release)
+
+    async def _fetch(self, mm_hashes: Sequence[str], release: bool) -> list[Item]:
+        """The items as the chunk frames of a Fetch."""
         frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
         try:
             return await _read_fetch(frames, len(mm_hashes), self._pool)

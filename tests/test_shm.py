@@ -530,6 +530,24 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
         assert server.store.leases == 1  # one request's read: one lease given back
 
 
+async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> None:
+    """ReadShm gives no lease back: an item moved out from under the copy is read
+    again over gRPC, and its lease must still keep it."""
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+        item = image_item(12, numel=1 << 16)
+        await c.get_and_update([item], ["kept"])  # one lease; over gRPC, so not yet resident
+        region = c._region
+        assert region is not None
+
+        def cleared_under_the_copy(slot: pb.ShmSlot, decoder: ItemDecoder) -> bool:
+            server.store.clear()  # everything not leased goes
+            return False
+
+        region.read = cleared_under_the_copy  # type: ignore[method-assign]
+        assert (await c.fetch(["kept"]))[0] == item  # over gRPC: still leased, still there
+        assert server.store.leases == 0
+
+
 async def test_call_free_reads_give_their_leases_back_once(tmp_path: Path) -> None:
     async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 5)}
