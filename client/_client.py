@@ -28,8 +28,7 @@ from mmcache._frames import (
 )
 from mmcache._items import Item
 from mmcache._lru import Outcome
-from mmcache._shm_layout import store_key
-from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
+from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, store_key
 from mmcache.v1 import cache_pb2 as pb
 
 from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply

@@ -38,7 +38,6 @@ __all__ = [
     "WORD",
     "fingerprint",
     "index_buckets",
-    "store_key",
 ]
 
 MAGIC = b"MMCSHM02"
@@ -68,8 +67,3 @@ def fingerprint(key: str) -> int:
     """A store key's 64-bit fingerprint (never 0: an empty bucket's)."""
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
-
-
-def store_key(namespace: str, mm_hash: str) -> str:
-    """The store's key of a hash in a namespace (server/_namespaces.py)."""
-    return f"{namespace}\0{mm_hash}" if namespace else mm_hash

@@ -25,11 +25,13 @@ __all__ = [
     "MAX_NAME_CHARS",
     "NAMESPACE_CHARS",
     "NAMESPACE_KEY",
+    "NAMESPACE_SEP",
     "SpecSize",
     "check_count",
     "check_name",
     "check_namespace",
     "item_size",
+    "store_key",
 ]
 
 MAX_DEPTH = 32  # nesting of lists/tuples in one field's data
@@ -37,6 +39,7 @@ MAX_NAME_CHARS = 256  # keys, modalities and hashes
 # A call names its namespace in this metadata entry (e.g. model@processor
 # version); none or empty is the default namespace.
 NAMESPACE_KEY = "mmcache-namespace"
+NAMESPACE_SEP = "\0"  # between a namespace and a hash in a store key
 MAX_NAMESPACE_CHARS = 128
 # Hashes (entries, touches) one call may carry: a request's items are a few
 # hundred at most; this keeps one call's bookkeeping and reply small.
@@ -78,6 +81,12 @@ def check_count(what: str, count: int) -> None:
             f"the call carries {count} {what}; the limit is {MAX_HASHES_PER_CALL} per call: "
             "split it into several calls"
         )
+
+
+def store_key(namespace: str, mm_hash: str) -> str:
+    """The store's key of a hash in a namespace: "N\\0hash", or the bare hash in
+    the default one (hashes hold no NUL, so no key of one spells another's)."""
+    return f"{namespace}{NAMESPACE_SEP}{mm_hash}" if namespace else mm_hash
 
 
 def check_namespace(value: str) -> None:

@@ -22,20 +22,19 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from mmcache._errors import ResourceExhaustedError
-from mmcache._spec import NAMESPACE_KEY, check_namespace
+from mmcache._spec import NAMESPACE_KEY, NAMESPACE_SEP, check_namespace, store_key
 from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import Feed, FeedState
 
 __all__ = ["Namespace", "Namespaces", "namespace_name", "split_key"]
 
-_SEP = "\0"
 _SCAN_EVERY_S = 1.0
 
 
 def split_key(key: str) -> tuple[str, str]:
     """(namespace, hash) of a store key."""
-    name, sep, mm_hash = key.partition(_SEP)
+    name, sep, mm_hash = key.partition(NAMESPACE_SEP)
     return (name, mm_hash) if sep else ("", key)
 
 
@@ -57,7 +56,7 @@ class Namespace:
     def __init__(self, name: str, feed: Feed) -> None:
         self.name = name
         self.feed = feed
-        self._prefix = f"{name}{_SEP}" if name else ""
+        self._prefix = store_key(name, "")
 
     def key(self, mm_hash: str) -> str:
         return self._prefix + mm_hash
@@ -67,7 +66,7 @@ class Namespace:
         return [prefix + h for h in mm_hashes] if prefix else list(mm_hashes)
 
     def owns(self, key: str) -> bool:
-        return key.startswith(self._prefix) if self._prefix else _SEP not in key
+        return key.startswith(self._prefix) if self._prefix else NAMESPACE_SEP not in key
 
     def hashes(self, keys: Iterable[str]) -> list[str]:
         """The hashes of the keys this namespace owns, in order; others left out."""

@@ -41,7 +41,7 @@ import os
 import secrets
 import time
 from bisect import insort
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
@@ -91,6 +91,7 @@ class Slot:
     span: int  # bytes taken, head, trailer and padding included
     length: int  # payload bytes
     expires: float
+    key: str = ""  # an item's store key, once resident
 
     @property
     def offset(self) -> int:
@@ -143,10 +144,12 @@ class Region:
         self._lease_s = lease_s
         self._clock = clock
         self._closed = False
-        data = HEADER_BYTES + index_bytes
+        self._data = HEADER_BYTES + index_bytes
         # Free extents (start, length), by start; neighbours merge on free.
-        self._free: list[tuple[int, int]] = [(data, size - data)]
-        self._slots: dict[int, Slot] = {}  # every extent, by its generation
+        self._free: list[tuple[int, int]] = [(self._data, size - self._data)]
+        # Every extent, by its generation; resident items in the order they
+        # came in (or were last read through ReadShm): the first to leave.
+        self._slots: dict[int, Slot] = {}
         self._writes: dict[int, Slot] = {}  # the write slots among them
         # Expired write slots, kept out of use a while longer: their writer may
         # be stalled mid-copy, and must not write into another's slot.
@@ -187,7 +190,7 @@ class Region:
 
     def fits(self, length: int, trailer: int = 0) -> bool:
         """Whether an extent of that size could ever be had (the region is large enough)."""
-        return HEAD_BYTES + length + trailer <= self.size - HEADER_BYTES
+        return HEAD_BYTES + length + trailer <= self.size - self._data
 
     def _new_lease(self) -> int:
         lease = secrets.randbits(63) | 1
@@ -241,7 +244,7 @@ class Region:
         self._count(slot, -1)
         del self._slots[slot.lease]
         self._writes.pop(slot.lease, None)
-        slot.kind, slot.lease, slot.expires = ITEM, self._new_lease(), float("inf")
+        slot.kind, slot.lease, slot.expires, slot.key = ITEM, self._new_lease(), float("inf"), key
         self._slots[slot.lease] = slot
         self._count(slot, 1)
         # The generation last: a reader that sees it sees the rest written.
@@ -250,10 +253,19 @@ class Region:
         self._index(fingerprint(key), slot)
         return Resident(self, slot)
 
-    def reindex(self, key: str, resident: Resident) -> None:
-        """Index a resident item again (its bucket was taken by another of its key's)."""
-        if resident.slot.lease not in self._indexed:
-            self._index(fingerprint(key), resident.slot)
+    def read(self, resident: Resident) -> None:
+        """A resident item read through ReadShm: last to leave now, and indexed
+        again if its buckets were taken meanwhile."""
+        slot = resident.slot
+        if self._slots.get(slot.lease) is slot:
+            self._slots[slot.lease] = self._slots.pop(slot.lease)
+        if slot.lease not in self._indexed:
+            self._index(fingerprint(slot.key), slot)
+
+    def resident_keys(self, keep: Collection[str] = ()) -> list[str]:
+        """The store keys of the items resident here, first to leave first, but
+        none of `keep`."""
+        return [s.key for s in self._slots.values() if s.kind == ITEM and s.key not in keep]
 
     def _index(self, fp: int, slot: Slot) -> None:
         mask = self._buckets - 1

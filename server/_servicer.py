@@ -188,14 +188,14 @@ class CacheServicer:
         incoming: int = 0,
         keep: Sequence[str] = (),
     ) -> Slot | None:
-        """An extent of the region, made room for by taking the items resident
-        there longest unused out of it (but none of `keep`); None when even that
+        """An extent of the region, made room for by taking the items that came
+        into it longest ago out of it (but none of `keep`); None when even that
         fails."""
         if not region.fits(length, trailer):
             return None
         slot = region.allocate(length, kind, trailer)
         if slot is None:
-            for _ in self._store.leave_region(incoming, keep):
+            for _ in self._store.leave_region(region.resident_keys(keep), incoming):
                 slot = region.allocate(length, kind, trailer)
                 if slot is not None:
                     break
@@ -356,8 +356,8 @@ class CacheServicer:
 
     def _unclaim(self, claimed: dict[int, Slot]) -> None:
         region = self._region()
-        for slot in claimed.values():
-            if region is not None:
+        if region is not None:
+            for slot in claimed.values():
                 region.free(slot.lease)
 
     def _from_region(
@@ -441,7 +441,7 @@ class CacheServicer:
         residents: list[Resident] = []
         for key, item in zip(keys, items, strict=True):
             if item.resident is not None:
-                region.reindex(key, item.resident)
+                region.read(item.resident)
                 residents.append(item.resident)
                 continue
             spec = item.spec.SerializeToString()

@@ -10,7 +10,7 @@ pinned: it counts in the capacity and is never evicted until its lease ends.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from mmcache._errors import CacheMissError
@@ -219,17 +219,16 @@ class ItemStore:
         if self._lru.peek(key) is item:
             self._lru.replace_value(key, replace(item, frames=(), resident=resident))
 
-    def leave_region(self, incoming: int, keep: Collection[str] = ()) -> Iterator[None]:
-        """Take items out of the region, least recently used first, one a step,
-        but none of `keep`: the caller stops once the region has the room it
-        needs for `incoming` bytes. While the store has room for them, an item
-        moves back to the heap (still cached, leased, in its place in the
+    def leave_region(self, keys: Iterable[str], incoming: int) -> Iterator[None]:
+        """Take the items under `keys` (resident in the region, first to leave
+        first) out of it, one a step: the caller stops once the region has the
+        room it needs. While the store has room for the `incoming` bytes, an
+        item moves back to the heap (still cached, leased, in its place in the
         order); once it is full, and must evict to take them anyway, the item
         is evicted (unless leased). Extents are freed once no read holds them."""
-        keys = [key for key, item, _ in self._lru.items() if item.resident is not None]
         for key in keys:
             item = self._lru.peek(key)
-            if item is None or item.resident is None or key in keep:
+            if item is None or item.resident is None:
                 continue
             if self.used + incoming > self.capacity and not self._lru.is_pinned(key):
                 self._lru.evict(key)
