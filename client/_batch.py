@@ -75,6 +75,7 @@ class Reply:
     sizes: list[int]
     evicted: list[str]
     metadata: list[bytes] | None  # per entry, when any entry asked
+    spares: list[pb.ShmSlot]  # write slots asked for with the batch (all or none)
 
 
 def build_batch(
@@ -84,15 +85,24 @@ def build_batch(
     lease: pb.LeaseMode.ValueType,
     chunk_bytes: int,
     shm: tuple[bytes, Mapping[int, pb.ShmSlot]] = (b"", {}),
+    spares: Sequence[tuple[int, int]] = (),
 ) -> Batch:
     """The header and the items whose chunk frames follow it.
 
     `shm`: the region's token, and the slots (by entry index) already
     holding entries' payloads: those entries name their slot instead.
+    `spares`: the (payload, trailer) sizes of write slots to ask for with
+    the reply, for the next uploads.
     """
     check_count("entries", len(entries))
     token, slots = shm
-    request = pb.UpdateRequest(touches=touches, lease=lease, shm_token=token if slots else b"")
+    request = pb.UpdateRequest(
+        touches=touches,
+        lease=lease,
+        shm_token=token if slots or spares else b"",
+        shm_spare_lengths=[length for length, _ in spares],
+        shm_spare_trailers=[trailer for _, trailer in spares],
+    )
     sending: list[EncodedItem] = []
     for index, entry in enumerate(entries):
         wire = request.entries.add(
@@ -141,4 +151,5 @@ def read_reply(reply: pb.UpdateReply, entries: int) -> Reply:
         sizes=list(reply.sizes),
         evicted=list(reply.evicted),
         metadata=metadata,
+        spares=list(reply.shm_spares),
     )

@@ -45,6 +45,7 @@ from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reports import Reports
 from ._security import channel_credentials, metadata_interceptors, open_channel
+from ._sessions import MAX_SESSIONS
 from ._shm import ClientRegion, attach
 from ._slots import Size, WriteSlots, size_of
 from ._stats import CacheInfo
@@ -149,6 +150,10 @@ class MMCacheClient:
     (4 MiB and up) returns to the client when the caller drops them, and the
     next read of that size reuses it, which spares the kernel zeroing fresh
     pages (docs/shm.md). At most `reuse_bytes` are kept; 0 turns it off.
+
+    `get_and_update` and `lookup` send their batches over up to `sessions`
+    streams kept open (UpdateSession, docs/wire.md), which spares each batch
+    the set-up of a call; 0 makes a call of each.
     """
 
     def __init__(
@@ -167,6 +172,7 @@ class MMCacheClient:
         namespace: str = "",
         shm: bool = True,
         reuse_bytes: int = DEFAULT_REUSE_BYTES,
+        sessions: int = MAX_SESSIONS,
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
         fail_open: bool = False,
@@ -177,6 +183,8 @@ class MMCacheClient:
             raise InvalidArgumentError(
                 f"chunk_bytes must be {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}, got {chunk_bytes}"
             )
+        if sessions < 0:
+            raise InvalidArgumentError(f"sessions must be 0 (none) or more, got {sessions}")
         self._target = target
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -186,6 +194,7 @@ class MMCacheClient:
         self._interceptors = metadata_interceptors(token, namespace)
         self.namespace = namespace
         self._shm = shm
+        self._sessions = sessions
         self._region: ClientRegion | None = None
         self._reports = Reports(lambda request: self._rpc.report(request), self._answered)
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
@@ -237,7 +246,7 @@ class MMCacheClient:
             self._token,
         )
         self._channel = channel
-        transport = self._transport = CacheTransport(channel, self._timeout)
+        transport = self._transport = CacheTransport(channel, self._timeout, self._sessions)
         try:
             info = await transport.info(
                 timeout=self._fail_open_timeout if self._fail_open else self._connect_timeout
@@ -270,6 +279,7 @@ class MMCacheClient:
             if self._region is not None:
                 self._reports.add(self._region.token, done=self._write_slots.drain())
             await self._reports.flush(self._fail_open_timeout)
+            await self._transport.close()
         self._reports.cancel()
         if self._reattach is not None:
             self._reattach.cancel()
@@ -711,11 +721,14 @@ class MMCacheClient:
         except MMCacheError as exc:  # gone again: the next restart tries anew
             _LOGGER.debug("shared memory not remapped: %s", exc)
 
-    async def _shm_slots(self, entries: Sequence[Entry]) -> dict[int, pb.ShmSlot]:
-        """Slots holding the payloads of this batch's larger uploads (none: all over gRPC)."""
+    async def _shm_slots(
+        self, entries: Sequence[Entry]
+    ) -> tuple[dict[int, pb.ShmSlot], list[Size]]:
+        """Slots holding the payloads of this batch's larger uploads (none: all
+        over gRPC), by entry index; and the spares to ask for with its reply."""
         region = self._region
         if region is None:
-            return {}
+            return {}, []
         sizes = {
             i: size_of(e.data.size.payload, self._trailer(e))
             for i, e in enumerate(entries)
@@ -731,19 +744,19 @@ class MMCacheClient:
             given = await self._allocate(region, [sizes[i] for i in needed])
             if given is None:  # no room: all over gRPC, the spares taken kept for later
                 self._write_slots.put_back([sizes[i] for i in slots], slots.values())
-                return {}
+                return {}, []
             slots.update(zip(needed, given, strict=True))
         try:
             for index, slot in slots.items():
                 region.write(slot, entries[index].data)  # type: ignore[arg-type]
         except ValueError as exc:
             _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
-            return {}
-        return slots
+            return {}, []
+        return slots, self._write_slots.top_up(list(sizes.values()))
 
     async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""
-        extra = self._write_slots.extra(sizes)
+        extra = self._write_slots.top_up(sizes)
         for asked in (sizes + extra, sizes) if extra else (sizes,):
             try:
                 reply = await self._rpc.shm_allocate(
@@ -925,15 +938,15 @@ class MMCacheClient:
         self, entries: Sequence[Entry], touches: Sequence[str], lease: pb.LeaseMode.ValueType
     ) -> Reply:
         """One round trip: the batch out, the reply applied to the mirror."""
-        slots = await self._shm_slots(entries) if self._region is not None else {}
+        slots, spares = await self._shm_slots(entries) if self._region is not None else ({}, [])
         if slots:
             try:
-                return await self._send_batch(entries, touches, lease, slots)
+                return await self._send_batch(entries, touches, lease, slots, spares)
             except InvalidArgumentError as exc:
                 # A slot that expired, or a server restarted since it gave them:
                 # the same batch as chunk frames (a bad batch fails again there).
                 _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
-        return await self._send_batch(entries, touches, lease, {})
+        return await self._send_batch(entries, touches, lease, {}, [])
 
     async def _send_batch(
         self,
@@ -941,17 +954,23 @@ class MMCacheClient:
         touches: Sequence[str],
         lease: pb.LeaseMode.ValueType,
         slots: dict[int, pb.ShmSlot],
+        spares: list[Size],
     ) -> Reply:
-        token = self._region.token if slots and self._region is not None else b""
+        region = self._region if slots else None
         batch = build_batch(
-            entries, touches, lease=lease, chunk_bytes=self._chunk_bytes, shm=(token, slots)
+            entries,
+            touches,
+            lease=lease,
+            chunk_bytes=self._chunk_bytes,
+            shm=(b"" if region is None else region.token, slots),
+            spares=spares if region is not None else (),
         )
         mirror = self._mirror
         call = mirror.call_started()
         try:
             raw = await self._rpc.get_and_update(
                 batch.header,
-                batch.frames(),
+                batch.frames,
                 timeout=self._fail_open_timeout if self._fail_open else None,
                 wait_for_ready=not self._fail_open,
             )
@@ -969,6 +988,8 @@ class MMCacheClient:
         finally:
             mirror.call_ended(call)
         self._in_touch = True
+        if reply.spares and region is not None and reply.instance_id == region.instance_id:
+            self._write_slots.put_back(spares, reply.spares)
         return reply
 
 

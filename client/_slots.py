@@ -4,10 +4,11 @@ An upload through the region costs two calls: ShmAllocate for slots, then
 GetAndUpdate naming them. A frontend uploads items of the same few sizes
 over and over (images resized to the model's input), so each ShmAllocate
 also asks for a few spare slots of the sizes it needed, and the next uploads
-of those sizes use them: one call each. Spares are leased like any write
-slot: one that expired unused is dropped here, and the server reuses its
-memory; a client that closes gives its spares back. They hold at most
-SPARE_BYTES of the region per client.
+of those sizes use them; each such upload asks for the spares it used back
+with its reply. In steady state an upload is one call. Spares are leased like
+any write slot: one that expired unused is dropped here, and the server
+reuses its memory; a client that closes gives its spares back. They hold at
+most SPARE_BYTES of the region per client, MAX_SPARES of one size.
 """
 
 from __future__ import annotations
@@ -50,18 +51,17 @@ class WriteSlots:
         for size, slot in zip(sizes, slots, strict=False):
             self._spares.setdefault(size, []).append(slot)
 
-    def extra(self, needed: Sequence[Size]) -> list[Size]:
-        """The spares to ask for beside `needed`: for each size needed whose
-        reserve is empty, as many as the budget allows."""
-        held = sum(p + r for (p, r), slots in self._spares.items() for _ in slots)
-        extra: list[Size] = []
-        for size in dict.fromkeys(needed):
-            if self._spares.get(size):
-                continue
-            count = min(MAX_SPARES, max(0, SPARE_BYTES - held) // sum(size))
-            extra += [size] * count
+    def top_up(self, used: Sequence[Size]) -> list[Size]:
+        """The spares to ask for after using slots of these sizes: enough to
+        hold MAX_SPARES of each again, as far as the budget allows."""
+        held = sum(sum(size) * len(slots) for size, slots in self._spares.items())
+        wanted: list[Size] = []
+        for size in dict.fromkeys(used):
+            count = MAX_SPARES - len(self._spares.get(size, ()))
+            count = max(0, min(count, (SPARE_BYTES - held) // sum(size)))
+            wanted += [size] * count
             held += count * sum(size)
-        return extra
+        return wanted
 
     def drain(self) -> list[int]:
         """Every spare's lease (to give back), none kept any more."""

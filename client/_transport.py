@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import AsyncGenerator, Iterable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -33,6 +33,7 @@ from mmcache._frames import (
 )
 from mmcache.v1 import cache_pb2 as pb
 
+from ._sessions import SessionPool
 from ._status import translate_errors
 
 __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
@@ -73,7 +74,7 @@ def _expiry_as_deadline(deadline: float) -> Iterator[None]:
 class CacheTransport:
     """Typed callables for each method; every failure is a typed mmcache error."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout: float, sessions: int = 0) -> None:
         self._timeout = timeout
         self._info = channel.unary_unary(
             f"{_SERVICE}/Info",
@@ -120,6 +121,16 @@ class CacheTransport:
         self._fetch: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(
             f"{_SERVICE}/Fetch"
         )
+        self._sessions = (
+            SessionPool(channel.stream_stream(f"{_SERVICE}/UpdateSession"), sessions)
+            if sessions
+            else None
+        )
+
+    async def close(self) -> None:
+        """End the sessions kept open (before the channel closes)."""
+        if self._sessions is not None:
+            await self._sessions.close()
 
     async def info(self, timeout: float | None = None) -> pb.InfoReply:
         with translate_errors():
@@ -186,22 +197,40 @@ class CacheTransport:
     async def get_and_update(
         self,
         header: bytes,
-        chunks: Iterable[bytes],
+        chunks: Callable[[], Iterable[bytes]],
         *,
         timeout: float | None = None,
         wait_for_ready: bool = True,
     ) -> pb.UpdateReply:
-        """Send a serialised UpdateRequest and its chunk frames; the server's reply.
+        """Send a serialised UpdateRequest and its chunk frames (`chunks()`, made
+        again if the batch must be sent again); the server's reply.
 
-        A call with no frames (hashes and touches only, the steady state) is
-        a unary GetAndUpdateOne whose request is the header frame: one send
-        on each side, and no binary metadata to encode. A call with data
-        streams, even a single frame, its header in metadata when small: the
-        server then checks the header while the bytes arrive, which measured
-        faster than a unary call for frames of 512 KiB and up (docs/wire.md).
+        Over a session kept open when one is idle (mmcache.client._sessions).
+        Otherwise a call: one with no frames (hashes and touches only, the
+        steady state) is a unary GetAndUpdateOne whose request is the header
+        frame: one send on each side, and no binary metadata to encode. A call
+        with data streams, even a single frame, its header in metadata when
+        small: the server then checks the header while the bytes arrive, which
+        measured faster than a unary call for frames of 512 KiB and up
+        (docs/wire.md).
         """
         timeout = self._timeout if timeout is None else timeout
-        frames = iter(chunks)
+        deadline = asyncio.get_running_loop().time() + timeout
+        if self._sessions is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    with translate_errors():
+                        sent = await self._sessions.exchange(
+                            header, chunks(), wait_for_ready=wait_for_ready
+                        )
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"GetAndUpdate did not answer within {timeout:g} s"
+                ) from None
+            if sent is not None:
+                return pb.UpdateReply.FromString(sent)
+            timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        frames = iter(chunks())
         first = next(frames, None)
         if first is None:
             with translate_errors():
@@ -210,7 +239,6 @@ class CacheTransport:
                 )
             return pb.UpdateReply.FromString(reply_bytes)
         data = itertools.chain((first,), frames)
-        deadline = asyncio.get_running_loop().time() + timeout
         if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
                 metadata=((UPDATE_HEADER_KEY, header),),

@@ -4,13 +4,14 @@ registers on, so a server (and every test) builds its own."""
 from ._cache import CacheMetrics, StoreGauges
 from ._encoder import EncoderBookCollector
 from ._exposition import MetricsEndpoint, register_build_info
-from ._grpc import GrpcServerMetrics
+from ._grpc import GrpcServerMetrics, RequestMetrics
 
 __all__ = [
     "CacheMetrics",
     "EncoderBookCollector",
     "GrpcServerMetrics",
     "MetricsEndpoint",
+    "RequestMetrics",
     "StoreGauges",
     "register_build_info",
 ]

@@ -3,6 +3,10 @@
 `grpc_server_started_total`, `grpc_server_handled_total` (with `grpc_code`)
 and the `grpc_server_handling_seconds` histogram, labelled by service, method
 and type, for every handler the server runs: ours, health and reflection.
+
+A stream kept open to carry one request after another (UpdateSession) is
+counted by its requests, not as one long call: its handler records each
+(`requests`), and the interceptor leaves it alone.
 """
 
 from __future__ import annotations
@@ -10,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-__all__ = ["GrpcServerMetrics"]
+__all__ = ["GrpcServerMetrics", "RequestMetrics"]
 
 # The names go-grpc-prometheus gives codes (Go's `codes.Code.String()`).
 _CODE_NAMES = {
@@ -45,7 +49,10 @@ _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class GrpcServerMetrics(grpc.aio.ServerInterceptor):
     """An aio server interceptor that counts and times every call."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, per_request: Collection[str] = ()) -> None:
+        """`per_request`: full names of stream methods whose handlers record
+        each request they carry (`requests`)."""
+        self._per_request = frozenset(per_request)
         labels = ["grpc_type", "grpc_service", "grpc_method"]
         self._started = Counter(
             "grpc_server_started", "RPCs started on the server.", labels, registry=registry
@@ -74,7 +81,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None or handler_call_details.method in self._per_request:
             return handler
         cached = self._wrapped.get(handler_call_details.method)
         if cached is not None and cached[0] is handler:
@@ -82,6 +89,17 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         wrapped = self._instrument(handler, handler_call_details.method)
         self._wrapped[handler_call_details.method] = (handler, wrapped)
         return wrapped
+
+    def requests(self, full_method: str) -> RequestMetrics:
+        """The series of the requests a bidi stream method carries one after
+        another (one of `per_request`), for its handler to record."""
+        service, _, method = full_method.lstrip("/").rpartition("/")
+        labels = ("bidi_stream", service, method)
+        return RequestMetrics(
+            self._started.labels(*labels),
+            self._seconds.labels(*labels),
+            lambda code: self._handled.labels(*labels, _CODE_NAMES.get(code, "Unknown")),
+        )
 
     def _instrument(
         self, handler: grpc.RpcMethodHandler[Any, Any], full_method: str
@@ -151,6 +169,30 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                 finish(context, t0, error)
 
         return call
+
+
+class RequestMetrics:
+    """Started, handled and timed: the requests of one stream method."""
+
+    def __init__(
+        self, started: Any, seconds: Any, handled: Callable[[grpc.StatusCode], Any]
+    ) -> None:
+        self._started = started
+        self._seconds = seconds
+        self._handled_of = handled
+        self._handled: dict[grpc.StatusCode, Any] = {}
+
+    def start(self) -> float:
+        """A request began; the time to give `end`."""
+        self._started.inc()
+        return time.perf_counter()
+
+    def end(self, t0: float, code: grpc.StatusCode) -> None:
+        counter = self._handled.get(code)
+        if counter is None:
+            counter = self._handled[code] = self._handled_of(code)
+        counter.inc()
+        self._seconds.observe(time.perf_counter() - t0)
 
 
 def _code_without_status(

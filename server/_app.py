@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from mmcache import __version__
 from mmcache._encoder import EncoderBooks
+from mmcache._errors import MMCacheError
 from mmcache._frames import KEEPALIVE_MS, MAX_MESSAGE_BYTES
 from mmcache._memory import keep_freed_memory
 from mmcache.metrics import (
@@ -32,14 +33,15 @@ from mmcache.metrics import (
     register_build_info,
 )
 
-from ._auth import AuthInterceptor, TokenBook
+from ._auth import AuthInterceptor, Metadata, TokenBook, check_call
 from ._config import ConfigError, ServerConfig, is_loopback
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._feed import Feed
 from ._inflight import InflightBudget
 from ._namespaces import Namespaces
 from ._region import Region, open_region
-from ._servicer import SERVICE_NAME, CacheServicer
+from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
+from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
 from ._store import ItemStore
 
@@ -87,6 +89,9 @@ class MMCacheServer:
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
+        self.sessions = Sessions()
+        self._book: TokenBook | None = None  # made at start, when tokens are configured
+        self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self._cache = CacheServicer(
             self.store,
             self.inflight,
@@ -95,6 +100,9 @@ class MMCacheServer:
             self.instance_id,
             __version__,
             lambda: self.region,
+            self.sessions,
+            self._grpc_metrics.requests(SESSION_METHOD),
+            self._check_session_batch,
         )
         self.registry.register(
             StoreGauges(
@@ -135,10 +143,10 @@ class MMCacheServer:
     async def start(self) -> None:
         """Bind every port and serve; OSError or ConfigError (with the fix) when it cannot."""
         config = self.config
-        interceptors: list[grpc.aio.ServerInterceptor] = [GrpcServerMetrics(self.registry)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [self._grpc_metrics]
         book = None
         if config.authenticates:
-            book = TokenBook(config.tokens_file, config.tokens)
+            book = self._book = TokenBook(config.tokens_file, config.tokens)
             interceptors.append(AuthInterceptor(book, self.instance_id))
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         encoder = EncoderServicer(self.books, self.instance_id)
@@ -205,6 +213,11 @@ class MMCacheServer:
             self.instance_id,
         )
 
+    def _check_session_batch(self, metadata: Metadata) -> MMCacheError | None:
+        """Why an upload session's next batch may not proceed (its token, checked
+        again: one revoked since the session opened stops working now)."""
+        return None if self._book is None else check_call(self._book, SESSION_METHOD, metadata)
+
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING, then stop taking calls and give those in flight `grace` seconds."""
         if self._expiry is not None:
@@ -212,6 +225,7 @@ class MMCacheServer:
             self._expiry = None
         if self._server is not None:
             await self.health.enter_graceful_shutdown()
+            self.sessions.stop()  # those waiting for a batch end now, the others after theirs
             await self._server.stop(self.config.grace_s if grace is None else grace)
             self._server = None
         if self._health_server is not None:

@@ -2,7 +2,7 @@
 
 A call carries `authorization: Bearer TOKEN`. Each method needs a role:
 
-    write  frontends: GetAndUpdate(One), Touch (and Release, Subscribe)
+    write  frontends: GetAndUpdate(One), UpdateSession, Touch (and Release, Subscribe)
     read   engines:   Fetch (and Release, Subscribe)
     admin  operators: Clear, every EncoderCache method; admin may call anything
 
@@ -40,7 +40,9 @@ __all__ = [
     "AUTHORIZATION_KEY",
     "ROLES",
     "AuthInterceptor",
+    "Metadata",
     "TokenBook",
+    "check_call",
     "parse_tokens",
     "required_roles",
 ]
@@ -61,6 +63,7 @@ def _methods() -> dict[str, frozenset[str]]:
         "Info": frozenset(ROLES),
         "GetAndUpdate": frozenset({"write"}),
         "GetAndUpdateOne": frozenset({"write"}),
+        "UpdateSession": frozenset({"write"}),
         "Touch": frozenset({"write"}),
         "ShmAllocate": frozenset({"write"}),
         "Fetch": frozenset({"read"}),
@@ -75,6 +78,8 @@ def _methods() -> dict[str, frozenset[str]]:
 
 
 _REQUIRED = _methods()
+
+Metadata = Iterable[tuple[str, str | bytes]] | None  # a call's invocation metadata
 
 
 def required_roles(method: str) -> frozenset[str] | None:
@@ -213,9 +218,7 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     return None
 
 
-def check_call(
-    book: TokenBook, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
-) -> errors.MMCacheError | None:
+def check_call(book: TokenBook, method: str, metadata: Metadata) -> errors.MMCacheError | None:
     """Why the call may not proceed, or None when it may."""
     needed = required_roles(method)
     if needed is None:

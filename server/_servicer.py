@@ -26,13 +26,14 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mmcache._errors import CacheMissError, InvalidArgumentError
-from mmcache._frames import MAX_CHUNK_BYTES, header_frame
+from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
+from mmcache._frames import MAX_CHUNK_BYTES, UPDATE_HEADER_KEY, header_frame
 from mmcache._lru import Outcome
 from mmcache._spec import check_count, check_name
-from mmcache.metrics import CacheMetrics
+from mmcache.metrics import CacheMetrics, RequestMetrics
 from mmcache.v1 import cache_pb2 as pb
 
+from ._auth import Metadata
 from ._inflight import InflightBudget
 from ._namespaces import Namespace, Namespaces
 from ._pending import PendingUploads
@@ -46,7 +47,8 @@ from ._region import (
     frame_count,
     region_frames,
 )
-from ._status import guard, protobuf_method, write
+from ._sessions import Sessions
+from ._status import client_left, guard, protobuf_method, status_code_of, write
 from ._store import BatchResult, ItemStore, StoredItem
 from ._upload import (
     EntryHeader,
@@ -55,9 +57,13 @@ from ._upload import (
     check_no_surplus,
     data_hashes,
     frames_of,
+    header_metadata,
     parse_header,
     read_chunks,
     read_request,
+    request_of_frame,
+    slot_message,
+    slot_sizes,
     upload_entry,
 )
 
@@ -66,6 +72,7 @@ __all__ = ["SERVICE_NAME", "UPLOAD_WAIT_S", "CacheServicer"]
 _LOGGER = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MMCache"].full_name
+SESSION_METHOD = f"/{SERVICE_NAME}/UpdateSession"  # its metrics count batches
 
 # How long a hash-only entry waits for another call's upload of the same hash:
 # enough for items up to tens of MiB on loopback; a longer upload, or a
@@ -88,8 +95,14 @@ class CacheServicer:
         instance_id: str,
         version: str,
         region: Callable[[], Region | None] = lambda: None,
+        sessions: Sessions | None = None,
+        batch_metrics: RequestMetrics | None = None,
+        authorize: Callable[[Metadata], MMCacheError | None] = lambda _: None,
     ) -> None:
+        self._authorize = authorize
         self._store = store
+        self._sessions = Sessions() if sessions is None else sessions
+        self._batch_metrics = batch_metrics
         self._inflight = inflight
         self._metrics = metrics
         self._namespaces = namespaces
@@ -120,6 +133,7 @@ class CacheServicer:
             # Raw bytes in and out: see the module docstring.
             "GetAndUpdate": grpc.stream_unary_rpc_method_handler(g(self.get_and_update)),
             "GetAndUpdateOne": grpc.unary_unary_rpc_method_handler(g(self.get_and_update_one)),
+            "UpdateSession": grpc.stream_stream_rpc_method_handler(g(self.update_session)),
             "Fetch": grpc.unary_stream_rpc_method_handler(g(self.fetch)),
             "Touch": protobuf_method(self.touch, pb.TouchRequest, self._instance_id),
             "Clear": protobuf_method(self.clear, pb.ClearRequest, self._instance_id),
@@ -155,29 +169,34 @@ class CacheServicer:
         self, request: pb.ShmAllocateRequest, context: Context
     ) -> pb.ShmAllocateReply:
         region = self._region_of(request.shm_token)
-        check_count("lengths", len(request.lengths))
-        trailers = list(request.trailers) or [0] * len(request.lengths)
-        if len(trailers) != len(request.lengths):
-            raise InvalidArgumentError(
-                f"ShmAllocate names {len(request.lengths)} lengths but {len(trailers)} "
-                "trailers: give one per length, or none"
-            )
+        sizes = slot_sizes("ShmAllocate", request.lengths, request.trailers)
         reply = pb.ShmAllocateReply(instance_id=self._instance_id)
+        reply.slots.extend(slot_message(s) for s in self._write_slots(region, sizes))
+        return reply
+
+    def _write_slots(self, region: Region, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+        """Write slots of these (payload, trailer) sizes: all, or none when the
+        region has no room for all (the client then uploads over gRPC)."""
         region.expire()
         slots: list[Slot] = []
         # What the store takes in if all are uploaded: past its capacity, it evicts.
-        incoming = sum(request.lengths)
-        for length, trailer in zip(request.lengths, trailers, strict=True):
+        incoming = sum(length for length, _ in sizes)
+        for length, trailer in sizes:
             slot = self._allocate(region, length, WRITE, trailer, incoming)
-            if slot is None:  # no room for all: none, and the client uses gRPC
+            if slot is None:
                 for given in slots:
                     region.free(given.lease)
-                return reply
+                return []
             slots.append(slot)
-        reply.slots.extend(
-            pb.ShmSlot(offset=s.offset, length=s.length, lease=s.lease) for s in slots
-        )
-        return reply
+        return slots
+
+    def _spares(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+        """The spare write slots an upload asked for with its reply; none when
+        its token is not the region's (asking never fails an upload)."""
+        region = self._region()
+        if not sizes or region is None or not region.matches(token):
+            return []
+        return self._write_slots(region, sizes)
 
     def _allocate(
         self,
@@ -259,12 +278,60 @@ class CacheServicer:
     async def get_and_update(self, frames: AsyncIterator[bytes], context: Context) -> bytes:
         namespace = self._namespace(context)
         request, in_metadata = await read_request(context, frames)
+        return await self._update(context, namespace, request, frames, in_metadata)
+
+    async def update_session(self, frames: AsyncIterator[bytes], context: Context) -> None:
+        """GetAndUpdate, batch after batch, over one stream (server._sessions)."""
+        namespace = self._namespace(context)
+        if header_metadata(context) is not None:
+            raise InvalidArgumentError(
+                f"an UpdateSession carries each batch's header as the batch's first frame, "
+                f"not as {UPDATE_HEADER_KEY} metadata"
+            )
+        # Headers at once: the client waits for them before its first batch.
+        await context.send_initial_metadata(())
+        stream = aiter(frames)
+        async for first in self._sessions.headers(stream):
+            t0 = 0.0 if self._batch_metrics is None else self._batch_metrics.start()
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                refusal = self._authorize(context.invocation_metadata())
+                if refusal is not None:  # its token was revoked since the last batch
+                    raise refusal
+                request = request_of_frame(first, "the first frame of a session's batch")
+                reply = await self._update(context, namespace, request, stream, False, last=False)
+                await write(context, reply)
+                code = grpc.StatusCode.OK
+            except MMCacheError as exc:
+                code = grpc.StatusCode.CANCELLED if client_left(context) else status_code_of(exc)
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                if self._batch_metrics is not None:
+                    self._batch_metrics.end(t0, code)
+
+    async def _update(
+        self,
+        context: Context,
+        namespace: Namespace,
+        request: pb.UpdateRequest,
+        frames: AsyncIterator[bytes],
+        in_metadata: bool,
+        *,
+        last: bool = True,
+    ) -> bytes:
+        """Apply one batch; its serialised reply. `last`: no frame may follow it."""
         entries = parse_header(request, namespace.key)
+        spare_sizes = slot_sizes(
+            "the upload's spares", request.shm_spare_lengths, request.shm_spare_trailers
+        )
         # Slots named are checked, and kept from expiry, before anything waits.
         claimed = self._claim(request.shm_token, entries)
         try:
             result = await self._receive(
-                context, namespace, request, entries, frames, in_metadata, claimed
+                context, namespace, request, entries, frames, in_metadata, claimed, last
             )
         finally:
             self._unclaim(claimed)  # those a failed call never read
@@ -273,13 +340,17 @@ class CacheServicer:
         leased = request.lease != pb.LEASE_NONE
         # Only the caller's own evictions: another namespace's hashes are not its business.
         result = replace(result, evicted=namespace.hashes(result.evicted))
+        seq = self._namespaces.seq_of(namespace)
+        # After `seq`: what the spares push out of the cache comes by the feed.
+        spares = self._spares(request.shm_token, spare_sizes)
         return build_reply(
             self._instance_id,
             self._store.capacity,
             self._store.max_items,
-            self._namespaces.seq_of(namespace),
+            seq,
             int(self._store.lease_s * 1000) if leased else 0,
             result,
+            [slot_message(s) for s in spares],
         )
 
     async def _receive(
@@ -291,6 +362,7 @@ class CacheServicer:
         frames: AsyncIterator[bytes],
         in_metadata: bool,
         claimed: dict[int, Slot],
+        last: bool,
     ) -> BatchResult:
         """Wait for other calls' uploads of the hashes sent alone, read this call's
         data, and apply the batch once every byte has arrived and been checked."""
@@ -322,7 +394,8 @@ class CacheServicer:
                     else:
                         data = await read_chunks(stream, e)
                     uploads.append(upload_entry(e, data, resident))
-                await check_no_surplus(stream, in_metadata)
+                if last:
+                    await check_no_surplus(stream, in_metadata)
                 self._metrics.received_bytes.inc(payload)
                 touches = namespace.keys(request.touches)
                 return self._store.update(touches, uploads, lease=request.lease)
@@ -410,8 +483,7 @@ class CacheServicer:
         if residents is None:
             return header  # no room: the client calls Fetch
         for mm_hash, item, resident in zip(request.mm_hashes, items, residents, strict=True):
-            slot = resident.slot
-            where = pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease)
+            where = slot_message(resident.slot)
             if request.shm_hold:
                 where.hold = region.hold(resident)
             header.items.add(mm_hash=mm_hash, item=item.spec, shm=where)

@@ -27,7 +27,7 @@ from mmcache._frames import (
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
-from ._region import Resident
+from ._region import Resident, Slot
 from ._store import BatchResult, StoredItem, UploadEntry
 
 __all__ = [
@@ -37,9 +37,13 @@ __all__ = [
     "check_no_surplus",
     "data_hashes",
     "frames_of",
+    "header_metadata",
     "parse_header",
     "read_chunks",
     "read_request",
+    "request_of_frame",
+    "slot_message",
+    "slot_sizes",
     "upload_entry",
 ]
 
@@ -78,20 +82,33 @@ async def read_request(
     context: Context, frames: AsyncIterator[bytes]
 ) -> tuple[pb.UpdateRequest, bool]:
     """The call's UpdateRequest, and whether it came as metadata (else as the first frame)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == UPDATE_HEADER_KEY and isinstance(value, bytes):  # "-bin" values are bytes
-            try:
-                return pb.UpdateRequest.FromString(value), True
-            except DecodeError as exc:
-                raise InvalidArgumentError(
-                    f"the {UPDATE_HEADER_KEY} metadata is not a serialised UpdateRequest: {exc}"
-                ) from None
+    value = header_metadata(context)
+    if value is not None:
+        try:
+            return pb.UpdateRequest.FromString(value), True
+        except DecodeError as exc:
+            raise InvalidArgumentError(
+                f"the {UPDATE_HEADER_KEY} metadata is not a serialised UpdateRequest: {exc}"
+            ) from None
     what = f"the first GetAndUpdate frame (the call has no {UPDATE_HEADER_KEY} metadata)"
     frame = await anext(frames, None)
     if frame is None:
         raise InvalidArgumentError(f"GetAndUpdate got no header: {what} is missing")
+    return request_of_frame(frame, what), False
+
+
+def header_metadata(context: Context) -> bytes | None:
+    """The call's header metadata, if it has one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == UPDATE_HEADER_KEY and isinstance(value, bytes):  # "-bin" values are bytes
+            return value
+    return None
+
+
+def request_of_frame(frame: bytes, what: str) -> pb.UpdateRequest:
+    """The UpdateRequest of a header frame; `what` names the frame in errors."""
     try:
-        return pb.UpdateRequest.FromString(header_frame_body(frame, what)), False
+        return pb.UpdateRequest.FromString(header_frame_body(frame, what))
     except DecodeError as exc:
         raise InvalidArgumentError(f"the header does not parse: {exc}") from None
 
@@ -239,6 +256,7 @@ def build_reply(
     seq: int,
     lease_ms: int,
     result: BatchResult,
+    spares: Sequence[pb.ShmSlot] = (),
 ) -> bytes:
     return pb.UpdateReply(
         instance_id=instance_id,
@@ -252,7 +270,24 @@ def build_reply(
         metadata=result.metadata or (),
         metadata_truncated=result.metadata_truncated,
         lease_ms=lease_ms,
+        shm_spares=spares,
     ).SerializeToString()
+
+
+def slot_sizes(what: str, lengths: Sequence[int], trailers: Sequence[int]) -> list[tuple[int, int]]:
+    """The (payload, trailer) sizes of the write slots a request asks for,
+    checked: one trailer per length, or none (no room after the payloads)."""
+    check_count(f"{what} lengths", len(lengths))
+    if trailers and len(trailers) != len(lengths):
+        raise InvalidArgumentError(
+            f"{what} name {len(lengths)} lengths but {len(trailers)} trailers: give one "
+            "per length, or none"
+        )
+    return list(zip(lengths, trailers or [0] * len(lengths), strict=True))
+
+
+def slot_message(slot: Slot) -> pb.ShmSlot:
+    return pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease)
 
 
 async def frames_of(request: bytes) -> AsyncIterator[bytes]:

@@ -73,9 +73,11 @@ async def test_every_dtype_and_shape_round_trips_bit_exact(
     assert fetched[0]["k3"].data.shape == (4, 6)
 
 
-# The two shapes of an upload call, as grpc_server_started_total labels them.
+# The shapes of an upload, as grpc_server_started_total labels them: a call
+# of either kind, or a batch over a session kept open.
 _STREAM = ("GetAndUpdate", "client_stream")
 _UNARY = ("GetAndUpdateOne", "unary")
+_SESSION = ("UpdateSession", "bidi_stream")
 
 
 def started(scraped: Samples, method: str, kind: str) -> float:
@@ -95,16 +97,37 @@ async def test_hits_return_none_in_one_round_trip(
     assert await client.get_and_update(items, hashes) == [None, None, None]
     after = await scrape(server.metrics_port)
 
-    def calls(scraped: Samples) -> float:  # upload calls of either shape
-        return started(scraped, *_STREAM) + started(scraped, *_UNARY)
+    def calls(scraped: Samples) -> float:  # uploads of any shape
+        return sum(started(scraped, *shape) for shape in (_STREAM, _UNARY, _SESSION))
 
     assert calls(after) == calls(before) + 1
     assert client.make_stats().hits == 3 and client.make_stats().total == 6
 
 
-async def test_calls_without_data_are_unary_and_uploads_stream(
+async def test_calls_without_data_are_unary_and_uploads_stream(server: MMCacheServer) -> None:
+    async with MMCacheClient(f"127.0.0.1:{server.port}", sessions=0) as client:
+        await _unary_and_stream(server, client)
+
+
+async def test_batches_go_over_one_session_kept_open(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
+    small, large = image_item(1), image_item(2, numel=MIB // 2)
+    before = await scrape(server.metrics_port)
+    assert await client.get_and_update([small], ["small"]) == [small]
+    assert await client.get_and_update([large], ["large"]) == [large]
+    assert await client.get_and_update([small, large], ["small", "large"]) == [None, None]
+    after = await scrape(server.metrics_port)
+    assert started(after, *_SESSION) == started(before, *_SESSION) + 3  # batches
+    assert started(after, *_STREAM) + started(after, *_UNARY) == started(
+        before, *_STREAM
+    ) + started(before, *_UNARY)
+    assert server.sessions.opened == 1  # one stream carried all three
+    fetched = await client.fetch(["small", "large"])
+    assert fetched[0] == small and fetched[1] == large
+
+
+async def _unary_and_stream(server: MMCacheServer, client: MMCacheClient) -> None:
     small, large = image_item(1), image_item(2, numel=MIB // 2)  # 1 and 3 frames of 1 MiB
     before = await scrape(server.metrics_port)
     assert await client.get_and_update([small], ["small"]) == [small]
@@ -374,8 +397,13 @@ async def test_unreachable_server_is_a_typed_error() -> None:
 
 
 async def test_a_batch_too_large_for_header_metadata_sends_a_header_frame(
-    server: MMCacheServer, client: MMCacheClient
+    server: MMCacheServer,
 ) -> None:
+    async with MMCacheClient(f"127.0.0.1:{server.port}", sessions=0) as client:
+        await _header_frame(server, client)
+
+
+async def _header_frame(server: MMCacheServer, client: MMCacheClient) -> None:
     keys = [f"{i:064x}" for i in range(40)]
     items = [image_item(i, numel=16) for i in range(40)]
     # 40 specs and 64-character hashes: the upload's header goes as a frame,

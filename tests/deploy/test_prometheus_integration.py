@@ -84,8 +84,8 @@ def test_prometheus_reads_back_the_counts_the_traffic_implies(
         referenced = f'mmcache_encoder_referenced_tokens{{{job},engine="engine-0"}}'
         assert prom.wait_for(referenced, lambda v: v == 100) == 100
         handled = (
-            # Small uploads take the unary GetAndUpdateOne, larger ones the stream.
-            f'sum(grpc_server_handled_total{{{job},grpc_method=~"GetAndUpdate(One)?",'
+            # Batches go over upload sessions (UpdateSession), counted one by one.
+            f'sum(grpc_server_handled_total{{{job},grpc_method=~"GetAndUpdate(One)?|UpdateSession",'
             'grpc_code="OK"})'
         )
         assert prom.wait_for(handled, lambda v: v == 3) == 3

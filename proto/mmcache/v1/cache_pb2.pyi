@@ -531,15 +531,29 @@ class UpdateRequest(_message.Message):
     ENTRIES_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
+    SHM_SPARE_LENGTHS_FIELD_NUMBER: _builtins.int
+    SHM_SPARE_TRAILERS_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
     shm_token: _builtins.bytes
-    """The shared-memory region's token, when an entry names a slot."""
+    """The shared-memory region's token, when an entry names a slot or spares
+    are asked for.
+    """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hashes the client touched since its last call; applied first."""
 
     @_builtins.property
     def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___UpdateEntry]: ...
+    @_builtins.property
+    def shm_spare_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Write slots wanted with the reply, as ShmAllocate's lengths and trailers:
+        spares for the client's next uploads, so that an upload through the
+        region stays one call. Given all or none (none when the region lacks
+        room or the token is not the region's); asking never fails the call.
+        """
+
+    @_builtins.property
+    def shm_spare_trailers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -547,10 +561,12 @@ class UpdateRequest(_message.Message):
         entries: _abc.Iterable[Global___UpdateEntry] | None = ...,
         lease: Global___LeaseMode.ValueType = ...,
         shm_token: _builtins.bytes = ...,
+        shm_spare_lengths: _abc.Iterable[_builtins.int] | None = ...,
+        shm_spare_trailers: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -602,6 +618,7 @@ class UpdateReply(_message.Message):
     METADATA_FIELD_NUMBER: _builtins.int
     METADATA_TRUNCATED_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    SHM_SPARES_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     max_items: _builtins.int
@@ -636,6 +653,12 @@ class UpdateReply(_message.Message):
         past that, blobs are left out and `metadata_truncated` is set.
         """
 
+    @_builtins.property
+    def shm_spares(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShmSlot]:
+        """The spares asked for in shm_spare_lengths, in order, or none. Allocated
+        after `seq`: items they pushed out of the cache come by the feed.
+        """
+
     def __init__(
         self,
         *,
@@ -650,10 +673,11 @@ class UpdateReply(_message.Message):
         metadata: _abc.Iterable[_builtins.bytes] | None = ...,
         metadata_truncated: _builtins.bool = ...,
         lease_ms: _builtins.int = ...,
+        shm_spares: _abc.Iterable[Global___ShmSlot] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "evicted", b"evicted", "evicted_truncated", b"evicted_truncated", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "max_items", b"max_items", "metadata", b"metadata", "metadata_truncated", b"metadata_truncated", "outcomes", b"outcomes", "seq", b"seq", "sizes", b"sizes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "evicted", b"evicted", "evicted_truncated", b"evicted_truncated", "instance_id", b"instance_id", "lease_ms", b"lease_ms", "max_items", b"max_items", "metadata", b"metadata", "metadata_truncated", b"metadata_truncated", "outcomes", b"outcomes", "seq", b"seq", "shm_spares", b"shm_spares", "sizes", b"sizes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,60 @@
+"""Upload sessions (`UpdateSession`): GetAndUpdate batch after batch over one stream.
+
+A session waits between batches for its client's next header. It ends there,
+never in the middle of a batch: when its client half-closes, and when the
+server stops (the sessions waiting then end at once, so a stopping server
+does not wait out its grace for streams that carry nothing). A batch whose
+header a session never read is the client's to send again. Its token is
+checked again with each batch (the servicer), so a revoked token stops
+working at its next batch, as it would on its next call.
+
+Transport-free: it sees the stream only as an async iterator of frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+__all__ = ["Sessions"]
+
+
+class Sessions:
+    """The sessions open on one server, and when each must end."""
+
+    def __init__(self) -> None:
+        self._waiting: set[asyncio.Task[object]] = set()
+        self._stopping = False
+        self.opened = 0  # sessions ever opened (tests and logs)
+
+    @property
+    def waiting(self) -> int:
+        """Sessions waiting for their client's next batch."""
+        return len(self._waiting)
+
+    async def headers(self, frames: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Each batch's first frame, as its client sends it, until the session
+        ends (the caller reads the rest of the batch from `frames`)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self.opened += 1
+        while not self._stopping:
+            self._waiting.add(task)
+            try:
+                frame = await anext(frames, None)
+            except asyncio.CancelledError:
+                if not self._stopping:
+                    raise
+                task.uncancel()  # our own cancel (see stop): the session just ends
+                return
+            finally:
+                self._waiting.discard(task)
+            if frame is None:
+                return
+            yield frame
+
+    def stop(self) -> None:
+        """End every session at its next wait; the waiting ones now."""
+        self._stopping = True
+        for task in list(self._waiting):
+            task.cancel()
