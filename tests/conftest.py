@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,16 @@ MIB = 1 << 20
 # The console script installed beside the interpreter running the tests: found
 # without relying on an activated virtual environment's PATH.
 MMCACHE = str(Path(sys.executable).with_name("mmcache"))
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> float:
+    """Seconds until `check()` holds; fails the test after `timeout`."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not true within {timeout}s")
+        await asyncio.sleep(0.002)
+    return time.monotonic() - start
 
 
 def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> ServerConfig:

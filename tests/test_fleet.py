@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, sample, scrape, server_config
+from .conftest import MIB, eventually, sample, scrape, server_config
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, tensor_spec
 
@@ -40,16 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def size_of(seed: int, numel: int) -> int:
     return encode_item(image_item(seed, numel=numel)).size.charged
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> float:
-    """Seconds until `check()` holds; fails the test after `timeout`."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not true within {timeout}s")
-        await asyncio.sleep(0.002)
-    return time.monotonic() - start
 
 
 @asynccontextmanager

@@ -12,7 +12,7 @@ from mmcache.client import CacheMissError, MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, scrape, server_config
+from .conftest import MIB, eventually, scrape, server_config
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
 
@@ -103,7 +103,8 @@ async def test_a_stopping_server_ends_idle_sessions_without_waiting_its_grace() 
         # No feed: its stream would hold the stop for the grace, sessions apart.
         async with MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client:
             await client.get_and_update([image_item(1)], ["a"])
-            assert server.sessions.waiting == 1  # open, waiting for the next batch
+            # Open, waiting for the next batch (it gets there just after its reply).
+            await eventually(lambda: server.sessions.waiting == 1)
             started = time.monotonic()
             await server.stop()
             assert time.monotonic() - started < 5

@@ -7,7 +7,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -22,7 +22,7 @@ from mmcache.client._shm import attach
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, sample, scrape, server_config
+from .conftest import MIB, eventually, sample, scrape, server_config
 from .items import image_item
 
 DTYPES = [
@@ -118,14 +118,6 @@ async def handled(server: MMCacheServer, method: str) -> float:
         for (name, labels), value in samples.items()
         if name == "grpc_server_handled_total" and ("grpc_method", method) in labels
     )
-
-
-async def eventually(check: Callable[[], bool], seconds: float = 5.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if check():
-            return
-        await asyncio.sleep(0.02)
-    assert check()
 
 
 async def test_resident_items_are_read_with_no_call_and_reported_after(
