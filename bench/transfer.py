@@ -177,8 +177,10 @@ async def mmcache_ops(
 
     async def upload_fetched() -> None:
         # The puts of the burst before evicted it: upload it again, untimed.
-        if not client.is_cached_item(fetched):
-            await client.get_and_update([item], [fetched], lease=False)
+        # Always asked of the server: the mirror may not have seen that
+        # eviction yet (a hit costs a hash; a miss the mirror did not
+        # foresee is re-sent in the same call).
+        await client.get_and_update([item], [fetched], lease=False)
 
     ops = {f"{prefix}put": put, f"{prefix}fetch": get}
     before = {f"{prefix}fetch": upload_fetched}
