@@ -9,6 +9,7 @@ Errors are mmcache's typed errors (re-exported here), never raw gRPC ones.
 """
 
 from mmcache._errors import (
+    AbortedError,
     AlreadyExistsError,
     CacheMissError,
     DeadlineExceededError,
@@ -47,6 +48,7 @@ from ._encoder import (
 from ._stats import CacheInfo
 
 __all__ = [
+    "AbortedError",
     "AllocateOp",
     "AlreadyExistsError",
     "BatchResult",

@@ -277,7 +277,7 @@ class MMCacheClient:
     async def close(self) -> None:
         if self._transport is not None:  # what reads owe the server: leases, holds, spares
             if self._region is not None:
-                self._reports.add(self._region.token, done=self._write_slots.drain())
+                self._reports.add(self._region.token, done=self._write_slots.drain(close=True))
             await self._reports.flush(self._fail_open_timeout)
             await self._transport.close()
         self._reports.cancel()
@@ -743,7 +743,10 @@ class MMCacheClient:
         if needed:
             given = await self._allocate(region, [sizes[i] for i in needed])
             if given is None:  # no room: all over gRPC, the spares taken kept for later
-                self._write_slots.put_back([sizes[i] for i in slots], slots.values())
+                self._give_back_slots(
+                    region,
+                    self._write_slots.keep(slots.values(), [sizes[i] for i in slots], asked=False),
+                )
                 return {}, []
             slots.update(zip(needed, given, strict=True))
         try:
@@ -757,24 +760,33 @@ class MMCacheClient:
     async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""
         extra = self._write_slots.top_up(sizes)
-        for asked in (sizes + extra, sizes) if extra else (sizes,):
-            try:
-                reply = await self._rpc.shm_allocate(
-                    region.token,
-                    [payload for payload, _ in asked],
-                    [room for _, room in asked],
-                    timeout=self._fail_open_timeout if self._fail_open else None,
-                )
-            except InvalidArgumentError:
-                self._restarted()  # the token is not the server's: a restart
-                return None
-            if reply.instance_id != region.instance_id:
-                self._restarted()
-                return None
-            if len(reply.slots) == len(asked):
-                self._write_slots.put_back(asked[len(sizes) :], reply.slots[len(sizes) :])
-                return list(reply.slots[: len(sizes)])
-        return None  # no room (even without spares)
+        spares: Sequence[pb.ShmSlot] = ()
+        try:
+            for asked in (sizes + extra, sizes) if extra else (sizes,):
+                try:
+                    reply = await self._rpc.shm_allocate(
+                        region.token,
+                        [payload for payload, _ in asked],
+                        [room for _, room in asked],
+                        timeout=self._fail_open_timeout if self._fail_open else None,
+                    )
+                except InvalidArgumentError:
+                    self._restarted()  # the token is not the server's: a restart
+                    return None
+                if reply.instance_id != region.instance_id:
+                    self._restarted()
+                    return None
+                if len(reply.slots) == len(asked):
+                    spares = reply.slots[len(sizes) :]
+                    return list(reply.slots[: len(sizes)])
+            return None  # no room (even without spares)
+        finally:
+            self._give_back_slots(region, self._write_slots.keep(spares, extra))
+
+    def _give_back_slots(self, region: ClientRegion, leases: list[int]) -> None:
+        """Spare slots beyond the client's caps go back to the server."""
+        if leases:
+            self._reports.add(region.token, done=leases)
 
     def _trailer(self, entry: Entry) -> int:
         """Room after an upload's payload for its store key and spec (the item
@@ -957,17 +969,18 @@ class MMCacheClient:
         spares: list[Size],
     ) -> Reply:
         region = self._region if slots else None
-        batch = build_batch(
-            entries,
-            touches,
-            lease=lease,
-            chunk_bytes=self._chunk_bytes,
-            shm=(b"" if region is None else region.token, slots),
-            spares=spares if region is not None else (),
-        )
         mirror = self._mirror
         call = mirror.call_started()
+        given: Sequence[pb.ShmSlot] = ()
         try:
+            batch = build_batch(
+                entries,
+                touches,
+                lease=lease,
+                chunk_bytes=self._chunk_bytes,
+                shm=(b"" if region is None else region.token, slots),
+                spares=spares if region is not None else (),
+            )
             raw = await self._rpc.get_and_update(
                 batch.header,
                 batch.frames,
@@ -985,11 +998,15 @@ class MMCacheClient:
                 reply.sizes,
                 reply.evicted,
             )
+            if region is not None and reply.instance_id == region.instance_id:
+                given = reply.spares
         finally:
             mirror.call_ended(call)
+            if spares:  # the ask settled, whatever became of the batch
+                surplus = self._write_slots.keep(given, spares)
+                if region is not None:
+                    self._give_back_slots(region, surplus)
         self._in_touch = True
-        if reply.spares and region is not None and reply.instance_id == region.instance_id:
-            self._write_slots.put_back(spares, reply.spares)
         return reply
 
 

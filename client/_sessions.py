@@ -10,13 +10,16 @@ a call of its own.
 
 A session that ends before answering, with OK (the server ends sessions
 between batches when it stops), UNAVAILABLE or CANCELLED (a restarted
-server, a dropped connection), or under the batch's writes (the batch never
-reached the server whole, and grpc then reports INTERNAL whatever the server
-said), is answered None: the caller sends the batch again as a call, which
-waits for the channel as calls do and reports the server's own status.
-A server from before sessions (UNIMPLEMENTED) gets calls from then on. Any
-other status is the batch's own failure, raised. A batch that times out
-or is cancelled takes its session down with it: the stream is then mid-batch.
+server, a dropped connection), or under the batch's writes with INTERNAL
+(grpc's status for a stream cut short), is answered None: the caller sends
+the batch again as a call, which waits for the channel as calls do and
+reports the server's own status. The server may have applied the batch
+before the link failed: the transport names each batch (`batch_id`), and
+the server answers a copy of one it applied with the reply that was lost
+(server._replays), so nothing is counted twice. A server from before
+sessions (UNIMPLEMENTED) gets calls from then on. Any other status is the
+batch's own failure, raised. A batch that times out or is cancelled takes
+its session down with it: the stream is then mid-batch.
 """
 
 from __future__ import annotations
@@ -83,10 +86,20 @@ class SessionPool:
                     await call.write(frame)
             except Exception:  # grpc's core fails writes in several ways
                 # The stream ended under the writes, so this batch never reached
-                # the server whole and nothing of it was applied. grpc then
-                # reports INTERNAL whatever the server said: a call tells.
-                if await call.code() == grpc.StatusCode.UNIMPLEMENTED:
+                # the server whole and nothing of it was applied. A status of
+                # the server's own (a revoked token) is the batch's answer;
+                # INTERNAL (grpc's, for a stream cut under its writes) and
+                # those of a session that ended say nothing of it: a call tells.
+                code = await call.code()
+                if code == grpc.StatusCode.UNIMPLEMENTED:
                     self._limit = 0
+                elif code not in _SEND_AGAIN and code != grpc.StatusCode.INTERNAL:
+                    raise grpc.aio.AioRpcError(
+                        code,
+                        await call.initial_metadata(),
+                        await call.trailing_metadata(),
+                        await call.details(),
+                    ) from None
                 return None
             reply = await call.read()  # raises the status of a session ended otherwise
         except grpc.aio.AioRpcError as exc:

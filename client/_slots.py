@@ -13,6 +13,7 @@ most SPARE_BYTES of the region per client, MAX_SPARES of one size.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from mmcache.v1 import cache_pb2 as pb
@@ -33,10 +34,18 @@ def size_of(payload: int, trailer: int) -> Size:
 
 
 class WriteSlots:
-    """The spare write slots of one client, by size."""
+    """The spare write slots of one client, by size, and those asked for.
+
+    Uploads run concurrently, each asking for spares with its reply: what
+    is asked is counted at once (`top_up`) and settled when the answer comes
+    (`keep`), so the spares held and asked together stay within the caps;
+    any that come beyond them are handed back to be given back to the server.
+    """
 
     def __init__(self) -> None:
         self._spares: dict[Size, list[pb.ShmSlot]] = {}
+        self._asked: Counter[Size] = Counter()
+        self._closed = False
 
     def take(self, region: ClientRegion, size: Size) -> pb.ShmSlot | None:
         """A live spare of `size`, if one is kept (expired ones are dropped)."""
@@ -47,24 +56,51 @@ class WriteSlots:
                 return slot
         return None
 
-    def put_back(self, sizes: Sequence[Size], slots: Iterable[pb.ShmSlot]) -> None:
-        for size, slot in zip(sizes, slots, strict=False):
-            self._spares.setdefault(size, []).append(slot)
-
     def top_up(self, used: Sequence[Size]) -> list[Size]:
         """The spares to ask for after using slots of these sizes: enough to
-        hold MAX_SPARES of each again, as far as the budget allows."""
-        held = sum(sum(size) * len(slots) for size, slots in self._spares.items())
+        hold MAX_SPARES of each again, as far as the budget allows, counting
+        those already asked for. Settle each ask with `keep`."""
+        if self._closed:
+            return []
+        held = self._bytes()
         wanted: list[Size] = []
         for size in dict.fromkeys(used):
-            count = MAX_SPARES - len(self._spares.get(size, ()))
+            count = MAX_SPARES - len(self._spares.get(size, ())) - self._asked[size]
             count = max(0, min(count, (SPARE_BYTES - held) // sum(size)))
             wanted += [size] * count
+            self._asked[size] += count
             held += count * sum(size)
         return wanted
 
-    def drain(self) -> list[int]:
-        """Every spare's lease (to give back), none kept any more."""
+    def keep(
+        self, slots: Iterable[pb.ShmSlot], sizes: Sequence[Size], *, asked: bool = True
+    ) -> list[int]:
+        """Keep these slots of `sizes` as spares (`asked`: the answer to a
+        `top_up`, all it brought, perhaps nothing); the leases of those beyond
+        the caps, to give back."""
+        if asked:
+            self._asked.subtract(sizes)
+            self._asked = +self._asked  # drop the sizes settled to 0
+        held = self._bytes()
+        surplus: list[int] = []
+        for size, slot in zip(sizes, slots, strict=False):
+            kept = self._spares.setdefault(size, [])
+            if self._closed or len(kept) >= MAX_SPARES or held + sum(size) > SPARE_BYTES:
+                surplus.append(slot.lease)
+                continue
+            kept.append(slot)
+            held += sum(size)
+        return surplus
+
+    def drain(self, *, close: bool = False) -> list[int]:
+        """Every spare's lease (to give back), none kept any more; `close`:
+        none kept from now on either (answers still to come are surplus)."""
+        self._closed = self._closed or close
         leases = [slot.lease for slots in self._spares.values() for slot in slots]
         self._spares.clear()
         return leases
+
+    def _bytes(self) -> int:
+        """Bytes of the spares held and asked for."""
+        held = sum(sum(size) * len(slots) for size, slots in self._spares.items())
+        return held + sum(sum(size) * count for size, count in self._asked.items())

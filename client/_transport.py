@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -37,6 +38,8 @@ from ._sessions import SessionPool
 from ._status import translate_errors
 
 __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
+
+BATCH_ID_BYTES = 16  # random: a name no other batch has
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 
@@ -217,6 +220,10 @@ class CacheTransport:
         timeout = self._timeout if timeout is None else timeout
         deadline = asyncio.get_running_loop().time() + timeout
         if self._sessions is not None:
+            # Named, so that the server answers it once should it go again as
+            # a call (its session lost before the reply: server._replays).
+            # Fields appended to a serialised message are merged into it.
+            header += pb.UpdateRequest(batch_id=os.urandom(BATCH_ID_BYTES)).SerializeToString()
             try:
                 async with asyncio.timeout(timeout):
                     with translate_errors():

@@ -6,6 +6,7 @@ The client lives in `mmcache.client`, the server in `mmcache.server`.
 """
 
 from ._errors import (
+    AbortedError,
     AlreadyExistsError,
     CacheMissError,
     DeadlineExceededError,
@@ -23,6 +24,7 @@ from ._memory import keep_freed_memory
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbortedError",
     "AlreadyExistsError",
     "BatchedField",
     "CacheMissError",

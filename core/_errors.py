@@ -16,6 +16,7 @@ from typing import ClassVar
 
 __all__ = [
     "ERROR_CLASSES",
+    "AbortedError",
     "AlreadyExistsError",
     "CacheMissError",
     "DeadlineExceededError",
@@ -75,6 +76,12 @@ class FailedPreconditionError(MMCacheError):
     code = "FAILED_PRECONDITION"
 
 
+class AbortedError(MMCacheError):
+    """The request gave way to another (a copy of an upload batch sent again)."""
+
+    code = "ABORTED"
+
+
 class ResourceExhaustedError(MMCacheError):
     """There is not enough room (encoder tokens, in-flight bytes) for the request."""
 
@@ -118,6 +125,7 @@ ERROR_CLASSES: tuple[type[MMCacheError], ...] = (
     NotFoundError,
     AlreadyExistsError,
     FailedPreconditionError,
+    AbortedError,
     ResourceExhaustedError,
     UnavailableError,
     DeadlineExceededError,

@@ -6,12 +6,15 @@ and type, for every handler the server runs: ours, health and reflection.
 
 A stream kept open to carry one request after another (UpdateSession) is
 counted by its requests, not as one long call: its handler records each
-(`requests`), and the interceptor leaves it alone.
+(`requests`). The interceptor counts such a stream itself only when it ends
+with a failure before carrying any (a refused token, namespace or header),
+so that refusals show as they do for calls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
@@ -42,6 +45,12 @@ _CODE_NAMES = {
     grpc.StatusCode.DATA_LOSS: "DataLoss",
     grpc.StatusCode.UNAUTHENTICATED: "Unauthenticated",
 }
+
+# The requests the stream running in this task has recorded so far (a
+# per-request stream's wrapper sets it; RequestMetrics.start counts into it).
+_CARRIED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "mmcache_grpc_carried", default=None
+)
 
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -81,7 +90,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method in self._per_request:
+        if handler is None:
             return handler
         cached = self._wrapped.get(handler_call_details.method)
         if cached is not None and cached[0] is handler:
@@ -114,24 +123,41 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         labels = (kind, service, method)
         factory, behavior = _behavior(handler)
         return factory(  # type: ignore[no-any-return]
-            self._wrap(behavior, labels),
+            self._wrap(behavior, labels, per_request=full_method in self._per_request),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
 
-    def _wrap(self, behavior: Callable[..., Any], labels: tuple[str, str, str]) -> Any:
+    def _wrap(
+        self, behavior: Callable[..., Any], labels: tuple[str, str, str], *, per_request: bool
+    ) -> Any:
         # The wrap happens at a method's first call: its series start then.
         started = self._started.labels(*labels)
         seconds = self._seconds.labels(*labels)
         handled_total = self._handled
         handled: dict[grpc.StatusCode, Any] = {}  # by code, made at its first use
 
+        def begin() -> list[int] | None:
+            if not per_request:
+                started.inc()
+                return None
+            carried = [0]
+            _CARRIED.set(carried)
+            return carried
+
         def finish(
-            context: grpc.aio.ServicerContext[Any, Any], t0: float, error: BaseException | None
+            context: grpc.aio.ServicerContext[Any, Any],
+            t0: float,
+            error: BaseException | None,
+            carried: list[int] | None,
         ) -> None:
             code = context.code()  # None unless the handler set or aborted with one
             if code is None:
                 code = _code_without_status(context, error)
+            if carried is not None:  # a per-request stream: its requests counted themselves
+                if carried[0] or code == grpc.StatusCode.OK:
+                    return
+                started.inc()  # refused before its first request: counted as one
             counter = handled.get(code)
             if counter is None:
                 name = _CODE_NAMES.get(code, "Unknown")
@@ -142,7 +168,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
-                started.inc()
+                carried = begin()
                 t0 = time.perf_counter()
                 error: BaseException | None = None
                 try:
@@ -152,12 +178,12 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                     error = exc
                     raise
                 finally:
-                    finish(context, t0, error)
+                    finish(context, t0, error, carried)
 
             return stream
 
         async def call(request: Any, context: Any) -> Any:
-            started.inc()
+            carried = begin()
             t0 = time.perf_counter()
             error: BaseException | None = None
             try:
@@ -166,7 +192,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                 error = exc
                 raise
             finally:
-                finish(context, t0, error)
+                finish(context, t0, error, carried)
 
         return call
 
@@ -185,6 +211,9 @@ class RequestMetrics:
     def start(self) -> float:
         """A request began; the time to give `end`."""
         self._started.inc()
+        carried = _CARRIED.get()
+        if carried is not None:
+            carried[0] += 1
         return time.perf_counter()
 
     def end(self, t0: float, code: grpc.StatusCode) -> None:

@@ -188,6 +188,7 @@ class MMCacheServer:
                 f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
             ) from None
         self.metrics_port = self._endpoint.port
+        self.sessions.start()
         await server.start()
         self._server = server
         if self._health_server is not None:

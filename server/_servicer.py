@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
+from mmcache._errors import AbortedError, CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._frames import MAX_CHUNK_BYTES, UPDATE_HEADER_KEY, header_frame
 from mmcache._lru import Outcome
 from mmcache._spec import check_count, check_name
@@ -47,8 +47,9 @@ from ._region import (
     frame_count,
     region_frames,
 )
+from ._replays import Replays, batch_key
 from ._sessions import Sessions
-from ._status import client_left, guard, protobuf_method, status_code_of, write
+from ._status import failure_code, guard, protobuf_method, write
 from ._store import BatchResult, ItemStore, StoredItem
 from ._upload import (
     EntryHeader,
@@ -109,6 +110,7 @@ class CacheServicer:
         self._instance_id = instance_id
         self._version = version
         self._pending = PendingUploads(namespaces.emit)
+        self._replays = Replays()
         self._region = region
 
     @property
@@ -298,15 +300,15 @@ class CacheServicer:
                 refusal = self._authorize(context.invocation_metadata())
                 if refusal is not None:  # its token was revoked since the last batch
                     raise refusal
+                # Again: a namespace forgotten since (no items, no subscribers)
+                # comes back only within --max-namespaces, as for a call.
+                namespace = self._namespace(context)
                 request = request_of_frame(first, "the first frame of a session's batch")
                 reply = await self._update(context, namespace, request, stream, False, last=False)
                 await write(context, reply)
                 code = grpc.StatusCode.OK
-            except MMCacheError as exc:
-                code = grpc.StatusCode.CANCELLED if client_left(context) else status_code_of(exc)
-                raise
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
+            except BaseException as exc:
+                code = failure_code(context, exc)
                 raise
             finally:
                 if self._batch_metrics is not None:
@@ -327,6 +329,45 @@ class CacheServicer:
         spare_sizes = slot_sizes(
             "the upload's spares", request.shm_spare_lengths, request.shm_spare_trailers
         )
+        key = batch_key(namespace.name, request.batch_id)
+        if key is None:
+            return await self._apply(
+                context, namespace, request, entries, spare_sizes, frames, in_metadata, last
+            )
+        if last:  # a call: perhaps a batch its session lost the reply of
+            earlier = await self._replays.earlier(key)
+            if earlier is not None:
+                return earlier
+        self._replays.start(key)
+        reply = None
+        try:
+            reply = await self._apply(
+                context, namespace, request, entries, spare_sizes, frames, in_metadata, last
+            )
+            return reply
+        except asyncio.CancelledError:
+            if not self._replays.superseded():
+                raise
+            raise AbortedError(
+                "a copy of this batch (same batch_id) came as a call and took over: its "
+                "reply answers the batch; this stream ends here"
+            ) from None
+        finally:
+            self._replays.end(key, reply)
+
+    async def _apply(
+        self,
+        context: Context,
+        namespace: Namespace,
+        request: pb.UpdateRequest,
+        entries: list[EntryHeader],
+        spare_sizes: list[tuple[int, int]],
+        frames: AsyncIterator[bytes],
+        in_metadata: bool,
+        last: bool,
+    ) -> bytes:
+        """Receive and store one batch, and build its reply with no await after
+        the store changed (server._replays relies on it)."""
         # Slots named are checked, and kept from expiry, before anything waits.
         claimed = self._claim(request.shm_token, entries)
         try:

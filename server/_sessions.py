@@ -53,6 +53,10 @@ class Sessions:
                 return
             yield frame
 
+    def start(self) -> None:
+        """Take sessions again (a server started after a stop)."""
+        self._stopping = False
+
     def stop(self) -> None:
         """End every session at its next wait; the waiting ones now."""
         self._stopping = True

@@ -26,6 +26,7 @@ __all__ = [
     "INSTANCE_ID_KEY",
     "abort_with",
     "client_left",
+    "failure_code",
     "guard",
     "protobuf_method",
     "status_code_of",
@@ -57,6 +58,20 @@ def client_left(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
         return True
     remaining = context.time_remaining()
     return remaining is not None and remaining <= 0
+
+
+def failure_code(
+    context: grpc.aio.ServicerContext[Any, Any], exc: BaseException
+) -> grpc.StatusCode:
+    """The status `guard` gives a handler that raised `exc` (for a stream's
+    handler that counts the requests it carries itself)."""
+    if isinstance(exc, errors.MMCacheError):
+        return grpc.StatusCode.CANCELLED if client_left(context) else status_code_of(exc)
+    if isinstance(exc, asyncio.CancelledError | _ClientGone):
+        return grpc.StatusCode.CANCELLED
+    if isinstance(exc, grpc.aio.AbortError):
+        return context.code() or grpc.StatusCode.UNKNOWN
+    return grpc.StatusCode.INTERNAL
 
 
 class _ClientGone(Exception):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import grpc
 import pytest
 
 from mmcache import _errors as errors
 from mmcache.client._status import error_from_status
-from mmcache.server._status import status_code_of
+from mmcache.server._status import failure_code, status_code_of
 
 
 @pytest.mark.parametrize("cls", errors.ERROR_CLASSES, ids=lambda c: c.__name__)
@@ -24,3 +27,24 @@ def test_a_cache_miss_travels_as_not_found_and_other_statuses_read_sensibly() ->
     assert type(error_from_status(grpc.StatusCode.CANCELLED, "x")) is errors.UnavailableError
     unknown = error_from_status(grpc.StatusCode.UNKNOWN, "x")
     assert type(unknown) is errors.InternalError and str(unknown) == "UNKNOWN: x"
+
+
+class _Context:
+    """What failure_code asks of grpc's servicer context, for a call its client still waits on."""
+
+    def cancelled(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return 5.0
+
+    def code(self) -> grpc.StatusCode | None:
+        return None
+
+
+def test_a_per_request_stream_counts_a_failure_as_guard_answers_it() -> None:
+    context: Any = _Context()
+    assert failure_code(context, errors.CacheMissError(["h"])) == grpc.StatusCode.NOT_FOUND
+    assert failure_code(context, asyncio.CancelledError()) == grpc.StatusCode.CANCELLED
+    # A bug is INTERNAL (what guard answers), never UNKNOWN.
+    assert failure_code(context, KeyError("x")) == grpc.StatusCode.INTERNAL

@@ -8,12 +8,13 @@ import time
 import grpc
 import pytest
 
-from mmcache.client import CacheMissError, MMCacheClient
+from mmcache.client import CacheMissError, MMCacheClient, ResourceExhaustedError
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, scrape, server_config
+from .conftest import MIB, eventually, sample, scrape, server_config
 from .items import image_item
+from .proxy import Proxy
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
 
 _SESSION = {"grpc_method": "UpdateSession", "grpc_type": "bidi_stream"}
@@ -152,3 +153,115 @@ async def test_a_put_cancelled_mid_session_leaves_nothing_and_the_next_one_works
     assert time.monotonic() - started < 0.4  # UPLOAD_WAIT_S is 0.5
     assert await client.get_and_update([image_item(3)], ["after"]) == [image_item(3)]
     assert (await client.fetch(["after"]))[0] == image_item(3)
+
+
+def queries(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
+    return sum(value for (name, _), value in samples.items() if name == "mmcache_queries_total")
+
+
+def named(batch_id: bytes, *entries: pb.UpdateEntry) -> bytes:
+    return pb.UpdateFrame(
+        header=pb.UpdateRequest(entries=entries, batch_id=batch_id)
+    ).SerializeToString()
+
+
+async def test_a_batch_sent_again_under_its_id_gets_its_reply_and_is_not_applied_twice(
+    server: MMCacheServer,
+) -> None:
+    spec = tensor_spec("float32", [4])
+    frames = [named(b"batch-01", data_entry("s", spec, 1)), chunk(bytes(range(16)))]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = session(channel)
+        for frame in frames:
+            await call.write(frame)
+        first = await call.read()
+        assert list(pb.UpdateReply.FromString(first).outcomes) == [pb.OUTCOME_STORED]
+        # The same batch again, as a call: the first reply, not a second query
+        # (REPLACED, a hit).
+        again: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(
+            f"{SERVICE}/GetAndUpdate"
+        )
+        assert await again(iter(frames), timeout=10) == first
+        # Another id is another batch.
+        other = [named(b"batch-02", data_entry("s", spec, 1)), chunk(bytes(range(16)))]
+        reply = pb.UpdateReply.FromString(await again(iter(other), timeout=10))
+        assert list(reply.outcomes) == [pb.OUTCOME_REPLACED]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await again(iter([named(b"short", data_entry("t", spec, 1)), chunk(bytes(16))]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch_id has 5 bytes" in (caught.value.details() or "")
+        await call.done_writing()
+    assert queries(await scrape(server.metrics_port)) == 2
+    assert "t" not in server.store
+
+
+async def test_a_copy_of_a_batch_still_under_way_ends_that_run_and_is_applied_once(
+    server: MMCacheServer,
+) -> None:
+    spec = tensor_spec("float32", [8])
+    entry = data_entry("w", spec, 2)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = session(channel)
+        await call.write(named(b"batch-03", entry))
+        await call.write(chunk(bytes(16)))  # one chunk of two: the run waits for the other
+        await eventually(lambda: server.inflight.used > 0)
+        again: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(
+            f"{SERVICE}/GetAndUpdate"
+        )
+        frames = [named(b"batch-03", entry), chunk(bytes(16)), chunk(bytes(range(16)))]
+        reply = pb.UpdateReply.FromString(await again(iter(frames), timeout=10))
+        assert list(reply.outcomes) == [pb.OUTCOME_STORED]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # the run it took over from
+            await call.read()
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert "took over" in (caught.value.details() or "")
+    assert queries(await scrape(server.metrics_port)) == 1
+    assert server.inflight.used == 0
+
+
+async def test_a_session_dropped_before_its_reply_counts_the_batch_once() -> None:
+    async with (
+        MMCacheServer(server_config()) as server,
+        Proxy(server.port) as proxy,
+        MMCacheClient(f"127.0.0.1:{proxy.port}", follow=False, timeout=10) as client,
+    ):
+        await client.get_and_update([image_item(1)], ["warm"])  # the session opens
+        proxy.hold_replies()
+        put = asyncio.create_task(client.get_and_update([image_item(2)], ["x"]))
+        await eventually(lambda: "x" in server.store)  # applied; its reply held back
+        proxy.drop()  # the link fails: the client sends the batch again, as a call
+        assert await put == [image_item(2)]
+        samples = await scrape(server.metrics_port)
+        assert queries(samples) == 2  # warm and x, once each
+        assert sample(samples, "mmcache_hits_total", modality="image") == 0
+        assert server.store.leases == 2  # one lease each, not two on x
+        assert (await client.fetch(["x"]))[0] == image_item(2)
+
+
+async def test_a_session_names_its_namespace_again_with_each_batch() -> None:
+    async with MMCacheServer(server_config(max_namespaces=2)) as server:
+        target = f"127.0.0.1:{server.port}"
+        async with MMCacheClient(target, namespace="a", follow=False) as a:
+            with pytest.raises(CacheMissError):
+                await a.get_and_update([None], ["x"])  # a session opens in "a", which holds nothing
+            await asyncio.sleep(1.1)  # idle namespaces are looked for at most once a second
+            async with MMCacheClient(target, namespace="b", follow=False) as b:
+                await b.get_and_update([image_item(1)], ["y"])  # "a" forgotten, "b" made
+            # Over the session opened in "a": refused, as a call in "a" would be.
+            with pytest.raises(ResourceExhaustedError, match="namespace 'a' would be one more"):
+                await a.get_and_update([image_item(2)], ["z"])
+        assert len(server.namespaces) == 2
+
+
+async def test_a_server_started_again_takes_sessions_again() -> None:
+    server = MMCacheServer(server_config())
+    await server.start()
+    await server.stop()
+    await server.start()
+    try:
+        async with MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client:
+            for i in range(3):
+                await client.get_and_update([image_item(i)], [f"k{i}"])
+        assert handled(await scrape(server.metrics_port), "OK") == 3  # all three over a session
+    finally:
+        await server.stop()

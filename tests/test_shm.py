@@ -19,6 +19,7 @@ from mmcache._frames import header_frame
 from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
 from mmcache.client._shm import attach
+from mmcache.client._slots import SPARE_BYTES
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
@@ -259,6 +260,24 @@ async def test_spare_write_slots_save_a_call_and_go_back_at_close(
         assert region.slots == 3  # the next three spares
     await eventually(lambda: region.slots == 0)
     assert await shm_bytes(shm_server, "write") == 5 * 4 * MIB
+
+
+async def test_concurrent_uploads_keep_spares_within_the_clients_caps(
+    shm_server: MMCacheServer,
+) -> None:
+    region = shm_server.region
+    assert region is not None
+    async with client(shm_server) as c:
+        for r in range(4):  # eight 8 MiB uploads at once, each asking for spares
+            items = [{"x": tensor(torch.float32, 2 << 20, 8 * r + i)} for i in range(8)]
+            await asyncio.gather(
+                *(c.get_and_update([x], [f"c{r}-{i}"], lease=False) for i, x in enumerate(items))
+            )
+            # Three of that size at most (24 MiB, within SPARE_BYTES): the
+            # answers past the cap went back to the server.
+            await eventually(lambda: region.slots == 3)
+            assert region.leased_bytes <= SPARE_BYTES
+    await eventually(lambda: region.slots == 0)
 
 
 async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> None:

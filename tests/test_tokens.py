@@ -21,7 +21,7 @@ from mmcache.server import MMCacheServer
 from mmcache.server._auth import parse_tokens
 from mmcache.server._config import ConfigError
 
-from .conftest import sample, scrape, server_config
+from .conftest import Samples, sample, scrape, server_config
 from .items import image_item
 
 WRITE = "w" * 8 + "-write-token-0001"
@@ -38,6 +38,16 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[MMCacheServer, Path]]:
     )
     async with MMCacheServer(server_config(tokens_file=str(tokens))) as server:
         yield server, tokens
+
+
+def handled(samples: Samples, method: str, code: str) -> float:
+    return sum(
+        value
+        for (name, labels), value in samples.items()
+        if name == "grpc_server_handled_total"
+        and dict(labels)["grpc_method"] == method
+        and dict(labels)["grpc_code"] == code
+    )
 
 
 def connect(server: MMCacheServer, token: str | None, **kwargs: object) -> MMCacheClient:
@@ -68,6 +78,10 @@ async def test_each_role_may_call_its_methods_and_no_other(
             await engine.get_and_update([image_item(2)], ["g"])
         with pytest.raises(PermissionDeniedError, match="role admin"):
             await engine.encoder_cache("e0").create(cache_size=10)
+    # The upload was refused as its session opened: counted, and not made again as a call.
+    samples = await scrape(server.metrics_port)
+    assert handled(samples, "UpdateSession", "PermissionDenied") == 1
+    assert handled(samples, "GetAndUpdate", "PermissionDenied") == 0
     async with connect(server, ADMIN) as operator:
         await operator.get_and_update([image_item(2)], ["g"])
         assert len(await operator.fetch(["g", "h"])) == 2
@@ -144,6 +158,10 @@ async def test_tokens_rotate_without_a_restart(secured: tuple[MMCacheServer, Pat
         with pytest.raises(UnauthenticatedError):
             await old.get_and_update([image_item(6)], ["p"])
         await client.get_and_update([image_item(6)], ["p"])
+    # Refused at its next batch over the session kept open, and not sent again as a call.
+    samples = await scrape(server.metrics_port)
+    assert handled(samples, "UpdateSession", "Unauthenticated") == 1
+    assert handled(samples, "GetAndUpdate", "Unauthenticated") == 0
 
 
 async def test_a_broken_tokens_file_keeps_the_known_tokens(

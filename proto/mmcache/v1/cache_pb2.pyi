@@ -533,10 +533,18 @@ class UpdateRequest(_message.Message):
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
     SHM_SPARE_LENGTHS_FIELD_NUMBER: _builtins.int
     SHM_SPARE_TRAILERS_FIELD_NUMBER: _builtins.int
+    BATCH_ID_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
     shm_token: _builtins.bytes
     """The shared-memory region's token, when an entry names a slot or spares
     are asked for.
+    """
+    batch_id: _builtins.bytes
+    """The client's name for this batch (8 to 64 bytes; the Python client uses
+    16 random bytes): a batch that names one is answered once. Sent again
+    under the same id (its upload session dropped before the reply came), it
+    gets the first reply back and is not applied twice; a run of it still
+    under way is ended first. Kept for the latest batches only (docs/wire.md).
     """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -549,7 +557,8 @@ class UpdateRequest(_message.Message):
         """Write slots wanted with the reply, as ShmAllocate's lengths and trailers:
         spares for the client's next uploads, so that an upload through the
         region stays one call. Given all or none (none when the region lacks
-        room or the token is not the region's); asking never fails the call.
+        room or the token is not the region's); asking never fails the call
+        (lengths and trailers of different counts are INVALID_ARGUMENT).
         """
 
     @_builtins.property
@@ -563,10 +572,11 @@ class UpdateRequest(_message.Message):
         shm_token: _builtins.bytes = ...,
         shm_spare_lengths: _abc.Iterable[_builtins.int] | None = ...,
         shm_spare_trailers: _abc.Iterable[_builtins.int] | None = ...,
+        batch_id: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
