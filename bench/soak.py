@@ -44,8 +44,8 @@ else is unexpected: a leased item missing before its lease could have ended
 cache reported held, any other status (UNKNOWN, INTERNAL, ...) and any
 exception that is not mmcache's (named by its class). The server's own count
 of calls by status (`grpc_server_handled_total`) is judged the same way (OK,
-Canceled, DeadlineExceeded, and NotFound for Fetch), and any warning or
-error in its log is a failure too.
+Canceled, DeadlineExceeded, and NotFound for the reads, Fetch and ReadShm),
+and any warning or error in its log is a failure too.
 
 Every `sample-s` the server's RSS (VmRSS) is printed beside the bound of the
 sizing rule (docs/deploy.md: 1.25 x capacity + max-inflight + 256 MiB; the
@@ -125,6 +125,7 @@ EXPECTED: dict[str, set[str]] = {
 # The server's `grpc_code` labels that are no failure: NotFound only for reads.
 SERVER_EXPECTED = {"OK", "Canceled", "DeadlineExceeded"}
 SERVER_EXPECTED_FETCH = {*SERVER_EXPECTED, "NotFound"}
+SERVER_READS = {"Fetch", "ReadShm"}  # a co-located fetch's read is ReadShm
 
 
 def rule_bytes(capacity: int, inflight: int, feed_buffer: int, region: int = 0) -> int:
@@ -628,7 +629,7 @@ def print_server_codes(samples: Samples) -> int:
         if name != "grpc_server_handled_total" or not value:
             continue
         method, code = have["grpc_method"], have["grpc_code"]
-        ok = code in (SERVER_EXPECTED_FETCH if method == "Fetch" else SERVER_EXPECTED)
+        ok = code in (SERVER_EXPECTED_FETCH if method in SERVER_READS else SERVER_EXPECTED)
         unexpected += 0 if ok else int(value)
         print(f"| {method} | {code} | {value:.0f} | {'expected' if ok else 'UNEXPECTED'} |")
     return unexpected

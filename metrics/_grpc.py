@@ -7,8 +7,8 @@ and type, for every handler the server runs: ours, health and reflection.
 A stream kept open to carry one request after another (UpdateSession) is
 counted by its requests, not as one long call: its handler records each
 (`requests`). The interceptor counts such a stream itself only when it ends
-with a failure before carrying any (a refused token, namespace or header),
-so that refusals show as they do for calls.
+with a failure before carrying any (a refused token, namespace or header, a
+cancel while it opened), as it would count a call that failed so.
 """
 
 from __future__ import annotations
