@@ -31,9 +31,10 @@ import grpc
 
 from mmcache._frames import header_frame
 
-__all__ = ["MAX_SESSIONS", "SessionPool"]
+__all__ = ["FULL_BACKOFF_S", "MAX_SESSIONS", "SessionPool"]
 
 MAX_SESSIONS = 4  # per client: concurrent batches beyond this make calls of their own
+FULL_BACKOFF_S = 10.0  # after the server refused a session for want of room
 
 # A session ending with one of these before it answers did not fail for this
 # batch: the caller sends it again as a call.
@@ -54,6 +55,7 @@ class SessionPool:
         self._limit = limit
         self._idle: list[_Call] = []
         self._open = 0
+        self._full_until = 0.0  # no new session before (the server had no room)
 
     @property
     def open(self) -> int:
@@ -78,6 +80,12 @@ class SessionPool:
                 # own status, which a failed write would hide.
                 await call.initial_metadata()
                 if call.done():
+                    if await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        # The server's sessions are all taken (--max-sessions):
+                        # calls for a while. (Its namespaces all taken: the
+                        # call is refused too, and says so.)
+                        self._full_until = asyncio.get_running_loop().time() + FULL_BACKOFF_S
+                        return None
                     await call.read()  # raises the refusal; EOF: ended with OK
                     return None
             try:
@@ -131,7 +139,7 @@ class SessionPool:
             if not call.done():
                 return call, False
             self._open -= 1  # the server ended it while idle
-        if self._open >= self._limit:
+        if self._open >= self._limit or asyncio.get_running_loop().time() < self._full_until:
             return None
         self._open += 1
         return self._method(wait_for_ready=wait_for_ready), True

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
+from math import ceil
 from typing import Any
 
 import grpc
@@ -40,6 +41,7 @@ from ._status import translate_errors
 __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
 
 BATCH_ID_BYTES = 16  # random: a name no other batch has
+_MAX_TIMEOUT_MS = (1 << 32) - 1  # UpdateRequest.timeout_ms is a uint32
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 
@@ -223,7 +225,11 @@ class CacheTransport:
             # Named, so that the server answers it once should it go again as
             # a call (its session lost before the reply: server._replays).
             # Fields appended to a serialised message are merged into it.
-            header += pb.UpdateRequest(batch_id=os.urandom(BATCH_ID_BYTES)).SerializeToString()
+            # A session has no deadline of its own: the batch carries its time.
+            header += pb.UpdateRequest(
+                batch_id=os.urandom(BATCH_ID_BYTES),
+                timeout_ms=min(ceil(timeout * 1000), _MAX_TIMEOUT_MS),
+            ).SerializeToString()
             try:
                 async with asyncio.timeout(timeout):
                     with translate_errors():

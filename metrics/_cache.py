@@ -119,6 +119,7 @@ class StoreGauges(Collector):
         namespaces: Callable[[], int],
         shm_leased_bytes: Callable[[], int],
         shm_resident_bytes: Callable[[], int],
+        upload_sessions: Callable[[], int] = lambda: 0,
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -155,6 +156,11 @@ class StoreGauges(Collector):
                 "mmcache_shm_resident_bytes",
                 "Bytes of the shared-memory region holding items (within the capacity).",
                 shm_resident_bytes,
+            ),
+            (
+                "mmcache_upload_sessions",
+                "Upload sessions open (streams clients keep open for their uploads).",
+                upload_sessions,
             ),
         )
 

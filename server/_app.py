@@ -89,7 +89,7 @@ class MMCacheServer:
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
-        self.sessions = Sessions()
+        self.sessions = Sessions(config.max_sessions)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self._cache = CacheServicer(
@@ -117,6 +117,7 @@ class MMCacheServer:
                 namespaces=lambda: len(self.namespaces),
                 shm_leased_bytes=lambda: 0 if self.region is None else self.region.leased_bytes,
                 shm_resident_bytes=lambda: 0 if self.region is None else self.region.resident_bytes,
+                upload_sessions=lambda: self.sessions.live,
             )
         )
         self.books = EncoderBooks()

@@ -72,6 +72,7 @@ class ServerConfig:
     max_inflight_bytes: int = 1 * GIB
     max_items: int | None = None  # None: default_max_items(capacity_bytes)
     max_namespaces: int = 64
+    max_sessions: int = 1024  # upload sessions open at once (~26 KiB each, idle)
     grace_s: float = 10.0
     lease_s: float = 30.0
     feed_buffer_bytes: int = 32 << 20
@@ -291,6 +292,14 @@ SETTINGS: tuple[Setting, ...] = (
         _count,
         "most namespaces with items or subscribers at once; a call naming one more is "
         "refused RESOURCE_EXHAUSTED",
+    ),
+    Setting(
+        "max_sessions",
+        "--max-sessions",
+        "MMCACHE_MAX_SESSIONS",
+        _count,
+        "most upload sessions (streams clients keep open for their uploads) at once, about "
+        "26 KiB each; a client refused one makes calls instead",
     ),
     Setting(
         "lease_s",

@@ -284,12 +284,16 @@ class CacheServicer:
 
     async def update_session(self, frames: AsyncIterator[bytes], context: Context) -> None:
         """GetAndUpdate, batch after batch, over one stream (server._sessions)."""
-        namespace = self._namespace(context)
+        self._namespace(context)  # refused at open, not at its first batch
         if header_metadata(context) is not None:
             raise InvalidArgumentError(
                 f"an UpdateSession carries each batch's header as the batch's first frame, "
                 f"not as {UPDATE_HEADER_KEY} metadata"
             )
+        with self._sessions.admitted():
+            await self._serve_session(frames, context)
+
+    async def _serve_session(self, frames: AsyncIterator[bytes], context: Context) -> None:
         # Headers at once: the client waits for them before its first batch.
         await context.send_initial_metadata(())
         stream = aiter(frames)
@@ -300,8 +304,8 @@ class CacheServicer:
                 refusal = self._authorize(context.invocation_metadata())
                 if refusal is not None:  # its token was revoked since the last batch
                     raise refusal
-                # Again: a namespace forgotten since (no items, no subscribers)
-                # comes back only within --max-namespaces, as for a call.
+                # Each batch: a namespace forgotten since (no items, no
+                # subscribers) comes back only within --max-namespaces.
                 namespace = self._namespace(context)
                 request = request_of_frame(first, "the first frame of a session's batch")
                 reply = await self._update(context, namespace, request, stream, False, last=False)
@@ -410,6 +414,9 @@ class CacheServicer:
         # Past the wait the entry is simply MISSING and its sender re-sends it:
         # a stalled upload elsewhere never holds this call up for long.
         remaining = context.time_remaining()
+        if request.timeout_ms:  # a session's batch says its time (a call's deadline does)
+            said = request.timeout_ms / 1000
+            remaining = said if remaining is None else min(remaining, said)
         wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
         waited = await self._pending.wait(
             [e.key for e in entries if e.spec is None], max(0.0, wait_s)

@@ -14,18 +14,43 @@ Transport-free: it sees the stream only as an async iterator of frames.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+
+from mmcache._errors import ResourceExhaustedError
 
 __all__ = ["Sessions"]
 
 
 class Sessions:
-    """The sessions open on one server, and when each must end."""
+    """The sessions open on one server, at most `limit`, and when each must end.
 
-    def __init__(self) -> None:
+    Each open session costs the server about 26 KiB while it waits (a call,
+    a task, its buffers: measured with 2000 open), so their number is
+    bounded; a client refused one sends its batch as a call.
+    """
+
+    def __init__(self, limit: int = 1024) -> None:
+        self._limit = limit
         self._waiting: set[asyncio.Task[object]] = set()
         self._stopping = False
         self.opened = 0  # sessions ever opened (tests and logs)
+        self.live = 0  # sessions open now
+
+    @contextmanager
+    def admitted(self) -> Iterator[None]:
+        """One session open while in the block; RESOURCE_EXHAUSTED past the limit."""
+        if self.live >= self._limit:
+            raise ResourceExhaustedError(
+                f"this server already has {self.live} upload sessions open, its limit "
+                "(--max-sessions): send this batch as a GetAndUpdate call (the Python client "
+                "does so by itself), or raise the limit"
+            )
+        self.live += 1
+        try:
+            yield
+        finally:
+            self.live -= 1
 
     @property
     def waiting(self) -> int:

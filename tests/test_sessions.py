@@ -265,3 +265,45 @@ async def test_a_server_started_again_takes_sessions_again() -> None:
         assert handled(await scrape(server.metrics_port), "OK") == 3  # all three over a session
     finally:
         await server.stop()
+
+
+async def test_a_session_batch_waits_for_another_upload_only_within_its_own_time(
+    server: MMCacheServer,
+) -> None:
+    spec = tensor_spec("float32", [8])
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
+        MMCacheClient(f"127.0.0.1:{server.port}", follow=False, timeout=0.3) as client,
+    ):
+        await client.get_and_update([image_item(1)], ["warm"])  # the session opens
+        # Another client's upload of "p" stalls halfway: "p" is pending.
+        upload = session(channel)
+        await upload.write(header(data_entry("p", spec, 2)))
+        await upload.write(chunk(bytes(16)))
+        await eventually(lambda: "p" in server._cache.pending)
+        # A query of "p" over the session would wait 0.5 s for it; its batch
+        # said 0.3 s, so it is answered MISSING in time, as a call would be.
+        started = time.monotonic()
+        with pytest.raises(CacheMissError):
+            await client.get_and_update([None], ["p"])
+        assert time.monotonic() - started < 0.3
+        assert server.sessions.opened == 2  # the client's session lived on (and the raw one)
+        upload.cancel()
+
+
+async def test_past_the_servers_session_limit_batches_go_as_calls() -> None:
+    async with MMCacheServer(server_config(max_sessions=1)) as server:
+        target = f"127.0.0.1:{server.port}"
+        async with (
+            MMCacheClient(target, follow=False) as first,
+            MMCacheClient(target, follow=False) as second,
+        ):
+            await first.get_and_update([image_item(1)], ["a"])  # the one session
+            for i in range(3):  # refused a session once, then calls without asking again
+                assert await second.get_and_update([image_item(2 + i)], [f"b{i}"]) == [
+                    image_item(2 + i)
+                ]
+            samples = await scrape(server.metrics_port)
+            assert handled(samples, "ResourceExhausted") == 1
+            assert sample(samples, "mmcache_upload_sessions") == 1
+            assert all(f"b{i}" in server.store for i in range(3))

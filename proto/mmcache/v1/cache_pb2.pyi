@@ -534,6 +534,7 @@ class UpdateRequest(_message.Message):
     SHM_SPARE_LENGTHS_FIELD_NUMBER: _builtins.int
     SHM_SPARE_TRAILERS_FIELD_NUMBER: _builtins.int
     BATCH_ID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
     shm_token: _builtins.bytes
     """The shared-memory region's token, when an entry names a slot or spares
@@ -545,6 +546,12 @@ class UpdateRequest(_message.Message):
     under the same id (its upload session dropped before the reply came), it
     gets the first reply back and is not applied twice; a run of it still
     under way is ended first. Kept for the latest batches only (docs/wire.md).
+    """
+    timeout_ms: _builtins.int
+    """How long the client waits for this batch's reply, in ms (0: not said).
+    A call's deadline says it; a batch over an upload session has none, so
+    it says it here: the server bounds its waits by it (a hash-only entry
+    waiting for another client's upload answers MISSING in time).
     """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -573,10 +580,11 @@ class UpdateRequest(_message.Message):
         shm_spare_lengths: _abc.Iterable[_builtins.int] | None = ...,
         shm_spare_trailers: _abc.Iterable[_builtins.int] | None = ...,
         batch_id: _builtins.bytes = ...,
+        timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "timeout_ms", b"timeout_ms", "touches", b"touches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
