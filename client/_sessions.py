@@ -57,10 +57,6 @@ class SessionPool:
         self._open = 0
         self._full_until = 0.0  # no new session before (the server had no room)
 
-    @property
-    def open(self) -> int:
-        return self._open
-
     async def exchange(
         self, header: bytes, frames: Iterable[bytes], *, wait_for_ready: bool
     ) -> bytes | None:

@@ -103,7 +103,9 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         """The series of the requests a bidi stream method carries one after
         another (one of `per_request`), for its handler to record."""
         service, _, method = full_method.lstrip("/").rpartition("/")
-        labels = ("bidi_stream", service, method)
+        return self._series(("bidi_stream", service, method))
+
+    def _series(self, labels: tuple[str, str, str]) -> RequestMetrics:
         return RequestMetrics(
             self._started.labels(*labels),
             self._seconds.labels(*labels),
@@ -132,14 +134,11 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         self, behavior: Callable[..., Any], labels: tuple[str, str, str], *, per_request: bool
     ) -> Any:
         # The wrap happens at a method's first call: its series start then.
-        started = self._started.labels(*labels)
-        seconds = self._seconds.labels(*labels)
-        handled_total = self._handled
-        handled: dict[grpc.StatusCode, Any] = {}  # by code, made at its first use
+        series = self._series(labels)
 
         def begin() -> list[int] | None:
             if not per_request:
-                started.inc()
+                series.count_start()
                 return None
             carried = [0]
             _CARRIED.set(carried)
@@ -157,13 +156,8 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             if carried is not None:  # a per-request stream: its requests counted themselves
                 if carried[0] or code == grpc.StatusCode.OK:
                     return
-                started.inc()  # refused before its first request: counted as one
-            counter = handled.get(code)
-            if counter is None:
-                name = _CODE_NAMES.get(code, "Unknown")
-                counter = handled[code] = handled_total.labels(*labels, name)
-            counter.inc()
-            seconds.observe(time.perf_counter() - t0)
+                series.count_start()  # failed before its first request: counted as one
+            series.end(t0, code)
 
         if inspect.isasyncgenfunction(behavior):
 
@@ -198,7 +192,8 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
 
 
 class RequestMetrics:
-    """Started, handled and timed: the requests of one stream method."""
+    """Started, handled and timed: the series of one method's calls, or of the
+    requests a per-request stream method carries."""
 
     def __init__(
         self, started: Any, seconds: Any, handled: Callable[[grpc.StatusCode], Any]
@@ -206,15 +201,18 @@ class RequestMetrics:
         self._started = started
         self._seconds = seconds
         self._handled_of = handled
-        self._handled: dict[grpc.StatusCode, Any] = {}
+        self._handled: dict[grpc.StatusCode, Any] = {}  # by code, made at its first use
 
     def start(self) -> float:
-        """A request began; the time to give `end`."""
-        self._started.inc()
+        """A request of a per-request stream began; the time to give `end`."""
+        self.count_start()
         carried = _CARRIED.get()
         if carried is not None:
             carried[0] += 1
         return time.perf_counter()
+
+    def count_start(self) -> None:
+        self._started.inc()
 
     def end(self, t0: float, code: grpc.StatusCode) -> None:
         counter = self._handled.get(code)

@@ -100,9 +100,9 @@ class MMCacheServer:
             self.instance_id,
             __version__,
             lambda: self.region,
-            self.sessions,
-            self._grpc_metrics.requests(SESSION_METHOD),
-            self._check_session_batch,
+            sessions=self.sessions,
+            batch_metrics=self._grpc_metrics.requests(SESSION_METHOD),
+            authorize=self._check_session_batch,
         )
         self.registry.register(
             StoreGauges(

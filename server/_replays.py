@@ -51,7 +51,7 @@ class Replays:
         self._max = max_bytes
         self._bytes = 0
         self._done: OrderedDict[Hashable, bytes] = OrderedDict()
-        self._running: dict[Hashable, tuple[asyncio.Task[object], asyncio.Event]] = {}
+        self._running: dict[Hashable, asyncio.Task[object]] = {}
         self._superseded: set[asyncio.Task[object]] = set()
         self.replayed = 0  # batches answered from here (tests and logs)
 
@@ -63,10 +63,9 @@ class Replays:
         way is cancelled and waited for first."""
         running = self._running.get(key)
         if running is not None:
-            task, ended = running
-            self._superseded.add(task)
-            task.cancel()
-            await ended.wait()
+            self._superseded.add(running)
+            running.cancel()
+            await asyncio.wait([running])  # its handler, ended with ABORTED
         reply = self._done.get(key)
         if reply is not None:
             self.replayed += 1
@@ -76,7 +75,7 @@ class Replays:
         """This task now runs the batch `key`."""
         task = asyncio.current_task()
         assert task is not None
-        self._running[key] = (task, asyncio.Event())
+        self._running[key] = task
 
     def superseded(self) -> bool:
         """Whether this task's cancel came from `earlier` (a copy of its batch
@@ -92,9 +91,7 @@ class Replays:
 
     def end(self, key: Hashable, reply: bytes | None) -> None:
         """The run of `key` ended: with its reply, or None when it applied nothing."""
-        running = self._running.pop(key, None)
-        if running is not None:
-            running[1].set()
+        self._running.pop(key, None)
         if reply is None:
             return
         old = self._done.pop(key, None)

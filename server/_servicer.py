@@ -96,13 +96,14 @@ class CacheServicer:
         instance_id: str,
         version: str,
         region: Callable[[], Region | None] = lambda: None,
-        sessions: Sessions | None = None,
-        batch_metrics: RequestMetrics | None = None,
+        *,
+        sessions: Sessions,
+        batch_metrics: RequestMetrics,
         authorize: Callable[[Metadata], MMCacheError | None] = lambda _: None,
     ) -> None:
         self._authorize = authorize
         self._store = store
-        self._sessions = Sessions() if sessions is None else sessions
+        self._sessions = sessions
         self._batch_metrics = batch_metrics
         self._inflight = inflight
         self._metrics = metrics
@@ -298,7 +299,7 @@ class CacheServicer:
         await context.send_initial_metadata(())
         stream = aiter(frames)
         async for first in self._sessions.headers(stream):
-            t0 = 0.0 if self._batch_metrics is None else self._batch_metrics.start()
+            t0 = self._batch_metrics.start()
             code = grpc.StatusCode.UNKNOWN
             try:
                 refusal = self._authorize(context.invocation_metadata())
@@ -315,8 +316,7 @@ class CacheServicer:
                 code = failure_code(context, exc)
                 raise
             finally:
-                if self._batch_metrics is not None:
-                    self._batch_metrics.end(t0, code)
+                self._batch_metrics.end(t0, code)
 
     async def _update(
         self,

@@ -47,6 +47,7 @@ class Sessions:
                 "does so by itself), or raise the limit"
             )
         self.live += 1
+        self.opened += 1
         try:
             yield
         finally:
@@ -62,7 +63,6 @@ class Sessions:
         ends (the caller reads the rest of the batch from `frames`)."""
         task = asyncio.current_task()
         assert task is not None
-        self.opened += 1
         while not self._stopping:
             self._waiting.add(task)
             try:

@@ -69,8 +69,6 @@ def failure_code(
         return grpc.StatusCode.CANCELLED if client_left(context) else status_code_of(exc)
     if isinstance(exc, asyncio.CancelledError | _ClientGone):
         return grpc.StatusCode.CANCELLED
-    if isinstance(exc, grpc.aio.AbortError):
-        return context.code() or grpc.StatusCode.UNKNOWN
     return grpc.StatusCode.INTERNAL
 
 
