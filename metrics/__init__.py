@@ -5,11 +5,13 @@ from ._cache import CacheMetrics, StoreGauges
 from ._encoder import EncoderBookCollector
 from ._exposition import MetricsEndpoint, register_build_info
 from ._grpc import GrpcServerMetrics, RequestMetrics
+from ._l2 import L2Metrics
 
 __all__ = [
     "CacheMetrics",
     "EncoderBookCollector",
     "GrpcServerMetrics",
+    "L2Metrics",
     "MetricsEndpoint",
     "RequestMetrics",
     "StoreGauges",

@@ -28,6 +28,7 @@ from mmcache.metrics import (
     CacheMetrics,
     EncoderBookCollector,
     GrpcServerMetrics,
+    L2Metrics,
     MetricsEndpoint,
     StoreGauges,
     register_build_info,
@@ -44,6 +45,7 @@ from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
 from ._store import ItemStore
+from ._tier import L2Settings, L2Tier
 
 __all__ = ["MMCacheServer", "serve"]
 
@@ -90,6 +92,7 @@ class MMCacheServer:
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
         self.sessions = Sessions(config.max_sessions)
+        self.l2 = _l2_tier(config, self.store, self.registry)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self._cache = CacheServicer(
@@ -103,6 +106,7 @@ class MMCacheServer:
             sessions=self.sessions,
             batch_metrics=self._grpc_metrics.requests(SESSION_METHOD),
             authorize=self._check_session_batch,
+            l2=self.l2,
         )
         self.registry.register(
             StoreGauges(
@@ -190,6 +194,8 @@ class MMCacheServer:
             ) from None
         self.metrics_port = self._endpoint.port
         self.sessions.start()
+        if self.l2 is not None:
+            self.l2.start()
         await server.start()
         self._server = server
         if self._health_server is not None:
@@ -233,6 +239,8 @@ class MMCacheServer:
         if self._health_server is not None:
             await self._health_server.stop(0)
             self._health_server = None
+        if self.l2 is not None:  # before the region: a write may be reading from it
+            await self.l2.stop()
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
@@ -260,6 +268,34 @@ class MMCacheServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop(grace=0)
+
+
+def _l2_tier(config: ServerConfig, store: ItemStore, registry: CollectorRegistry) -> L2Tier | None:
+    """The L2 tier when --l2 names one; its metrics are exported either way."""
+    if config.l2 is None:
+        L2Metrics(registry)
+        return None
+    from ._l2_redis import RedisClusterL2
+
+    backend = RedisClusterL2(config.l2, prefix=config.l2_prefix, timeout_s=config.l2_timeout_s)
+    settings = L2Settings(
+        admit=config.l2_admit,
+        timeout_s=config.l2_timeout_s,
+        ttl_s=config.l2_ttl_s,
+        window_s=config.l2_window_s,
+        wait_s=config.l2_wait_s,
+        queue_items=config.l2_queue_items,
+    )
+    tier: L2Tier | None = None
+    metrics = L2Metrics(registry, queued=lambda: 0 if tier is None else tier.queued)
+    tier = L2Tier(backend, store, metrics, settings)
+    _LOGGER.info(
+        "L2 tier: %s, keys under %r, admit on %s sighting",
+        backend.where,
+        config.l2_prefix,
+        config.l2_admit,
+    )
+    return tier
 
 
 def _open_region(config: ServerConfig) -> Region | None:

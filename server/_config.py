@@ -85,6 +85,14 @@ class ServerConfig:
     shm_dir: str = "/dev/shm"
     shm_bytes: int = 256 << 20
     shm_group: int | None = None
+    l2: str | None = None  # redis://host:port[,host:port...]: the L2 tier (docs/l2.md)
+    l2_prefix: str = "mmcache:"
+    l2_admit: str = "second"
+    l2_timeout_s: float = 1.0
+    l2_wait_s: float = 1.0
+    l2_window_s: float = 10.0
+    l2_ttl_s: float = 0.0
+    l2_queue_items: int = 4096
     reflection: bool = True
     log_level: str = "INFO"
 
@@ -114,6 +122,15 @@ class ServerConfig:
             raise ConfigError("capacity and max in-flight bytes must be >= 0")
         if not 0 < self.lease_s <= 3600:
             raise ConfigError(f"lease_s must be more than 0 and at most 3600, got {self.lease_s}")
+        if self.l2 is not None:
+            from ._l2_redis import parse_l2_url
+
+            try:
+                parse_l2_url(self.l2)
+            except ValueError as exc:
+                raise ConfigError(f"--l2 {_without_password(self.l2)!r}: {exc}") from None
+        if self.l2_admit not in ("first", "second"):
+            raise ConfigError(f"--l2-admit must be first or second, got {self.l2_admit!r}")
         if self.shm and self.shm_bytes < 1 << 20:
             raise ConfigError(f"the shared-memory region must be 1 MiB or more: {self.shm_bytes}")
 
@@ -130,6 +147,13 @@ class ServerConfig:
     def authenticates(self) -> bool:
         """Whether calls must carry a token (a tokens file or MMCACHE_TOKENS is set)."""
         return self.tokens_file is not None or bool(self.tokens)
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" not in rest:
+        return url
+    return f"{scheme}{sep}<credentials hidden>@{rest.rpartition('@')[2]}"
 
 
 # -- parsers: raw text to the field's value; ValueError says what is allowed --
@@ -174,6 +198,24 @@ def _lease_seconds(raw: str) -> float:
     value = float(raw)
     if not 0 < value <= 3600:
         raise ValueError("must be more than 0 and at most 3600 seconds")
+    return value
+
+
+def _milliseconds(raw: str) -> float:
+    value = float(raw)
+    if not 0 < value <= 60_000:
+        raise ValueError("must be more than 0 and at most 60000 ms")
+    return value / 1000
+
+
+def _ms_shown(value: Any) -> str:
+    return f"{value * 1000:g}"
+
+
+def _admission(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("first", "second"):
+        raise ValueError("must be first (every new item) or second (on a second sighting)")
     return value
 
 
@@ -388,6 +430,69 @@ SETTINGS: tuple[Setting, ...] = (
         "MMCACHE_SHM_GROUP",
         _group,
         "group (name or id) whose members may map the region: 0660 instead of 0600",
+    ),
+    Setting(
+        "l2",
+        "--l2",
+        "MMCACHE_L2",
+        _text,
+        "the L2 tier shared by the fleet's sidecars: a Redis Cluster, as "
+        "redis://[user:password@]host:port[,host:port...] (rediss:// for TLS); items L1 "
+        "lacks are read from it, items seen twice written to it (docs/l2.md); none: off",
+    ),
+    Setting(
+        "l2_prefix",
+        "--l2-prefix",
+        "MMCACHE_L2_PREFIX",
+        _text,
+        "prefix of every L2 key: fleets (models) sharing one cluster each take their own",
+    ),
+    Setting(
+        "l2_admit",
+        "--l2-admit",
+        "MMCACHE_L2_ADMIT",
+        _admission,
+        "which items are written to L2: second (seen a second time, here or by another "
+        "sidecar) or first (every new item)",
+    ),
+    Setting(
+        "l2_timeout_s",
+        "--l2-timeout-ms",
+        "MMCACHE_L2_TIMEOUT_MS",
+        _milliseconds,
+        "the longest one L2 operation may take; past it the call goes on without L2",
+        _ms_shown,
+    ),
+    Setting(
+        "l2_wait_s",
+        "--l2-wait-ms",
+        "MMCACHE_L2_WAIT_MS",
+        _milliseconds,
+        "how long a call waits for an item another sidecar is processing (single flight) "
+        "before its own frontend processes it",
+        _ms_shown,
+    ),
+    Setting(
+        "l2_window_s",
+        "--l2-window-s",
+        "MMCACHE_L2_WINDOW_S",
+        _lease_seconds,
+        "how long a sidecar's claim to process a cold item lasts, and two sightings count "
+        "as one item's",
+    ),
+    Setting(
+        "l2_ttl_s",
+        "--l2-ttl-s",
+        "MMCACHE_L2_TTL_S",
+        _seconds,
+        "TTL of items in L2; 0: none (the cluster's maxmemory with allkeys-lru evicts)",
+    ),
+    Setting(
+        "l2_queue_items",
+        "--l2-queue-items",
+        "MMCACHE_L2_QUEUE_ITEMS",
+        _count,
+        "items waiting to be written to L2 at most; more are not written (counted)",
     ),
     Setting(
         "reflection",

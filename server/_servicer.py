@@ -51,6 +51,7 @@ from ._replays import Replays, batch_key
 from ._sessions import Sessions
 from ._status import failure_code, guard, protobuf_method, write
 from ._store import BatchResult, ItemStore, StoredItem
+from ._tier import L2Tier
 from ._upload import (
     EntryHeader,
     TruncatedUploadError,
@@ -80,6 +81,8 @@ SESSION_METHOD = f"/{SERVICE_NAME}/UpdateSession"  # its metrics count batches
 # stalled one, costs the waiter a re-send, never a hang.
 UPLOAD_WAIT_S = 0.5
 TRUNCATION_GRACE_S = 0.05
+# What a call keeps of its time, past the L2 tier's reads, to answer.
+L2_MARGIN_S = 0.05
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -100,8 +103,10 @@ class CacheServicer:
         sessions: Sessions,
         batch_metrics: RequestMetrics,
         authorize: Callable[[Metadata], MMCacheError | None] = lambda _: None,
+        l2: L2Tier | None = None,
     ) -> None:
         self._authorize = authorize
+        self._l2 = l2
         self._store = store
         self._sessions = sessions
         self._batch_metrics = batch_metrics
@@ -423,6 +428,7 @@ class CacheServicer:
         )
         if waited:
             self._metrics.upload_waits.inc(waited)
+        pulled = await self._read_through([e.key for e in entries if e.spec is None], remaining)
         payload = sum(e.payload for e in entries if e.chunks is not None)
         marked = self._pending.mark(data_hashes(entries))
         # Made only now: an iterator never started (a call refused on its
@@ -446,7 +452,11 @@ class CacheServicer:
                     await check_no_surplus(stream, in_metadata)
                 self._metrics.received_bytes.inc(payload)
                 touches = namespace.keys(request.touches)
-                return self._store.update(touches, uploads, lease=request.lease)
+                # No await from here on: what came from L2 is in L1 when answered.
+                adopted = self._store.adopt(pulled) if pulled else []
+                result = self._store.update(touches, uploads, lease=request.lease)
+                self._write_behind(entries, result.outcomes)
+                return replace(result, evicted=adopted + result.evicted) if adopted else result
         except TruncatedUploadError:
             # A client's cancel can end its stream here before grpc marks the
             # call cancelled: give it a moment to, so a cancel is counted as
@@ -455,6 +465,27 @@ class CacheServicer:
             raise
         finally:
             self._pending.settle(marked)
+
+    async def _read_through(
+        self, keys: Sequence[str], remaining: float | None, *, flight: bool = True
+    ) -> list[tuple[str, StoredItem]]:
+        """Items L1 lacks under `keys`, read from the L2 tier within the call's
+        time (server._tier; `flight`: the caller processes what is missing)."""
+        if self._l2 is None or not keys:
+            return []
+        absent = [key for key in dict.fromkeys(keys) if key not in self._store]
+        budget = None if remaining is None else remaining - L2_MARGIN_S
+        return await self._l2.pull(absent, budget, flight=flight) if absent else []
+
+    def _write_behind(self, entries: Sequence[EntryHeader], outcomes: Sequence[Outcome]) -> None:
+        """Tell the L2 tier what this batch stored and found: its admission's sightings."""
+        if self._l2 is None:
+            return
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if outcome == Outcome.HIT:
+                self._l2.hit(entry.key)
+            elif outcome in (Outcome.STORED, Outcome.REPLACED):
+                self._l2.stored(entry.key, replaced=outcome == Outcome.REPLACED)
 
     def _claim(self, token: bytes, entries: Sequence[EntryHeader]) -> dict[int, Slot]:
         """The write slots this upload names, checked now and kept from expiry
@@ -506,7 +537,7 @@ class CacheServicer:
             request = pb.FetchRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"FetchRequest does not parse: {exc}") from None
-        keys, items = self._fetched(request, context)
+        keys, items = await self._fetched(request, context)
         header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
             chunks = len(item.frames) if item.resident is None else frame_count(item.payload)
@@ -525,7 +556,7 @@ class CacheServicer:
 
     async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
         region = self._region_of(request.shm_token)
-        keys, items = self._fetched(request, context)
+        keys, items = await self._fetched(request, context)
         header = pb.FetchHeader(instance_id=self._instance_id)
         residents = self._residents(region, keys, items)
         if residents is None:
@@ -541,14 +572,21 @@ class CacheServicer:
             self._store.release(keys)
         return header
 
-    def _fetched(
+    async def _fetched(
         self, request: pb.FetchRequest, context: Context
     ) -> tuple[list[str], list[StoredItem]]:
-        """The store keys of a read's hashes and their items; CacheMissError names
-        the missing ones as the caller did."""
+        """The store keys of a read's hashes and their items, read through to the
+        L2 tier for those L1 lacks; CacheMissError names the missing ones as the
+        caller did."""
         namespace = self._namespace(context)
         keys = self._keys(namespace, request.mm_hashes)
         try:
+            return keys, self._store.fetch(keys)
+        except CacheMissError as exc:
+            missing = exc.missing_hashes
+        pulled = await self._read_through(missing, context.time_remaining(), flight=False)
+        try:
+            self._store.adopt(pulled)
             return keys, self._store.fetch(keys)
         except CacheMissError as exc:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None

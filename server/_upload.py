@@ -34,6 +34,7 @@ __all__ = [
     "EntryHeader",
     "TruncatedUploadError",
     "build_reply",
+    "check_frames",
     "check_no_surplus",
     "data_hashes",
     "frames_of",
@@ -207,20 +208,38 @@ async def read_chunks(stream: AsyncIterator[bytes], entry: EntryHeader) -> tuple
             raise TruncatedUploadError(
                 f"the upload ended after {n} of the {entry.chunks} chunks of {entry.where}"
             )
-        length = len(frame) - chunk_payload_offset(frame)
-        if not 0 < length <= MAX_CHUNK_BYTES:
-            raise InvalidArgumentError(
-                f"chunk {n} of entry {entry.index} carries {length} bytes; chunks carry 1 to "
-                f"{MAX_CHUNK_BYTES}"
-            )
-        received += length
+        received += _chunk_length(frame, n, entry)
         frames.append(frame)
+    _check_received(received, entry)
+    return tuple(frames)
+
+
+def check_frames(frames: Sequence[bytes], entry: EntryHeader) -> None:
+    """Check chunk frames that came all at once (from the L2 tier) as
+    `read_chunks` checks those of an upload."""
+    if len(frames) != entry.chunks:
+        raise InvalidArgumentError(
+            f"{entry.where} declares {entry.chunks} chunks but {len(frames)} came"
+        )
+    _check_received(sum(_chunk_length(f, n, entry) for n, f in enumerate(frames)), entry)
+
+
+def _chunk_length(frame: bytes, n: int, entry: EntryHeader) -> int:
+    length = len(frame) - chunk_payload_offset(frame)
+    if not 0 < length <= MAX_CHUNK_BYTES:
+        raise InvalidArgumentError(
+            f"chunk {n} of entry {entry.index} carries {length} bytes; chunks carry 1 to "
+            f"{MAX_CHUNK_BYTES}"
+        )
+    return length
+
+
+def _check_received(received: int, entry: EntryHeader) -> None:
     if received != entry.payload:
         raise InvalidArgumentError(
             f"{entry.where} declares {entry.payload} payload bytes (from its dtypes and "
             f"shapes) but its {entry.chunks} chunks carry {received}"
         )
-    return tuple(frames)
 
 
 async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: bool) -> None:

@@ -1,0 +1,115 @@
+"""The L2 tier's store, as the sidecar sees it: a small interface a shared
+store implements (server/_l2_redis.py: Redis Cluster), and the one encoding
+of an item in it.
+
+An item is one record under its store key: a manifest (the serialised
+`UpdateEntry` a client would send for it: spec, chunk count, metadata) and
+its chunk frames, exactly as they travel over gRPC (each at most
+MAX_CHUNK_BYTES of payload). A record is written all at once or not at all,
+so a reader sees a whole item or none, and a store's eviction takes it whole.
+What is read back is checked as an upload is (server/_upload.py): the store
+is shared, so its bytes are input like any client's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import InvalidArgumentError, MMCacheError
+from mmcache.v1 import cache_pb2 as pb
+
+from ._region import region_frames
+from ._store import StoredItem
+from ._upload import check_frames, parse_header, upload_entry
+
+__all__ = ["L2Backend", "L2Error", "L2Record", "item_of_record", "record_of_item"]
+
+
+_NAMED_BY_KEY = "l2"
+
+
+class L2Error(MMCacheError):
+    """The L2 store failed or did not answer in time: the caller goes on without it."""
+
+    code = "UNAVAILABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class L2Record:
+    manifest: bytes
+    chunks: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.manifest) + sum(len(c) for c in self.chunks)
+
+
+class L2Backend(Protocol):
+    """A shared store of item records. Every method raises L2Error (and only
+    that) when the store fails; none waits longer than the backend's timeout."""
+
+    @property
+    def where(self) -> str:
+        """The store, for logs (no credentials)."""
+        ...
+
+    async def read(self, key: str) -> L2Record | None:
+        """The whole record under `key`, or None."""
+        ...
+
+    async def holds(self, key: str) -> bool:
+        """Whether a whole record is under `key` (without reading it)."""
+        ...
+
+    async def write(self, key: str, record: L2Record, ttl_s: float) -> None:
+        """Store `record` under `key`, replacing any, all or nothing (`ttl_s` 0: no TTL)."""
+        ...
+
+    async def sight(self, key: str, window_s: float) -> int:
+        """Count one more node asking for `key` now: how many asked within
+        `window_s` of the first (1: this node is the first)."""
+        ...
+
+    async def sightings(self, keys: Sequence[str]) -> list[int]:
+        """The counts `sight` left for each key (0 once the window passed)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def record_of_item(key: str, item: StoredItem) -> L2Record:
+    """The record of a held item (copied out of the region when resident there)."""
+    frames = item.frames
+    if item.resident is not None:
+        frames = tuple(region_frames(item.resident.payload()))
+    # The record's key names it; a store key may hold the namespace's NUL,
+    # which no mm_hash may, so the manifest names it by a placeholder.
+    entry = pb.UpdateEntry(
+        mm_hash=_NAMED_BY_KEY, item=item.spec, num_chunks=len(frames), metadata=item.metadata
+    )
+    return L2Record(entry.SerializeToString(), frames)
+
+
+def item_of_record(key: str, record: L2Record) -> StoredItem:
+    """The item a record holds, checked as an upload is; InvalidArgumentError
+    says what is wrong with a record no sidecar could have written."""
+    try:
+        entry = pb.UpdateEntry.FromString(record.manifest)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the L2 manifest of {key!r} does not parse: {exc}") from None
+    if (
+        entry.mm_hash != _NAMED_BY_KEY
+        or not entry.HasField("item")
+        or entry.withheld
+        or entry.HasField("shm")
+    ):
+        raise InvalidArgumentError(f"the L2 record under {key!r} is not an item record")
+    (header,) = parse_header(pb.UpdateRequest(entries=[entry]))
+    check_frames(record.chunks, header)
+    item = upload_entry(header, record.chunks).item
+    assert item is not None  # an entry with a spec, not withheld
+    return item

@@ -1,0 +1,162 @@
+"""The L2 tier on Redis Cluster (redis-py's asyncio `RedisCluster`).
+
+One Redis hash per item, `{prefix}{<store key>}`: field `m` the manifest,
+`c0`, `c1`, … the chunk frames. The braces are a hash tag, so an item's
+fields and its sighting counter (`…:f`) live on one slot of one master, and
+`allkeys-lru` evicts an item whole. A write is one Lua script (DEL, the
+chunks, then the manifest, then the TTL), atomic on its master: a reader
+sees a whole item or none, also while another sidecar writes the same hash.
+
+Every call is bounded by the timeout (sockets and an outer wait), makes no
+retries of its own, and raises L2Error only: a dead or slow master costs a
+call at most the timeout, and its slots simply miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+from urllib.parse import unquote, urlsplit
+
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+from ._l2 import L2Error, L2Record
+
+__all__ = ["RedisClusterL2", "parse_l2_url"]
+
+T = TypeVar("T")
+
+_MANIFEST = b"m"
+
+# Scripts run atomically on the slot's master: a reader never sees part of a
+# write. (redis-py's asyncio cluster pipelines run MULTI through a thread each.)
+# ARGV: the TTL in ms (0: none), the manifest, then the chunks.
+_WRITE = """
+redis.call('DEL', KEYS[1])
+for i = 3, #ARGV do
+    redis.call('HSET', KEYS[1], 'c' .. (i - 3), ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'm', ARGV[2])
+if tonumber(ARGV[1]) > 0 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return 1
+"""
+# ARGV: the window in ms, which runs from the first sighting.
+_SIGHT = """
+local count = redis.call('INCR', KEYS[1])
+if count == 1 then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return count
+"""
+
+
+def parse_l2_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None, bool]:
+    """`redis://[user:password@]host:port[,host:port…]` (or `rediss://` for TLS):
+    the seed nodes, user, password and whether TLS. ValueError says what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ValueError("must start redis:// (or rediss:// for TLS)")
+    user = password = None
+    hosts = parts.netloc
+    if "@" in hosts:
+        credentials, hosts = hosts.rsplit("@", 1)
+        user_part, _, password_part = credentials.partition(":")
+        user, password = unquote(user_part) or None, unquote(password_part) or None
+    nodes = []
+    for hostport in hosts.split(","):
+        host, sep, port = hostport.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{hostport!r} is not host:port (give each seed node as host:port)")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes, user, password, parts.scheme == "rediss"
+
+
+class RedisClusterL2:
+    """An `L2Backend` on a Redis Cluster; connects on first use (and again
+    after a failure), so a sidecar starts while its cluster is down."""
+
+    def __init__(self, url: str, *, prefix: str = "mmcache:", timeout_s: float = 1.0) -> None:
+        nodes, user, password, tls = parse_l2_url(url)
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self._where = f"redis cluster {','.join(f'{h}:{p}' for h, p in nodes)}"
+        self._client = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+            username=user,
+            password=password,
+            ssl=tls,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            # The caller falls back to L1 at once: a retry would only spend its time.
+            retry=Retry(NoBackoff(), 0),
+            require_full_coverage=False,
+            decode_responses=False,
+        )
+        self._ready = False
+
+    @property
+    def where(self) -> str:
+        return self._where
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}{{{key}}}"
+
+    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
+        try:
+            if not self._ready:
+                await asyncio.wait_for(self._client.initialize(), self._timeout_s)
+                self._ready = True
+            return await asyncio.wait_for(call(), self._timeout_s)
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+            raise L2Error(f"{self._where}: {type(exc).__name__}: {exc}") from None
+
+    async def read(self, key: str) -> L2Record | None:
+        raw = await self._run(lambda: self._client.hgetall(self._key(key)))
+        # Bytes, as decode_responses=False gives them (the types allow str too).
+        fields = {k: v for k, v in raw.items() if isinstance(k, bytes) and isinstance(v, bytes)}
+        manifest = fields.pop(_MANIFEST, None)
+        if manifest is None:
+            return None
+        chunks = [fields.get(b"c%d" % n) for n in range(len(fields))]
+        if any(c is None for c in chunks):
+            return L2Record(manifest, ())  # fields of another shape: the check refuses it
+        return L2Record(manifest, tuple(c for c in chunks if c is not None))
+
+    async def holds(self, key: str) -> bool:
+        found: int = await self._run(lambda: self._client.hexists(self._key(key), _MANIFEST))
+        return bool(found)
+
+    async def write(self, key: str, record: L2Record, ttl_s: float) -> None:
+        ttl_ms = int(ttl_s * 1000)
+        await self._run(
+            lambda: self._client.eval(
+                _WRITE, 1, self._key(key), ttl_ms, record.manifest, *record.chunks
+            )
+        )
+
+    async def sight(self, key: str, window_s: float) -> int:
+        window_ms = max(1, int(window_s * 1000))
+        count = await self._run(
+            lambda: self._client.eval(_SIGHT, 1, self._key(key) + ":f", window_ms)
+        )
+        return int(count)
+
+    async def sightings(self, keys: Sequence[str]) -> list[int]:
+        if not keys:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._key(key) + ":f")
+        values = await self._run(pipe.execute)
+        return [int(v) if v is not None else 0 for v in values]
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.aclose()

@@ -1,0 +1,282 @@
+"""The L2 tier behind the sidecar's cache (L1): read-through, write-behind,
+admission and cross-node single flight, over any `L2Backend`.
+
+Read-through: a hash a call names without data that L1 lacks is read from
+L2 within the call's time, stored in L1 and only then answered: held, and
+leased as any hit is. Nothing is promised from L2 alone.
+
+Single flight: a hash neither tier holds is "sighted" in L2 (a counter with
+a window). The first sidecar to sight it answers MISSING, so its frontend
+processes the image; a later one waits (at most `wait_s`, within the call's
+time) for that item to reach L2 or its own L1, then answers from it; past
+the wait it answers MISSING and its frontend processes the image itself.
+
+Write-behind, with admission so that one-off images do not flood L2: an item
+is written once it is seen a second time, here (a hit in L1) or anywhere in
+the fleet (another sidecar sighted it: the counter is 2 or more while the
+first one still holds it). `admit="first"` writes every new item. Writes go
+through a bounded queue of keys; an item evicted before its turn is not
+written.
+
+Every L2 failure degrades to a miss or an unwritten item, counted in
+`mmcache_l2_*`: L2 is optional, health does not depend on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from mmcache._errors import InvalidArgumentError
+from mmcache.metrics import L2Metrics
+
+from ._l2 import L2Backend, L2Error, L2Record, item_of_record, record_of_item
+from ._store import ItemStore, StoredItem
+
+__all__ = ["L2Settings", "L2Tier"]
+
+_LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class L2Settings:
+    admit: str = "second"  # "second": on a second sighting; "first": every new item
+    timeout_s: float = 1.0  # one L2 operation, at most (and never past a call's time)
+    ttl_s: float = 0.0  # an item's TTL in L2 (0: none; maxmemory + allkeys-lru evict)
+    window_s: float = 10.0  # how long a sighting counts (a processor run and an upload)
+    wait_s: float = 1.0  # how long a call waits for an item another sidecar processes
+    queue_items: int = 4096  # write-behind queue, in items
+    poll_s: float = 0.01  # how often a waiting call looks for the item
+    recheck_s: float = 0.05  # how often first sightings are checked for a second
+    max_candidates: int = 1024  # first sightings watched for a second at once
+    known_items: int = 65536  # items this sidecar knows L2 holds (not written again)
+
+
+class L2Tier:
+    def __init__(
+        self,
+        backend: L2Backend,
+        store: ItemStore,
+        metrics: L2Metrics,
+        settings: L2Settings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._store = store
+        self._metrics = metrics
+        self._settings = settings
+        self._clock = clock
+        self._queue: deque[str] = deque()
+        self._queued: set[str] = set()
+        # First sightings here, watched until their window ends: key -> its end.
+        self._candidates: OrderedDict[str, float] = OrderedDict()
+        # Keys L2 holds as far as this sidecar knows (it wrote or read them).
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+
+    @property
+    def backend(self) -> L2Backend:
+        return self._backend
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_behind())
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+            self._writer = None
+        await self._backend.close()
+
+    # -- read-through --
+
+    async def pull(
+        self, keys: Sequence[str], budget_s: float | None, *, flight: bool = True
+    ) -> list[tuple[str, StoredItem]]:
+        """Items under `keys` (absent from L1) read from L2 within `budget_s`
+        (None: a call with no deadline; one read and one wait, at most).
+        `flight`: the caller processes what is missing (a frontend), so the
+        misses are sighted and waited for as the module says; an engine's read
+        only reads."""
+        most = self._settings.timeout_s + self._settings.wait_s
+        budget = most if budget_s is None else min(most, budget_s)
+        if not keys or budget <= 0:
+            return []
+        deadline = self._clock() + budget
+        found = await asyncio.gather(*(self._pull_one(key, deadline, flight) for key in keys))
+        return [(key, item) for key, item in zip(keys, found, strict=True) if item is not None]
+
+    async def _pull_one(self, key: str, deadline: float, flight: bool) -> StoredItem | None:
+        backend = self._backend
+        try:
+            record = await self._op("read", lambda: backend.read(key), deadline)
+            if record is not None:
+                return self._read_in(key, record)
+            if not flight:
+                self._metrics.misses.inc()
+                return None
+            sighted = await self._op(
+                "sight", lambda: backend.sight(key, self._settings.window_s), deadline
+            )
+        except L2Error:
+            self._metrics.misses.inc()
+            return None
+        if sighted <= 1:  # the first to ask: this sidecar's frontend processes it
+            self._metrics.misses.inc()
+            return None
+        return await self._wait_for(key, min(deadline, self._clock() + self._settings.wait_s))
+
+    async def _wait_for(self, key: str, until: float) -> StoredItem | None:
+        """The item another sidecar is processing, once it reaches L2; None when it
+        reaches L1 here instead (the batch finds it there) or not in time."""
+        backend = self._backend
+        while (left := until - self._clock()) > 0:
+            await asyncio.sleep(min(self._settings.poll_s, left))
+            if key in self._store:
+                self._metrics.flight_waits.labels("arrived").inc()
+                return None
+            try:
+                if await self._op("check", lambda: backend.holds(key), until):
+                    record = await self._op("read", lambda: backend.read(key), until)
+                    if record is not None:
+                        self._metrics.flight_waits.labels("arrived").inc()
+                        return self._read_in(key, record)
+            except L2Error:
+                break
+        self._metrics.flight_waits.labels("timeout").inc()
+        self._metrics.misses.inc()
+        return None
+
+    def _read_in(self, key: str, record: L2Record) -> StoredItem | None:
+        try:
+            item = item_of_record(key, record)
+        except InvalidArgumentError as exc:
+            _LOGGER.warning("L2 record ignored (a miss): %s", exc)
+            self._metrics.errors.labels("read").inc()
+            self._metrics.misses.inc()
+            return None
+        self._metrics.hits.inc()
+        self._metrics.read_bytes.inc(record.nbytes)
+        self._know(key)
+        return item
+
+    # -- write-behind --
+
+    def stored(self, key: str, *, replaced: bool) -> None:
+        """A client's data was stored in L1 under `key`; `replaced`: over data
+        held (sent data wins, in L2 too, and it is a second sighting anyway)."""
+        if replaced or self._settings.admit == "first":
+            self._enqueue(key)
+        elif key not in self._known:
+            self._candidates[key] = self._clock() + self._settings.window_s
+            self._candidates.move_to_end(key)
+            while len(self._candidates) > self._settings.max_candidates:
+                self._candidates.popitem(last=False)
+            self._wake.set()
+
+    def hit(self, key: str) -> None:
+        """L1 answered `key` held: a second sighting here of an item L2 may lack."""
+        if key not in self._known and key not in self._queued:
+            self._candidates.pop(key, None)
+            self._enqueue(key)
+
+    def _enqueue(self, key: str) -> None:
+        if key in self._queued:
+            return
+        if len(self._queue) >= self._settings.queue_items:
+            self._metrics.writes.labels("dropped").inc()
+            return
+        self._queue.append(key)
+        self._queued.add(key)
+        self._wake.set()
+
+    def _know(self, key: str) -> None:
+        self._known[key] = None
+        self._known.move_to_end(key)
+        while len(self._known) > self._settings.known_items:
+            self._known.popitem(last=False)
+
+    async def _write_behind(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                timeout = self._settings.recheck_s if self._candidates else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+            if self._candidates:
+                await self._check_candidates()
+            while self._queue:
+                key = self._queue.popleft()
+                self._queued.discard(key)
+                await self._write(key)
+
+    async def _check_candidates(self) -> None:
+        """Enqueue the first sightings another sidecar has sighted since; forget
+        those whose window ended."""
+        now = self._clock()
+        while self._candidates:
+            key, end = next(iter(self._candidates.items()))
+            if end > now:
+                break
+            del self._candidates[key]
+        keys = list(self._candidates)
+        if not keys:
+            return
+        try:
+            counts = await self._op(
+                "check", lambda: self._backend.sightings(keys), now + self._settings.timeout_s
+            )
+        except L2Error:
+            return
+        for key, count in zip(keys, counts, strict=True):
+            if count >= 2:
+                self._candidates.pop(key, None)
+                self._enqueue(key)
+
+    async def _write(self, key: str) -> None:
+        item = self._store.peek(key)
+        if item is None:
+            self._metrics.writes.labels("gone").inc()
+            return
+        record = record_of_item(key, item)
+        del item  # a resident item's extent is not held while the write waits
+        try:
+            await self._op(
+                "write",
+                lambda: self._backend.write(key, record, self._settings.ttl_s),
+                self._clock() + self._settings.timeout_s,
+            )
+        except L2Error as exc:
+            _LOGGER.debug("L2 write of %r failed: %s", key, exc)
+            self._metrics.writes.labels("failed").inc()
+            return
+        self._metrics.writes.labels("written").inc()
+        self._metrics.written_bytes.inc(record.nbytes)
+        self._know(key)
+
+    async def _op(self, op: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
+        """One backend call, bounded by `deadline`; L2Error (counted) when it fails."""
+        left = deadline - self._clock()
+        if left <= 0:
+            raise L2Error("no time left for L2")
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(call(), left)
+        except (L2Error, TimeoutError) as exc:
+            self._metrics.errors.labels(op).inc()
+            raise L2Error(f"L2 {op}: {exc or 'timed out'}") from None
+        self._metrics.latency.labels(op).observe(time.perf_counter() - started)
+        return result

@@ -1,0 +1,256 @@
+"""The L2 tier on a real Redis Cluster (three masters on loopback): sidecars
+sharing items, admission, single flight, a master killed or stopped, eviction
+in L2, and records no sidecar wrote."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mmcache.client import MMCacheClient
+from mmcache.server import MMCacheServer
+from mmcache.server._config import ConfigError
+
+from .conftest import MIB, eventually, server_config
+from .items import image_item
+from .redis_cluster import RedisCluster, redis_available, redis_cluster
+
+pytestmark = pytest.mark.skipif(
+    not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    with redis_cluster() as running:
+        yield running
+
+
+@pytest.fixture
+def fresh(cluster: RedisCluster) -> RedisCluster:
+    cluster.flushall()
+    return cluster
+
+
+def value(server: MMCacheServer, name: str, **labels: str) -> float:
+    found = server.registry.get_sample_value(name, labels)
+    return 0.0 if found is None else found
+
+
+@contextlib.asynccontextmanager
+async def sidecars(
+    cluster: RedisCluster, count: int, **overrides: object
+) -> AsyncIterator[list[tuple[MMCacheServer, MMCacheClient]]]:
+    """`count` sidecars sharing `cluster` as L2, each with a client."""
+    async with contextlib.AsyncExitStack() as stack:
+        pairs = []
+        for _ in range(count):
+            server = await stack.enter_async_context(
+                MMCacheServer(server_config(l2=cluster.url, **overrides))
+            )
+            client = await stack.enter_async_context(MMCacheClient(f"127.0.0.1:{server.port}"))
+            pairs.append((server, client))
+        yield pairs
+
+
+async def test_an_item_one_sidecar_stored_is_held_by_another(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (b, cb)]:
+        item = image_item(1, numel=300_000)  # 1.2 MB: more than one chunk
+        await ca.get_and_update([item], ["h1"])
+        await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
+
+        found = await cb.lookup(["h1"], modality="image")
+        assert found.held == [True]  # read from L2 into B's cache before the answer
+        assert "h1" in b.store  # held in L1, as promised
+        assert value(b, "mmcache_l2_hits_total") == 1
+        assert value(b, "mmcache_hits_total", modality="image") == 1
+        (fetched,) = await cb.fetch(["h1"])
+        assert fetched == item
+
+
+async def test_one_sighting_is_not_written_and_a_second_one_is(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 2) as [(a, ca), (_, cb)]:
+        await ca.get_and_update([image_item(2)], ["once"])
+        await asyncio.sleep(0.3)  # several write-behind rounds
+        assert value(a, "mmcache_l2_writes_total", result="written") == 0
+        assert (await cb.lookup(["unrelated"])).held == [False]
+
+        await ca.lookup(["once"])  # a second sighting, at A
+        await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
+        assert (await cb.lookup(["once"])).held == [True]
+
+
+async def test_two_sidecars_asking_for_a_cold_image_process_it_once(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=5.0) as [(a, ca), (b, cb)]:
+        first = await ca.lookup(["cold"])
+        assert first.held == [False]  # A's frontend processes it
+        # B asks while A's frontend is still processing: B waits for it.
+        waiting = asyncio.create_task(cb.lookup(["cold"]))
+        await eventually(lambda: value(b, "mmcache_l2_latency_seconds_count", op="check") > 0)
+        assert not waiting.done()
+        item = image_item(3)
+        await ca.get_and_update([item], ["cold"], resend=[True])
+        second = await waiting
+        assert second.held == [True]
+        assert value(b, "mmcache_l2_flight_waits_total", result="arrived") == 1
+        assert value(a, "mmcache_l2_writes_total", result="written") == 1
+        (fetched,) = await cb.fetch(["cold"])
+        assert fetched == item
+
+
+async def test_a_wait_for_another_sidecar_ends_in_time_and_the_call_succeeds(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=0.3) as [(_, ca), (b, cb)]:
+        assert (await ca.lookup(["stalled"])).held == [False]  # A never uploads it
+        started = asyncio.get_running_loop().time()
+        assert (await cb.lookup(["stalled"])).held == [False]
+        assert asyncio.get_running_loop().time() - started < 2.0
+        assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 1
+
+
+async def test_an_engine_read_goes_through_to_l2(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (_, cb)]:
+        item = image_item(4)
+        await ca.get_and_update([item], ["engine"])
+        await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
+        (fetched,) = await cb.fetch(["engine"])  # B's engine, no lookup first
+        assert fetched == item
+
+
+async def test_a_record_no_sidecar_wrote_is_a_miss(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 1) as [(a, ca)]:
+        key = "mmcache:{forged}"
+        for port in fresh.ports:  # whichever master owns the slot takes it
+            fresh.cli(port, "HSET", key, "m", "not a manifest", "c0", "junk")
+        assert (await ca.lookup(["forged"])).held == [False]
+        assert value(a, "mmcache_l2_errors_total", op="read") >= 1
+        assert "forged" not in a.store
+
+
+async def test_namespaces_stay_apart_in_l2(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 2, l2_admit="first") as [(a, _), (b, _)]:
+        async with (
+            MMCacheClient(f"127.0.0.1:{a.port}", namespace="red") as red,
+            MMCacheClient(f"127.0.0.1:{b.port}", namespace="blue") as blue,
+            MMCacheClient(f"127.0.0.1:{b.port}", namespace="red") as red_b,
+        ):
+            await red.get_and_update([image_item(5)], ["shared-name"])
+            await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
+            assert (await blue.lookup(["shared-name"])).held == [False]
+            assert (await red_b.lookup(["shared-name"])).held == [True]
+
+
+async def test_an_item_evicted_from_l2_is_a_clean_miss() -> None:
+    with redis_cluster(maxmemory_mb=8) as small:
+        async with sidecars(small, 2, l2_admit="first", capacity_bytes=512 * MIB) as [
+            (a, ca),
+            (b, cb),
+        ]:
+            hashes = [f"e{i}" for i in range(60)]  # 60 x 1 MiB into 3 x 8 MB
+            for i, h in enumerate(hashes):
+                await ca.get_and_update([image_item(i, numel=1 << 18)], [h])
+            await eventually(
+                lambda: (
+                    value(a, "mmcache_l2_writes_total", result="written")
+                    + value(a, "mmcache_l2_writes_total", result="failed")
+                    == 60
+                ),
+                timeout=20,
+            )
+            found = await cb.lookup(hashes, lease=False)
+            assert not all(found.held)  # the oldest were evicted, each whole
+            assert any(found.held)
+            assert value(b, "mmcache_l2_errors_total", op="read") == 0
+            held = [h for h, ok in zip(hashes, found.held, strict=True) if ok]
+            fetched = await cb.fetch(held)
+            for h, got in zip(held, fetched, strict=True):
+                assert got == image_item(int(h[1:]), numel=1 << 18)
+
+
+async def test_a_killed_master_fails_no_call_and_health_stays_serving() -> None:
+    with redis_cluster() as doomed:
+        async with sidecars(doomed, 2, l2_admit="first", l2_timeout_s=0.3) as [
+            (a, ca),
+            (b, cb),
+        ]:
+            hashes = [f"k{i}" for i in range(30)]
+            items = [image_item(i) for i in range(30)]
+            await ca.get_and_update(items, hashes)
+            await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 30)
+            doomed.kill(doomed.ports[1])
+            started = asyncio.get_running_loop().time()
+            found = await cb.lookup(hashes, lease=False)
+            elapsed = asyncio.get_running_loop().time() - started
+            assert 0 < sum(found.held) < 30  # the dead master's share misses
+            assert elapsed < 5
+            assert value(b, "mmcache_l2_errors_total", op="read") > 0
+            # B's own uploads go on; A still serves from L1.
+            await cb.get_and_update([image_item(99)], ["after"])
+            assert (await ca.lookup(hashes)).held == [True] * 30
+            assert await health_of(b.port) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_a_stopped_master_costs_calls_at_most_the_l2_timeout() -> None:
+    with redis_cluster() as frozen:
+        async with sidecars(frozen, 2, l2_admit="first", l2_timeout_s=0.2) as [
+            (a, ca),
+            (_, cb),
+        ]:
+            hashes = [f"s{i}" for i in range(12)]
+            await ca.get_and_update([image_item(i) for i in range(12)], hashes)
+            await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 12)
+            pid = frozen.procs[frozen.ports[2]].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = asyncio.get_running_loop().time()
+                found = await cb.lookup(hashes, lease=False)
+                elapsed = asyncio.get_running_loop().time() - started
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert 0 < sum(found.held) < 12
+            assert elapsed < 1.5  # reads run at once: one timeout, not one per item
+
+
+def test_a_bad_l2_url_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="host:port"):
+        server_config(l2="redis://nohost")
+    with pytest.raises(ConfigError, match="redis://") as caught:
+        server_config(l2="http://user:secret@h:1")
+    assert "secret" not in str(caught.value)
+
+
+async def test_a_sidecar_starts_and_serves_while_its_cluster_is_down() -> None:
+    with redis_cluster() as gone:
+        url = gone.url
+    async with sidecars_at(url) as (server, client):
+        assert (await client.lookup(["x"])).held == [False]
+        await client.get_and_update([image_item(7)], ["x"])
+        assert (await client.lookup(["x"])).held == [True]
+        assert value(server, "mmcache_l2_errors_total", op="read") >= 1
+
+
+@contextlib.asynccontextmanager
+async def sidecars_at(url: str) -> AsyncIterator[tuple[MMCacheServer, MMCacheClient]]:
+    async with (
+        MMCacheServer(server_config(l2=url, l2_timeout_s=0.2)) as server,
+        MMCacheClient(f"127.0.0.1:{server.port}") as client,
+    ):
+        yield server, client
+
+
+async def health_of(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=2
+        )
+        return reply.status
