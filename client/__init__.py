@@ -25,7 +25,7 @@ from mmcache._errors import (
 )
 from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
 
-from ._client import MMCacheClient
+from ._client import Location, MMCacheClient
 from ._encoder import (
     AllocateOp,
     BatchResult,
@@ -74,6 +74,7 @@ __all__ = [
     "GetFreedMmHashesOp",
     "InternalError",
     "InvalidArgumentError",
+    "Location",
     "MMCacheClient",
     "MMCacheError",
     "MMItem",

@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -51,7 +51,7 @@ from ._slots import Size, WriteSlots, size_of
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
-__all__ = ["MMCacheClient", "UpdateResult"]
+__all__ = ["Location", "MMCacheClient", "UpdateResult"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -84,6 +84,16 @@ class _Call:
     lease: Lease = True
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
+
+
+class Location(NamedTuple):
+    """Where an item is (`MMCacheClient.locate`): its tier, and the bytes held here."""
+
+    tier: str | None  # "l1": this sidecar holds it; "l2": only the L2 tier; None: neither
+    size: int  # bytes charged for it here (0 unless tier == "l1")
+
+
+_TIERS = {pb.TIER_L1: "l1", pb.TIER_L2: "l2"}
 
 
 class UpdateResult(list[Item | None]):
@@ -683,6 +693,22 @@ class MMCacheClient:
                 f"a view of {len(outlived)} items outlived its lease (--lease-s on the "
                 "server): their memory may have been reused under it; copy sooner"
             )
+
+    async def locate(self, mm_hashes: Sequence[str], *, check_l2: bool = False) -> list[Location]:
+        """Where each hash is, for a router choosing an engine: held by this
+        sidecar (`"l1"`, with the bytes charged for it), only in the fleet's L2
+        tier (`"l2"`, when `check_l2`), or nowhere (`None`). Changes nothing on
+        the server: no query counted, no order or lease taken. Usage::
+
+            where = await client.locate(hashes, check_l2=True)
+            local_bytes = sum(w.size for w in where if w.tier == "l1")
+        """
+        _check_hashes(mm_hashes)
+        reply = await self._rpc.locate(mm_hashes, check_l2)
+        return [
+            Location(_TIERS.get(tier), size)
+            for tier, size in zip(reply.tiers, reply.sizes, strict=True)
+        ]
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped

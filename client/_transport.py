@@ -101,6 +101,11 @@ class CacheTransport:
             request_serializer=pb.ReleaseRequest.SerializeToString,
             response_deserializer=pb.ReleaseReply.FromString,
         )
+        self._locate = channel.unary_unary(
+            f"{_SERVICE}/Locate",
+            request_serializer=pb.LocateRequest.SerializeToString,
+            response_deserializer=pb.LocateReply.FromString,
+        )
         self._read_shm: grpc.aio.UnaryUnaryMultiCallable[pb.FetchRequest, bytes] = (
             channel.unary_unary(
                 f"{_SERVICE}/ReadShm", request_serializer=pb.FetchRequest.SerializeToString
@@ -155,6 +160,15 @@ class CacheTransport:
         with translate_errors():
             reply: pb.ClearReply = await self._clear(
                 pb.ClearRequest(), timeout=self._timeout, wait_for_ready=True
+            )
+        return reply
+
+    async def locate(self, mm_hashes: Sequence[str], check_l2: bool) -> pb.LocateReply:
+        with translate_errors():
+            reply: pb.LocateReply = await self._locate(
+                pb.LocateRequest(mm_hashes=mm_hashes, check_l2=check_l2),
+                timeout=self._timeout,
+                wait_for_ready=True,
             )
         return reply
 

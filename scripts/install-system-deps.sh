@@ -6,6 +6,7 @@
 #   kubectl (with `kustomize`)     kubernetes-client 1.20.x         renders deploy/k8s
 #   docker-compose                 docker-compose 1.29.2            `docker-compose config`
 #   prometheus, promtool           prometheus 2.42.0                real-Prometheus tests
+#   redis-server, redis-cli        redis-server 7.0.15              the L2 tier's Redis Cluster
 #
 # A kubectl that is already on PATH (e.g. the Google Cloud SDK's `kubectl` package,
 # v1.32 with kustomize v5) is kept: the manifests render with either. The offline
@@ -22,6 +23,8 @@ declare -A package_for=(
     [docker-compose]=docker-compose
     [prometheus]=prometheus
     [promtool]=prometheus
+    [redis-server]=redis-server
+    [redis-cli]=redis-server
 )
 
 have() {
@@ -33,7 +36,7 @@ have() {
 }
 
 missing=()
-for program in kubectl docker-compose prometheus promtool; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli; do
     if ! have "$program"; then
         package=${package_for[$program]}
         if [[ " ${missing[*]-} " != *" $package "* ]]; then
@@ -43,7 +46,7 @@ for program in kubectl docker-compose prometheus promtool; do
 done
 
 if ((${#missing[@]} == 0)); then
-    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool all present"
+    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis all present"
     exit 0
 fi
 
@@ -65,12 +68,12 @@ export DEBIAN_FRONTEND=noninteractive
 "${sudo[@]}" apt-get update -qq
 # --no-install-recommends: prometheus would otherwise pull node-exporter and friends.
 # Services are not started in containers (policy-rc.d) and nothing here needs them running:
-# the tests start their own prometheus on a free loopback port.
+# the tests start their own prometheus and Redis Cluster on free loopback ports.
 "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
     "${missing[@]}"
 
-for program in kubectl docker-compose prometheus promtool; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli; do
     if ! have "$program"; then
         echo "install-system-deps: $program still missing after installing ${missing[*]}" >&2
         exit 1

@@ -33,10 +33,12 @@ from mmcache.metrics import (
     StoreGauges,
     register_build_info,
 )
+from mmcache.v1 import cache_pb2 as pb
 
 from ._auth import AuthInterceptor, Metadata, TokenBook, check_call
 from ._config import ConfigError, ServerConfig, is_loopback
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
+from ._events import ItemEvents
 from ._feed import Feed
 from ._inflight import InflightBudget
 from ._namespaces import Namespaces
@@ -86,13 +88,21 @@ class MMCacheServer:
             max_items=config.item_bound,
             lease_s=config.lease_s,
             on_evict=self.metrics.evicted,
-            on_change=self.namespaces.emit,
+            on_change=self._changed,
             on_expire=self.metrics.lease_expiries.inc,
         )
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
         self.sessions = Sessions(config.max_sessions)
-        self.l2 = _l2_tier(config, self.store, self.registry)
+        self.events: ItemEvents | None = None
+        if config.events_endpoint is not None:
+            self.events = ItemEvents(
+                config.events_endpoint,
+                config.events_replay_endpoint,
+                config.events_topic,
+                self.instance_id,
+            )
+        self.l2 = _l2_tier(config, self.store, self.registry, self.events)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self._cache = CacheServicer(
@@ -193,6 +203,16 @@ class MMCacheServer:
                 f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
             ) from None
         self.metrics_port = self._endpoint.port
+        if self.events is not None:
+            try:
+                self.events.start()
+            except OSError:
+                if self.region is not None:
+                    self.region.close()
+                    self.region = None
+                self._endpoint.close()
+                self._endpoint = None
+                raise
         self.sessions.start()
         if self.l2 is not None:
             self.l2.start()
@@ -221,6 +241,12 @@ class MMCacheServer:
             self.instance_id,
         )
 
+    def _changed(self, kind: pb.ChangeKind.ValueType, key: str, size: int) -> None:
+        """The store's change: to its namespace's feed, and to routers."""
+        self.namespaces.emit(kind, key, size)
+        if self.events is not None:
+            self.events.changed(kind, key, size)
+
     def _check_session_batch(self, metadata: Metadata) -> MMCacheError | None:
         """Why an upload session's next batch may not proceed (its token, checked
         again: one revoked since the session opened stops working now)."""
@@ -241,6 +267,8 @@ class MMCacheServer:
             self._health_server = None
         if self.l2 is not None:  # before the region: a write may be reading from it
             await self.l2.stop()
+        if self.events is not None:
+            await self.events.stop()
         if self._endpoint is not None:
             self._endpoint.close()
             self._endpoint = None
@@ -270,7 +298,12 @@ class MMCacheServer:
         await self.stop(grace=0)
 
 
-def _l2_tier(config: ServerConfig, store: ItemStore, registry: CollectorRegistry) -> L2Tier | None:
+def _l2_tier(
+    config: ServerConfig,
+    store: ItemStore,
+    registry: CollectorRegistry,
+    events: ItemEvents | None,
+) -> L2Tier | None:
     """The L2 tier when --l2 names one; its metrics are exported either way."""
     if config.l2 is None:
         L2Metrics(registry)
@@ -288,7 +321,13 @@ def _l2_tier(config: ServerConfig, store: ItemStore, registry: CollectorRegistry
     )
     tier: L2Tier | None = None
     metrics = L2Metrics(registry, queued=lambda: 0 if tier is None else tier.queued)
-    tier = L2Tier(backend, store, metrics, settings)
+    tier = L2Tier(
+        backend,
+        store,
+        metrics,
+        settings,
+        on_written=(lambda key, size: None) if events is None else events.written_to_l2,
+    )
     _LOGGER.info(
         "L2 tier: %s, keys under %r, admit on %s sighting",
         backend.where,

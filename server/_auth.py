@@ -2,8 +2,8 @@
 
 A call carries `authorization: Bearer TOKEN`. Each method needs a role:
 
-    write  frontends: GetAndUpdate(One), UpdateSession, Touch (and Release, Subscribe)
-    read   engines:   Fetch (and Release, Subscribe)
+    write  frontends: GetAndUpdate(One), UpdateSession, Touch (and Release, Subscribe, Locate)
+    read   engines:   Fetch (and Release, Subscribe, Locate; routers: Locate)
     admin  operators: Clear, every EncoderCache method; admin may call anything
 
 Info needs any valid token; health and reflection need none (probes, and a
@@ -70,6 +70,7 @@ def _methods() -> dict[str, frozenset[str]]:
         "ReadShm": frozenset({"read"}),
         "Release": frozenset({"read", "write"}),
         "Subscribe": frozenset({"read", "write"}),
+        "Locate": frozenset({"read", "write"}),
         "Clear": frozenset({"admin"}),
     }
     table = {f"/{cache.full_name}/{m.name}": needs[m.name] for m in cache.methods}

@@ -93,6 +93,9 @@ class ServerConfig:
     l2_window_s: float = 10.0
     l2_ttl_s: float = 0.0
     l2_queue_items: int = 4096
+    events_endpoint: str | None = None  # ZMQ PUB endpoint of item events (docs/l2.md)
+    events_replay_endpoint: str | None = None
+    events_topic: str = "mm-items"
     reflection: bool = True
     log_level: str = "INFO"
 
@@ -131,6 +134,10 @@ class ServerConfig:
                 raise ConfigError(f"--l2 {_without_password(self.l2)!r}: {exc}") from None
         if self.l2_admit not in ("first", "second"):
             raise ConfigError(f"--l2-admit must be first or second, got {self.l2_admit!r}")
+        if self.events_replay_endpoint is not None and self.events_endpoint is None:
+            raise ConfigError(
+                "--events-replay-endpoint replays what --events-endpoint publishes: give both"
+            )
         if self.shm and self.shm_bytes < 1 << 20:
             raise ConfigError(f"the shared-memory region must be 1 MiB or more: {self.shm_bytes}")
 
@@ -493,6 +500,29 @@ SETTINGS: tuple[Setting, ...] = (
         "MMCACHE_L2_QUEUE_ITEMS",
         _count,
         "items waiting to be written to L2 at most; more are not written (counted)",
+    ),
+    Setting(
+        "events_endpoint",
+        "--events-endpoint",
+        "MMCACHE_EVENTS_ENDPOINT",
+        _text,
+        "ZMQ endpoint to publish item events on (ItemStored, ItemRemoved, AllCleared in "
+        "vLLM's KV-event framing), e.g. tcp://*:5557; none: off",
+    ),
+    Setting(
+        "events_replay_endpoint",
+        "--events-replay-endpoint",
+        "MMCACHE_EVENTS_REPLAY_ENDPOINT",
+        _text,
+        "ZMQ endpoint where subscribers ask for item-event batches they missed, e.g. "
+        "tcp://*:5558; none: no replay",
+    ),
+    Setting(
+        "events_topic",
+        "--events-topic",
+        "MMCACHE_EVENTS_TOPIC",
+        _text,
+        "topic (first frame) of every item-event message",
     ),
     Setting(
         "reflection",

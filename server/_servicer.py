@@ -150,6 +150,7 @@ class CacheServicer:
                 self.shm_allocate, pb.ShmAllocateRequest, self._instance_id
             ),
             "ReadShm": protobuf_method(self.read_shm, pb.FetchRequest, self._instance_id),
+            "Locate": protobuf_method(self.locate, pb.LocateRequest, self._instance_id),
             # The feed serialises each message once for every subscriber.
             "Subscribe": grpc.unary_stream_rpc_method_handler(g(self.subscribe)),
         }
@@ -269,6 +270,20 @@ class CacheServicer:
             self._metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
             self._metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
         return pb.ReleaseReply(instance_id=self._instance_id, released=self._store.release(keys))
+
+    async def locate(self, request: pb.LocateRequest, context: Context) -> pb.LocateReply:
+        keys = self._keys(self._namespace(context), request.mm_hashes)
+        sizes = [self._store.size_of(key) for key in keys]
+        tiers = [pb.TIER_L1 if key in self._store else pb.TIER_NONE for key in keys]
+        if request.check_l2 and self._l2 is not None:
+            absent = [i for i, tier in enumerate(tiers) if tier == pb.TIER_NONE]
+            remaining = context.time_remaining()
+            budget = None if remaining is None else remaining - L2_MARGIN_S
+            found = await self._l2.holds([keys[i] for i in absent], budget)
+            for i, held in zip(absent, found, strict=True):
+                if held:
+                    tiers[i] = pb.TIER_L2
+        return pb.LocateReply(instance_id=self._instance_id, tiers=tiers, sizes=sizes)
 
     async def subscribe(self, request_bytes: bytes, context: Context) -> None:
         try:

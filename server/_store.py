@@ -135,6 +135,10 @@ class ItemStore:
     def peek(self, mm_hash: str) -> StoredItem | None:
         return self._lru.peek(mm_hash)
 
+    def size_of(self, mm_hash: str) -> int:
+        """The bytes charged for the item under `mm_hash`; 0 when none is held."""
+        return self._lru.size_of(mm_hash) or 0
+
     def update(
         self,
         touches: Iterable[str],

@@ -9,7 +9,9 @@ Single flight: a hash neither tier holds is "sighted" in L2 (a counter with
 a window). The first sidecar to sight it answers MISSING, so its frontend
 processes the image; a later one waits (at most `wait_s`, within the call's
 time) for that item to reach L2 or its own L1, then answers from it; past
-the wait it answers MISSING and its frontend processes the image itself.
+the wait it answers MISSING and its frontend processes the image itself. A
+sidecar that sights again what it claimed itself more than `wait_s` ago does
+not wait: its frontend processed that item, and its L1 has since evicted it.
 
 Write-behind, with admission so that one-off images do not flood L2: an item
 is written once it is seen a second time, here (a hit in L1) or anywhere in
@@ -68,7 +70,9 @@ class L2Tier:
         metrics: L2Metrics,
         settings: L2Settings,
         clock: Callable[[], float] = time.monotonic,
+        on_written: Callable[[str, int], None] = lambda key, size: None,
     ) -> None:
+        self._on_written = on_written
         self._backend = backend
         self._store = store
         self._metrics = metrics
@@ -78,6 +82,9 @@ class L2Tier:
         self._queued: set[str] = set()
         # First sightings here, watched until their window ends: key -> its end.
         self._candidates: OrderedDict[str, float] = OrderedDict()
+        # Cold keys this sidecar was first to sight (its frontend processes
+        # them): key -> when, within the window.
+        self._claims: OrderedDict[str, float] = OrderedDict()
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
@@ -134,10 +141,28 @@ class L2Tier:
         except L2Error:
             self._metrics.misses.inc()
             return None
+        now = self._clock()
         if sighted <= 1:  # the first to ask: this sidecar's frontend processes it
+            self._claim(key, now)
             self._metrics.misses.inc()
             return None
-        return await self._wait_for(key, min(deadline, self._clock() + self._settings.wait_s))
+        claimed = self._claims.get(key)
+        if claimed is not None and now - claimed >= self._settings.wait_s:
+            # This sidecar's own claim, long enough ago that its frontend has
+            # processed the item, which L1 has since evicted: no one else has it.
+            self._metrics.misses.inc()
+            return None
+        return await self._wait_for(key, min(deadline, now + self._settings.wait_s))
+
+    def _claim(self, key: str, now: float) -> None:
+        self._claims[key] = now
+        self._claims.move_to_end(key)
+        window = self._settings.window_s
+        while self._claims and (
+            len(self._claims) > self._settings.known_items
+            or next(iter(self._claims.values())) < now - window
+        ):
+            self._claims.popitem(last=False)
 
     async def _wait_for(self, key: str, until: float) -> StoredItem | None:
         """The item another sidecar is processing, once it reaches L2; None when it
@@ -172,6 +197,19 @@ class L2Tier:
         self._metrics.read_bytes.inc(record.nbytes)
         self._know(key)
         return item
+
+    async def holds(self, keys: Sequence[str], budget_s: float | None) -> list[bool]:
+        """Whether L2 holds each key (False where it failed or ran out of time)."""
+        budget = self._settings.timeout_s if budget_s is None else budget_s
+        deadline = self._clock() + min(budget, self._settings.timeout_s)
+
+        async def one(key: str) -> bool:
+            try:
+                return await self._op("check", lambda: self._backend.holds(key), deadline)
+            except L2Error:
+                return False
+
+        return list(await asyncio.gather(*(one(key) for key in keys)))
 
     # -- write-behind --
 
@@ -266,6 +304,7 @@ class L2Tier:
         self._metrics.writes.labels("written").inc()
         self._metrics.written_bytes.inc(record.nbytes)
         self._know(key)
+        self._on_written(key, self._store.size_of(key))
 
     async def _op(self, op: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
         """One backend call, bounded by `deadline`; L2Error (counted) when it fails."""

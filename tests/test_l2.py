@@ -254,3 +254,34 @@ async def health_of(port: int) -> int:
             health_pb2.HealthCheckRequest(), timeout=2
         )
         return reply.status
+
+
+async def test_locate_tells_l1_from_l2_and_l2_writes_are_published(fresh: RedisCluster) -> None:
+    import msgspec
+    import zmq
+    import zmq.asyncio
+
+    overrides = {"l2_admit": "first", "events_endpoint": "tcp://127.0.0.1:*"}
+    async with sidecars(fresh, 2, **overrides) as [(a, ca), (b, cb)]:
+        assert a.events is not None
+        context = zmq.asyncio.Context()
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(a.events.endpoints[0])
+        await asyncio.sleep(0.2)
+        try:
+            await ca.get_and_update([image_item(8)], ["where"])
+            await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
+            tiers = []
+            while "l2" not in tiers:
+                _, _, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
+                tiers += [e[3] for e in msgspec.msgpack.decode(payload)[1] if e[0] == "ItemStored"]
+            assert tiers == ["l1", "l2"]
+        finally:
+            sub.close(linger=0)
+            context.term()
+        here, nowhere = await cb.locate(["where", "nowhere"], check_l2=True)
+        assert here.tier == "l2" and nowhere.tier is None
+        assert (await cb.locate(["where"]))[0].tier is None  # L2 not asked
+        assert (await ca.locate(["where"], check_l2=True))[0].tier == "l1"
+        assert "where" not in b.store  # locating reads nothing in

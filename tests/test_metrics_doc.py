@@ -16,7 +16,7 @@ _SUFFIXES = ("_bucket", "_sum", "_count")
 
 
 def documented() -> set[str]:
-    return set(re.findall(r"^\| `([a-z_]+)` \|", DOC.read_text(), flags=re.MULTILINE))
+    return set(re.findall(r"^\| `([a-z0-9_]+)` \|", DOC.read_text(), flags=re.MULTILINE))
 
 
 def family(name: str) -> str:

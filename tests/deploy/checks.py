@@ -68,6 +68,15 @@ CONTRACT_METRICS: Mapping[str, frozenset[str]] = {
         "mmcache_shm_bytes_total": {"direction"},
         "mmcache_shm_leased_bytes": set(),
         "mmcache_shm_resident_bytes": set(),
+        "mmcache_l2_hits_total": set(),
+        "mmcache_l2_misses_total": set(),
+        "mmcache_l2_read_bytes_total": set(),
+        "mmcache_l2_written_bytes_total": set(),
+        "mmcache_l2_writes_total": {"result"},
+        "mmcache_l2_errors_total": {"op"},
+        "mmcache_l2_flight_waits_total": {"result"},
+        "mmcache_l2_latency_seconds": {"op"},
+        "mmcache_l2_queued_items": set(),
         "mmcache_build_info": {"version", "python", "grpcio"},
         "grpc_server_started_total": {"grpc_method", "grpc_service", "grpc_type"},
         "grpc_server_handled_total": {"grpc_code", "grpc_method", "grpc_service", "grpc_type"},
@@ -82,7 +91,7 @@ CONTRACT_METRICS: Mapping[str, frozenset[str]] = {
         "mmcache_encoder_hits_total": {"engine"},
     }.items()
 }
-HISTOGRAMS = frozenset({"grpc_server_handling_seconds"})
+HISTOGRAMS = frozenset({"grpc_server_handling_seconds", "mmcache_l2_latency_seconds"})
 # Labels Prometheus attaches to every scraped series, and the histogram bucket label.
 TARGET_LABELS = frozenset({"instance", "job", "service", "le"})
 

@@ -347,7 +347,7 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
 
 def test_kustomizations_include_base_and_servicemonitor_overlay() -> None:
     found = {str(d.relative_to(K8S)) for d in kustomizations()}
-    assert {"base", "overlays/servicemonitor", "overlays/tls"} <= found
+    assert {"base", "overlays/servicemonitor", "overlays/tls", "overlays/l2"} <= found
 
 
 def _mounted_secret(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
@@ -409,8 +409,16 @@ def test_schema_validation_can_fail(rendered: dict[str, list[dict[str, Any]]]) -
 
 
 def _pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
-    [(_, pod)] = list(pod_specs(objects))
+    """The engine's Pod (an overlay may add others: the L2 tier's Redis)."""
+    [pod] = [pod for name, pod in pod_specs(objects) if name == "Deployment/vllm"]
     return pod
+
+
+def _service(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    [service] = [
+        o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "mmcache"
+    ]
+    return service
 
 
 def _sidecar(pod: dict[str, Any]) -> dict[str, Any]:
@@ -434,6 +442,10 @@ def test_mmcache_is_a_native_sidecar_with_grpc_probes(
         assert int(env["MMCACHE_PORT"]) == GRPC_PORT
         ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
         expected = {"grpc": GRPC_PORT, "metrics": int(env["MMCACHE_METRICS_PORT"])}
+        for port, variable in (("events", "MMCACHE_EVENTS_ENDPOINT"),
+                               ("events-replay", "MMCACHE_EVENTS_REPLAY_ENDPOINT")):  # fmt: skip
+            if variable in env:
+                expected[port] = int(env[variable].rsplit(":", 1)[1])
         # A TLS server's probes use the plaintext health-only port (kubelets speak no TLS).
         probed = int(env.get("MMCACHE_HEALTH_PORT", GRPC_PORT))
         if "MMCACHE_TLS_CERT" in env:
@@ -511,7 +523,7 @@ def test_service_and_scrape_annotations_point_at_mmcache(
         assert int(annotations["prometheus.io/port"]) == container_ports["metrics"] == METRICS_PORT
         assert annotations["prometheus.io/path"] == "/metrics"
 
-        [service] = [o for o in objects if o["kind"] == "Service"]
+        service = _service(objects)
         selector = service["spec"]["selector"]
         assert selector.items() <= template["metadata"]["labels"].items(), name
         ports = {p["name"]: p for p in service["spec"]["ports"]}
@@ -692,3 +704,54 @@ def test_dockerfile_install_steps_work_in_a_fresh_venv(tmp_path: Path) -> None:
             server.kill()
             server.wait()
         log.close()
+
+
+# ---------------------------------------------------------------- the L2 tier
+
+
+def _l2_masters(url: str) -> list[str]:
+    assert url.startswith("redis://"), url
+    return [node.rsplit(":", 1)[0] for node in url.removeprefix("redis://").split(",")]
+
+
+def test_the_l2_overlay_points_every_sidecar_at_its_redis_cluster(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objects = rendered["overlays/l2"]
+    env = container_env(_sidecar(_pod(objects)))
+    [statefulset] = [o for o in objects if o["kind"] == "StatefulSet"]
+    [headless] = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP")]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["serviceName"] == headless["metadata"]["name"]
+    name, replicas = statefulset["metadata"]["name"], statefulset["spec"]["replicas"]
+    assert replicas >= 3  # Redis Cluster's fewest masters
+    expected = [f"{name}-{i}.{headless['metadata']['name']}" for i in range(replicas)]
+    assert _l2_masters(env["MMCACHE_L2"]) == expected
+    [redis] = statefulset["spec"]["template"]["spec"]["containers"]
+    args = redis["command"]
+    flags = dict(zip(args[1::2], args[2::2], strict=True))
+    assert flags["--cluster-enabled"] == "yes"
+    assert flags["--maxmemory-policy"] == "allkeys-lru" and flags["--maxmemory"]
+    assert flags["--cluster-require-full-coverage"] == "no"
+    assert quantity_bytes(redis["resources"]["limits"]["memory"]) > quantity_bytes(
+        flags["--maxmemory"].replace("gb", "Gi")
+    )
+    [job] = [o for o in objects if o["kind"] == "Job"]
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "--cluster-create" not in script and "--cluster create" in script
+    assert env["MMCACHE_EVENTS_ENDPOINT"].endswith(":5557")
+
+
+def test_the_l2_compose_override_forms_a_cluster_the_sidecar_uses() -> None:
+    override = ROOT / "deploy/l2/docker-compose.l2.yml"
+    done = run([require("docker-compose"), "-f", str(COMPOSE_FILE), "-f", str(override), "config"])
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    masters = _l2_masters(services["mmcache"]["environment"]["MMCACHE_L2"])
+    assert len(masters) >= 3 and all(m in services for m in masters)
+    for master in masters:
+        args = services[master]["command"]
+        assert "allkeys-lru" in args and "--maxmemory" in args and "--cluster-enabled" in args
+    create = services["redis-cluster"]
+    assert set(masters) <= set(create["depends_on"])
+    assert "redis-cluster" in services["mmcache"]["depends_on"]

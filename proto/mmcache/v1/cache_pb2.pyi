@@ -131,6 +131,34 @@ CHANGE_SETTLED: ChangeKind.ValueType  # 4
 """that upload has ended (STORED precedes it on success)"""
 Global___ChangeKind: _TypeAlias = ChangeKind  # noqa: Y015
 
+class _Tier:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TierEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Tier.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TIER_NONE: _Tier.ValueType  # 0
+    """neither here nor (when asked) in L2"""
+    TIER_L1: _Tier.ValueType  # 1
+    """held by this sidecar"""
+    TIER_L2: _Tier.ValueType  # 2
+    """not held here; in the L2 tier"""
+
+class Tier(_Tier, metaclass=_TierEnumTypeWrapper):
+    """---------------------------------------------------------------- where items are
+
+    Where an item is, as a router asks (docs/l2.md): held by this sidecar, or
+    only in the fleet's L2 tier (any node reads it from there at a cost).
+    """
+
+TIER_NONE: Tier.ValueType  # 0
+"""neither here nor (when asked) in L2"""
+TIER_L1: Tier.ValueType  # 1
+"""held by this sidecar"""
+TIER_L2: Tier.ValueType  # 2
+"""not held here; in the L2 tier"""
+Global___Tier: _TypeAlias = Tier  # noqa: Y015
+
 @_typing.final
 class TensorSpec(_message.Message):
     """---------------------------------------------------------------- items
@@ -1304,3 +1332,60 @@ class FeedMessage(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___FeedMessage: _TypeAlias = FeedMessage  # noqa: Y015
+
+@_typing.final
+class LocateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MM_HASHES_FIELD_NUMBER: _builtins.int
+    CHECK_L2_FIELD_NUMBER: _builtins.int
+    check_l2: _builtins.bool
+    """Also ask the L2 tier about hashes not held here (one round trip to it,
+    within the call's deadline; an L2 failure answers TIER_NONE).
+    """
+    @_builtins.property
+    def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        mm_hashes: _abc.Iterable[_builtins.str] | None = ...,
+        check_l2: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check_l2", b"check_l2", "mm_hashes", b"mm_hashes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocateRequest: _TypeAlias = LocateRequest  # noqa: Y015
+
+@_typing.final
+class LocateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    TIERS_FIELD_NUMBER: _builtins.int
+    SIZES_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    @_builtins.property
+    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
+        """one per hash, in order"""
+
+    @_builtins.property
+    def sizes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """bytes charged for each item held here (0 elsewhere)"""
+
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+        sizes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "sizes", b"sizes", "tiers", b"tiers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LocateReply: _TypeAlias = LocateReply  # noqa: Y015

@@ -1,0 +1,330 @@
+"""Nodes sharing an L2 tier: N sidecar processes, each with its own frontend,
+on one Redis Cluster (three masters on loopback).
+
+    python -m bench.nodes [--nodes 1,2,4] [--conversations 40] [--pool 64]
+                          [--capacity-mib 64] [--seed 0] [--reps 30]
+
+The trace is bench/fleet.py's: multi-turn chats re-sending their earlier
+images, from a Zipf-like pool of 0.3-8 MiB images, request i sent to node
+i mod N (a router that knows nothing of images: the worst case for sharing).
+Each node is a `mmcache serve` process and a frontend process that does what
+the vLLM plugin's P0 does, then its engine's read: asks its mirror, asks its
+sidecar (`lookup`: read-through to L2, waiting for an image another node is
+processing) for the rest, runs the "processor" for what is still missing,
+uploads it, and fetches the request's held items.
+
+Modes on the same trace: `L2` (`--l2` on every sidecar, admission on a second
+sighting) and `no L2` (each node an island). Columns: processor runs / unique
+images across all nodes, and that against one node's; bytes through L2
+(read + written) / unique bytes; L2 hits and single-flight waits.
+
+A second table times a lookup that L2 answers (the item read from L2 into
+the sidecar, then answered held) beside one L1 answers, for 1 and 8 MiB items,
+`--reps` times each: p50/p99 ms from the frontend, and the server's own L2 read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from bench.fleet import Trace, image_hash, make_trace, process
+
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------- a node's frontend
+
+
+def emit(record: dict[str, object]) -> None:
+    sys.stdout.write(json.dumps(record) + "\n")
+    sys.stdout.flush()
+
+
+async def frontend(args: argparse.Namespace) -> None:
+    from mmcache.client import MMCacheClient
+
+    trace = make_trace(args.seed, args.pool, args.conversations)
+    mine = [i for i in range(len(trace.requests)) if i % args.nodes == args.index]
+    runs = 0
+    failures = 0
+    async with MMCacheClient(args.target, follow=True, timeout=120) as client:
+        await client.wait_following()
+        emit({"kind": "ready"})
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
+        for index in mine:
+            images = trace.requests[index]
+            hashes = [image_hash(i) for i in images]
+            cached = client.is_cached(hashes, pending=True)
+            asked = [h for h, known in zip(hashes, cached, strict=True) if not known]
+            found = await client.lookup(asked, modality="image") if asked else None
+            held_now = (
+                set()
+                if found is None
+                else {h for h, ok in zip(asked, found.held, strict=False) if ok}
+            )
+            items: list[object | None] = []
+            resend: list[bool] = []
+            for image, h, known in zip(images, hashes, cached, strict=True):
+                if known or h in held_now:
+                    items.append(None)
+                    resend.append(False)
+                else:
+                    items.append(process(image, trace.sizes[image]))
+                    resend.append(h in asked)
+                    runs += 1
+            sent = await client.get_and_update(
+                items,  # type: ignore[arg-type]
+                hashes,
+                modality="image",
+                resend=resend,
+                lease="hits" if found is not None else True,
+            )
+            fetch = [h for h, held in zip(hashes, sent.held, strict=True) if held]
+            if fetch:
+                try:
+                    await client.fetch(fetch)  # its engine's read
+                except Exception:
+                    failures += 1
+    emit({"kind": "done", "runs": runs, "failures": failures})
+
+
+# ---------------------------------------------------------------- the driver
+
+
+@dataclass
+class Row:
+    mode: str
+    nodes: int
+    runs: int = 0
+    failures: int = 0
+    l2_bytes: float = 0.0
+    l2_hits: float = 0.0
+    waits: float = 0.0
+    timeouts: float = 0.0
+    seconds: float = 0.0
+
+
+def free_port() -> int:
+    from tests.redis_cluster import free_port as pick
+
+    return pick()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from tests.conftest import parse_samples
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return parse_samples(response.read().decode())
+
+
+def sidecar(
+    port: int, metrics_port: int, capacity_mib: int, l2: str | None
+) -> subprocess.Popen[str]:
+    from tests.conftest import MMCACHE
+
+    argv = [
+        MMCACHE,
+        "serve",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--metrics-port={metrics_port}",
+        f"--capacity-gb={capacity_mib / 1024}",
+        "--no-shm",  # nodes share nothing but L2
+        "--log-level=WARNING",
+    ]
+    if l2 is not None:
+        argv.append(f"--l2={l2}")
+    proc = subprocess.Popen(argv, text=True)
+    from tests.test_process import wait_serving
+
+    wait_serving(port, proc)  # type: ignore[arg-type]
+    return proc
+
+
+async def spawn_frontend(
+    args: argparse.Namespace, target: str, nodes: int, index: int
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.nodes",
+        "--role=frontend",
+        f"--seed={args.seed}",
+        f"--pool={args.pool}",
+        f"--conversations={args.conversations}",
+        f"--target={target}",
+        f"--nodes={nodes}",
+        f"--index={index}",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def record_of(proc: asyncio.subprocess.Process) -> dict[str, object]:
+    assert proc.stdout is not None
+    line = await proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a frontend ended early (exit {await proc.wait()})")
+    record: dict[str, object] = json.loads(line)
+    return record
+
+
+async def run_once(args: argparse.Namespace, nodes: int, l2: str | None) -> Row:
+    row = Row("L2" if l2 else "no L2", nodes)
+    ports = [(free_port(), free_port()) for _ in range(nodes)]
+    procs = [sidecar(p, m, args.capacity_mib, l2) for p, m in ports]
+    try:
+        fronts = [
+            await spawn_frontend(args, f"127.0.0.1:{p}", nodes, i) for i, (p, _) in enumerate(ports)
+        ]
+        for proc in fronts:
+            assert (await record_of(proc))["kind"] == "ready"
+        started = time.perf_counter()
+        for proc in fronts:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+        for proc in fronts:
+            done = await record_of(proc)
+            row.runs += int(done["runs"])  # type: ignore[call-overload]
+            row.failures += int(done["failures"])  # type: ignore[call-overload]
+            await proc.wait()
+        row.seconds = time.perf_counter() - started
+        for _, metrics_port in ports:
+            samples = scrape(metrics_port)
+            for name in ("mmcache_l2_read_bytes_total", "mmcache_l2_written_bytes_total"):
+                row.l2_bytes += samples.get((name, ()), 0.0)
+            row.l2_hits += samples.get(("mmcache_l2_hits_total", ()), 0.0)
+            waits = "mmcache_l2_flight_waits_total"
+            row.waits += samples.get((waits, (("result", "arrived"),)), 0.0)
+            row.timeouts += samples.get((waits, (("result", "timeout"),)), 0.0)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+    return row
+
+
+def print_rows(trace: Trace, rows: Sequence[Row]) -> None:
+    unique = trace.unique
+    unique_bytes = sum(trace.sizes[i] for i in unique)
+    one = {r.mode: r.runs for r in rows if r.nodes == 1}  # each mode against its one node
+    print(
+        "\n| nodes | mode | processor runs / unique | runs vs one node | L2 bytes / unique "
+        "| L2 hits | single-flight waits (in vain) | engine read failures | seconds |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        versus = f"{row.runs / one[row.mode]:.2f}x" if one.get(row.mode) else "-"
+        print(
+            f"| {row.nodes} | {row.mode} | {row.runs} / {len(unique)} = "
+            f"{row.runs / len(unique):.2f} | {versus} | {row.l2_bytes / unique_bytes:.2f} "
+            f"| {row.l2_hits:.0f} | {row.waits:.0f} ({row.timeouts:.0f}) | {row.failures} "
+            f"| {row.seconds:.1f} |"
+        )
+
+
+async def latency(args: argparse.Namespace, l2: str) -> None:
+    """Lookups answered through L2 beside lookups L1 answers, per item size."""
+    from mmcache.client import MMCacheClient
+
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    procs = [sidecar(p, m, 1024, l2) for p, m in ports]
+    print("\n| item | lookup, L2 hit p50 / p99 ms | lookup, L1 hit p50 / p99 ms | L2 read p50 ms |")
+    print("|---|---|---|---|")
+    try:
+        async with (
+            MMCacheClient(f"127.0.0.1:{ports[0][0]}", timeout=60) as writer,
+            MMCacheClient(f"127.0.0.1:{ports[1][0]}", timeout=60) as reader,
+        ):
+            for size_mib in (1, 8):
+                l2_times: list[float] = []
+                l1_times: list[float] = []
+                for rep in range(args.reps):
+                    h = f"lat-{size_mib}-{rep}-{time.monotonic_ns()}"
+                    await writer.get_and_update([process(rep, size_mib * MIB)], [h], lease=False)
+                    await writer.lookup([h], lease=False)  # a second sighting: to L2
+                    for _ in range(500):
+                        where = await reader.locate([h], check_l2=True)
+                        if where[0].tier == "l2":
+                            break
+                        await asyncio.sleep(0.005)
+                    start = time.perf_counter()
+                    assert (await reader.lookup([h], lease=False)).held == [True]
+                    l2_times.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    assert (await reader.lookup([h], lease=False)).held == [True]
+                    l1_times.append(time.perf_counter() - start)
+                reads = scrape(ports[1][1])
+                total = reads.get(("mmcache_l2_latency_seconds_sum", (("op", "read"),)), 0.0)
+                count = reads.get(("mmcache_l2_latency_seconds_count", (("op", "read"),)), 1.0)
+                print(
+                    f"| {size_mib} MiB | {_ms(l2_times)} | {_ms(l1_times)} "
+                    f"| {total / count * 1e3:.1f} (mean, all reads so far) |"
+                )
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=20)
+
+
+def _ms(values: Sequence[float]) -> str:
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return f"{cuts[49] * 1e3:.1f} / {cuts[98] * 1e3:.1f}"
+
+
+async def drive(args: argparse.Namespace) -> None:
+    from tests.redis_cluster import redis_cluster
+
+    trace = make_trace(args.seed, args.pool, args.conversations)
+    unique_bytes = sum(trace.sizes[i] for i in trace.unique)
+    refs = sum(len(r) for r in trace.requests)
+    print(
+        f"trace: {len(trace.requests)} requests, {refs} image references, "
+        f"{len(trace.unique)} unique images ({unique_bytes / MIB:.0f} MiB); "
+        f"{args.capacity_mib} MiB cache per node; Redis Cluster of 3 masters"
+    )
+    rows: list[Row] = []
+    with redis_cluster(maxmemory_mb=256) as cluster:
+        for nodes in args.nodes:
+            for l2 in (cluster.url, None):
+                cluster.flushall()
+                rows.append(await run_once(args, nodes, l2))
+        print_rows(trace, rows)
+        cluster.flushall()
+        await latency(args, cluster.url)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", choices=["driver", "frontend"], default="driver")
+    parser.add_argument("--nodes", default="1,2,4")
+    parser.add_argument("--conversations", type=int, default=40)
+    parser.add_argument("--pool", type=int, default=64)
+    parser.add_argument("--capacity-mib", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--target")
+    parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args()
+    if args.role == "driver":
+        args.nodes = [int(n) for n in args.nodes.split(",")]
+        asyncio.run(drive(args))
+    else:
+        args.nodes = int(args.nodes)
+        asyncio.run(frontend(args))
+
+
+if __name__ == "__main__":
+    main()
