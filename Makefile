@@ -45,6 +45,8 @@ bench: $(VENV)/.test
 	$(PY) -m bench.encoder
 	$(PY) -m bench.memory
 	$(PY) -m bench.fleet
+	scripts/install-system-deps.sh
+	$(PY) -m bench.nodes
 	$(PY) -m bench.feed
 	$(PY) -m bench.soak
 	scripts/vllm-env.sh

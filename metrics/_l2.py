@@ -13,7 +13,7 @@ from prometheus_client.registry import Collector
 
 __all__ = ["L2_OPS", "L2_WRITE_RESULTS", "L2Metrics"]
 
-L2_OPS = ("read", "write", "sight", "check")
+L2_OPS = ("read", "write", "claim", "check")
 L2_WRITE_RESULTS = ("written", "dropped", "gone", "failed")
 
 
@@ -52,7 +52,8 @@ class L2Metrics:
         self.flight_waits = Counter(
             "mmcache_l2_flight_waits",
             "Cold items another sidecar was processing that this one waited for: arrived "
-            "(read from L2 or uploaded here meanwhile) or not in time.",
+            "(read from L2 or uploaded here meanwhile), abandoned (its claimer evicted it "
+            "unwritten) or timeout.",
             ["result"],
             registry=registry,
         )
@@ -68,7 +69,7 @@ class L2Metrics:
             self.latency.labels(op)
         for result in L2_WRITE_RESULTS:
             self.writes.labels(result)
-        for result in ("arrived", "timeout"):
+        for result in ("arrived", "abandoned", "timeout"):
             self.flight_waits.labels(result)
         registry.register(_QueueGauge(queued))
 

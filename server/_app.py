@@ -102,7 +102,7 @@ class MMCacheServer:
                 config.events_topic,
                 self.instance_id,
             )
-        self.l2 = _l2_tier(config, self.store, self.registry, self.events)
+        self.l2 = _l2_tier(config, self.instance_id, self.store, self.registry, self.events)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self._cache = CacheServicer(
@@ -244,6 +244,8 @@ class MMCacheServer:
     def _changed(self, kind: pb.ChangeKind.ValueType, key: str, size: int) -> None:
         """The store's change: to its namespace's feed, and to routers."""
         self.namespaces.emit(kind, key, size)
+        if self.l2 is not None and kind == pb.CHANGE_REMOVED:
+            self.l2.removed(key)
         if self.events is not None:
             self.events.changed(kind, key, size)
 
@@ -300,6 +302,7 @@ class MMCacheServer:
 
 def _l2_tier(
     config: ServerConfig,
+    instance_id: str,
     store: ItemStore,
     registry: CollectorRegistry,
     events: ItemEvents | None,
@@ -326,6 +329,7 @@ def _l2_tier(
         store,
         metrics,
         settings,
+        node=instance_id,
         on_written=(lambda key, size: None) if events is None else events.written_to_l2,
     )
     _LOGGER.info(

@@ -13,6 +13,7 @@ is shared, so its bytes are input like any client's.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,7 +27,15 @@ from ._region import region_frames
 from ._store import StoredItem
 from ._upload import check_frames, parse_header, upload_entry
 
-__all__ = ["L2Backend", "L2Error", "L2Record", "item_of_record", "record_of_item"]
+__all__ = [
+    "L2Backend",
+    "L2Error",
+    "L2Record",
+    "Poll",
+    "Sighting",
+    "item_of_record",
+    "record_of_item",
+]
 
 
 _NAMED_BY_KEY = "l2"
@@ -46,6 +55,18 @@ class L2Record:
     @property
     def nbytes(self) -> int:
         return len(self.manifest) + sum(len(c) for c in self.chunks)
+
+
+class Sighting(enum.IntEnum):
+    FIRST = 0  # this node claims the cold item: its frontend processes it
+    MINE = 1  # this node claimed it earlier in the window
+    OTHERS = 2  # another node claimed it: it is being processed there
+
+
+class Poll(enum.IntEnum):
+    GONE = 0  # neither the item nor a claim: nobody will write it
+    CLAIMED = 1  # a node is processing it (or holds it and may write it)
+    HELD = 2  # the item is in L2
 
 
 class L2Backend(Protocol):
@@ -69,13 +90,23 @@ class L2Backend(Protocol):
         """Store `record` under `key`, replacing any, all or nothing (`ttl_s` 0: no TTL)."""
         ...
 
-    async def sight(self, key: str, window_s: float) -> int:
-        """Count one more node asking for `key` now: how many asked within
-        `window_s` of the first (1: this node is the first)."""
+    async def sight(self, key: str, window_s: float, node: str) -> Sighting:
+        """`node` asks for `key`, which neither tier holds. The first to ask
+        within `window_s` claims it (FIRST); a later ask by the claimer is MINE;
+        one by any other node is OTHERS (and counts as wanting it)."""
         ...
 
-    async def sightings(self, keys: Sequence[str]) -> list[int]:
-        """The counts `sight` left for each key (0 once the window passed)."""
+    async def unclaim(self, key: str, node: str) -> None:
+        """End `node`'s claim on `key` (it no longer holds the item): the next
+        node to ask claims it, and nodes waiting for it stop waiting."""
+        ...
+
+    async def poll(self, key: str) -> Poll:
+        """Whether the item is in L2 now (HELD), still claimed (CLAIMED), or neither."""
+        ...
+
+    async def wanted(self, keys: Sequence[str]) -> list[bool]:
+        """Whether a node other than its claimer asked for each key in its window."""
         ...
 
     async def close(self) -> None: ...

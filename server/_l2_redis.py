@@ -2,7 +2,7 @@
 
 One Redis hash per item, `{prefix}{<store key>}`: field `m` the manifest,
 `c0`, `c1`, … the chunk frames. The braces are a hash tag, so an item's
-fields and its sighting counter (`…:f`) live on one slot of one master, and
+fields and its claim (`…:f`, single flight) live on one slot of one master, and
 `allkeys-lru` evicts an item whole. A write is one Lua script (DEL, the
 chunks, then the manifest, then the TTL), atomic on its master: a reader
 sees a whole item or none, also while another sidecar writes the same hash.
@@ -25,7 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisClusterException, RedisError
 
-from ._l2 import L2Error, L2Record
+from ._l2 import L2Error, L2Record, Poll, Sighting
 
 __all__ = ["RedisClusterL2", "parse_l2_url"]
 
@@ -47,13 +47,35 @@ if tonumber(ARGV[1]) > 0 then
 end
 return 1
 """
-# ARGV: the window in ms, which runs from the first sighting.
+# A claim: the claimer's node (`o`) and how many others asked (`n`), for the
+# window (ARGV[1], ms) from the claim. ARGV[2]: the asking node. Returns a
+# Sighting: 0 claimed now, 1 the asker's own claim, 2 another node's.
 _SIGHT = """
-local count = redis.call('INCR', KEYS[1])
-if count == 1 then
+local owner = redis.call('HGET', KEYS[1], 'o')
+if not owner then
+    redis.call('HSET', KEYS[1], 'o', ARGV[2], 'n', 0)
     redis.call('PEXPIRE', KEYS[1], ARGV[1])
+    return 0
 end
-return count
+if owner == ARGV[2] then
+    return 1
+end
+redis.call('HINCRBY', KEYS[1], 'n', 1)
+return 2
+"""
+# ARGV: the node whose claim ends (another node's stays).
+_UNCLAIM = """
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+# KEYS: the item and its claim (one slot: the same hash tag). Returns a Poll.
+_POLL = """
+if redis.call('HEXISTS', KEYS[1], 'm') == 1 then
+    return 2
+end
+return redis.call('EXISTS', KEYS[2])
 """
 
 
@@ -141,21 +163,29 @@ class RedisClusterL2:
             )
         )
 
-    async def sight(self, key: str, window_s: float) -> int:
+    async def sight(self, key: str, window_s: float, node: str) -> Sighting:
         window_ms = max(1, int(window_s * 1000))
-        count = await self._run(
-            lambda: self._client.eval(_SIGHT, 1, self._key(key) + ":f", window_ms)
+        found = await self._run(
+            lambda: self._client.eval(_SIGHT, 1, self._key(key) + ":f", window_ms, node)
         )
-        return int(count)
+        return Sighting(int(found))
 
-    async def sightings(self, keys: Sequence[str]) -> list[int]:
+    async def unclaim(self, key: str, node: str) -> None:
+        await self._run(lambda: self._client.eval(_UNCLAIM, 1, self._key(key) + ":f", node))
+
+    async def poll(self, key: str) -> Poll:
+        name = self._key(key)
+        found = await self._run(lambda: self._client.eval(_POLL, 2, name, name + ":f"))
+        return Poll(int(found))
+
+    async def wanted(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
-            pipe.get(self._key(key) + ":f")
+            pipe.hget(self._key(key) + ":f", "n")
         values = await self._run(pipe.execute)
-        return [int(v) if v is not None else 0 for v in values]
+        return [v is not None and int(v) > 0 for v in values]
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):

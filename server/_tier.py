@@ -5,20 +5,20 @@ Read-through: a hash a call names without data that L1 lacks is read from
 L2 within the call's time, stored in L1 and only then answered: held, and
 leased as any hit is. Nothing is promised from L2 alone.
 
-Single flight: a hash neither tier holds is "sighted" in L2 (a counter with
-a window). The first sidecar to sight it answers MISSING, so its frontend
-processes the image; a later one waits (at most `wait_s`, within the call's
-time) for that item to reach L2 or its own L1, then answers from it; past
-the wait it answers MISSING and its frontend processes the image itself. A
-sidecar that sights again what it claimed itself more than `wait_s` ago does
-not wait: its frontend processed that item, and its L1 has since evicted it.
+Single flight: a hash neither tier holds is claimed in L2 by the first
+sidecar to ask (for a window). It answers MISSING, so its frontend processes
+the image; another sidecar that asks meanwhile waits (at most `wait_s`, within
+the call's time) for that item to reach L2 or its own L1, then answers from
+it; past the wait it answers MISSING and its frontend processes the image
+itself. The claimer asking again waits only while its own frontend is still
+processing the item (a second local request); once it stored the item, a
+later miss means its L1 evicted it, and it answers MISSING at once.
 
 Write-behind, with admission so that one-off images do not flood L2: an item
 is written once it is seen a second time, here (a hit in L1) or anywhere in
-the fleet (another sidecar sighted it: the counter is 2 or more while the
-first one still holds it). `admit="first"` writes every new item. Writes go
-through a bounded queue of keys; an item evicted before its turn is not
-written.
+the fleet (another sidecar asked for it within the claim's window).
+`admit="first"` writes every new item. Writes go through a bounded queue of
+keys; an item evicted before its turn is not written.
 
 Every L2 failure degrades to a miss or an unwritten item, counted in
 `mmcache_l2_*`: L2 is optional, health does not depend on it.
@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from typing import TypeVar
 from mmcache._errors import InvalidArgumentError
 from mmcache.metrics import L2Metrics
 
-from ._l2 import L2Backend, L2Error, L2Record, item_of_record, record_of_item
+from ._l2 import L2Backend, L2Error, L2Record, Poll, Sighting, item_of_record, record_of_item
 from ._store import ItemStore, StoredItem
 
 __all__ = ["L2Settings", "L2Tier"]
@@ -53,12 +54,12 @@ class L2Settings:
     admit: str = "second"  # "second": on a second sighting; "first": every new item
     timeout_s: float = 1.0  # one L2 operation, at most (and never past a call's time)
     ttl_s: float = 0.0  # an item's TTL in L2 (0: none; maxmemory + allkeys-lru evict)
-    window_s: float = 10.0  # how long a sighting counts (a processor run and an upload)
+    window_s: float = 10.0  # how long a claim lasts (a processor run and an upload)
     wait_s: float = 1.0  # how long a call waits for an item another sidecar processes
     queue_items: int = 4096  # write-behind queue, in items
     poll_s: float = 0.01  # how often a waiting call looks for the item
-    recheck_s: float = 0.05  # how often first sightings are checked for a second
-    max_candidates: int = 1024  # first sightings watched for a second at once
+    recheck_s: float = 0.05  # how often items stored here first are checked for wanters
+    max_candidates: int = 1024  # such items watched at once
     known_items: int = 65536  # items this sidecar knows L2 holds (not written again)
 
 
@@ -71,7 +72,9 @@ class L2Tier:
         settings: L2Settings,
         clock: Callable[[], float] = time.monotonic,
         on_written: Callable[[str, int], None] = lambda key, size: None,
+        node: str = "",
     ) -> None:
+        self._node = node or uuid.uuid4().hex
         self._on_written = on_written
         self._backend = backend
         self._store = store
@@ -80,15 +83,18 @@ class L2Tier:
         self._clock = clock
         self._queue: deque[str] = deque()
         self._queued: set[str] = set()
-        # First sightings here, watched until their window ends: key -> its end.
+        self._unclaims: deque[str] = deque(maxlen=1024)
+        # Items stored here on a first sighting, watched until their claim's
+        # window ends for another sidecar asking: key -> its end.
         self._candidates: OrderedDict[str, float] = OrderedDict()
-        # Cold keys this sidecar was first to sight (its frontend processes
-        # them): key -> when, within the window.
+        # Cold keys this sidecar claimed and its frontend has not stored yet:
+        # key -> when, within the window.
         self._claims: OrderedDict[str, float] = OrderedDict()
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def backend(self) -> L2Backend:
@@ -99,10 +105,15 @@ class L2Tier:
         return len(self._queue)
 
     def start(self) -> None:
+        self._stopping = False
         self._writer = asyncio.create_task(self._write_behind())
 
     async def stop(self) -> None:
         if self._writer is not None:
+            # The flag too: a cancel that meets an operation just finishing can
+            # be swallowed by asyncio.wait_for (Python < 3.12).
+            self._stopping = True
+            self._wake.set()
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
@@ -135,21 +146,21 @@ class L2Tier:
             if not flight:
                 self._metrics.misses.inc()
                 return None
-            sighted = await self._op(
-                "sight", lambda: backend.sight(key, self._settings.window_s), deadline
+            sighting = await self._op(
+                "claim",
+                lambda: backend.sight(key, self._settings.window_s, self._node),
+                deadline,
             )
         except L2Error:
             self._metrics.misses.inc()
             return None
         now = self._clock()
-        if sighted <= 1:  # the first to ask: this sidecar's frontend processes it
+        if sighting == Sighting.FIRST:  # this sidecar's frontend processes it
             self._claim(key, now)
             self._metrics.misses.inc()
             return None
-        claimed = self._claims.get(key)
-        if claimed is not None and now - claimed >= self._settings.wait_s:
-            # This sidecar's own claim, long enough ago that its frontend has
-            # processed the item, which L1 has since evicted: no one else has it.
+        if sighting == Sighting.MINE and key not in self._claims:
+            # Processed here and stored already; L1 has evicted it since.
             self._metrics.misses.inc()
             return None
         return await self._wait_for(key, min(deadline, now + self._settings.wait_s))
@@ -166,7 +177,8 @@ class L2Tier:
 
     async def _wait_for(self, key: str, until: float) -> StoredItem | None:
         """The item another sidecar is processing, once it reaches L2; None when it
-        reaches L1 here instead (the batch finds it there) or not in time."""
+        reaches L1 here instead (the batch finds it there), when its claimer
+        gives it up (evicted before anyone wrote it), or not in time."""
         backend = self._backend
         while (left := until - self._clock()) > 0:
             await asyncio.sleep(min(self._settings.poll_s, left))
@@ -174,7 +186,12 @@ class L2Tier:
                 self._metrics.flight_waits.labels("arrived").inc()
                 return None
             try:
-                if await self._op("check", lambda: backend.holds(key), until):
+                state = await self._op("check", lambda: backend.poll(key), until)
+                if state == Poll.GONE:
+                    self._metrics.flight_waits.labels("abandoned").inc()
+                    self._metrics.misses.inc()
+                    return None
+                if state == Poll.HELD:
                     record = await self._op("read", lambda: backend.read(key), until)
                     if record is not None:
                         self._metrics.flight_waits.labels("arrived").inc()
@@ -216,6 +233,7 @@ class L2Tier:
     def stored(self, key: str, *, replaced: bool) -> None:
         """A client's data was stored in L1 under `key`; `replaced`: over data
         held (sent data wins, in L2 too, and it is a second sighting anyway)."""
+        self._claims.pop(key, None)
         if replaced or self._settings.admit == "first":
             self._enqueue(key)
         elif key not in self._known:
@@ -223,6 +241,13 @@ class L2Tier:
             self._candidates.move_to_end(key)
             while len(self._candidates) > self._settings.max_candidates:
                 self._candidates.popitem(last=False)
+            self._wake.set()
+
+    def removed(self, key: str) -> None:
+        """L1 no longer holds `key`. Its claim, if this sidecar stored it on a
+        first sighting and has not written it, ends: nobody waits for it."""
+        if self._candidates.pop(key, None) is not None:
+            self._unclaims.append(key)
             self._wake.set()
 
     def hit(self, key: str) -> None:
@@ -248,22 +273,32 @@ class L2Tier:
             self._known.popitem(last=False)
 
     async def _write_behind(self) -> None:
-        while True:
-            if not self._queue:
+        while not self._stopping:
+            if not self._queue and not self._unclaims:
                 self._wake.clear()
                 timeout = self._settings.recheck_s if self._candidates else None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-            if self._candidates:
+                woken = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({woken}, timeout=timeout)
+                finally:
+                    woken.cancel()
+            while self._unclaims and not self._stopping:
+                await self._unclaim(self._unclaims.popleft())
+            if self._candidates and not self._stopping:
                 await self._check_candidates()
-            while self._queue:
+            while self._queue and not self._stopping:
                 key = self._queue.popleft()
                 self._queued.discard(key)
                 await self._write(key)
 
+    async def _unclaim(self, key: str) -> None:
+        deadline = self._clock() + self._settings.timeout_s
+        with contextlib.suppress(L2Error):
+            await self._op("claim", lambda: self._backend.unclaim(key, self._node), deadline)
+
     async def _check_candidates(self) -> None:
-        """Enqueue the first sightings another sidecar has sighted since; forget
-        those whose window ended."""
+        """Enqueue the items stored here first that another sidecar has asked
+        for since; forget those whose window ended."""
         now = self._clock()
         while self._candidates:
             key, end = next(iter(self._candidates.items()))
@@ -274,13 +309,13 @@ class L2Tier:
         if not keys:
             return
         try:
-            counts = await self._op(
-                "check", lambda: self._backend.sightings(keys), now + self._settings.timeout_s
+            wanted = await self._op(
+                "check", lambda: self._backend.wanted(keys), now + self._settings.timeout_s
             )
         except L2Error:
             return
-        for key, count in zip(keys, counts, strict=True):
-            if count >= 2:
+        for key, elsewhere in zip(keys, wanted, strict=True):
+            if elsewhere:
                 self._candidates.pop(key, None)
                 self._enqueue(key)
 

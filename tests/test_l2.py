@@ -285,3 +285,45 @@ async def test_locate_tells_l1_from_l2_and_l2_writes_are_published(fresh: RedisC
         assert (await cb.locate(["where"]))[0].tier is None  # L2 not asked
         assert (await ca.locate(["where"], check_l2=True))[0].tier == "l1"
         assert "where" not in b.store  # locating reads nothing in
+
+
+async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 1, l2_wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca)]:
+        async with MMCacheClient(f"127.0.0.1:{a.port}") as other_frontend:
+            assert (await ca.lookup(["mine"])).held == [False]  # claimed: ca processes it
+            # A second request for it on the same node waits for that upload.
+            waiting = asyncio.create_task(other_frontend.lookup(["mine"]))
+            await asyncio.sleep(0.1)
+            assert not waiting.done()
+            await ca.get_and_update([image_item(9)], ["mine"], resend=[True], lease=False)
+            assert (await waiting).held == [True]
+            assert value(a, "mmcache_l2_flight_waits_total", result="arrived") == 1
+            await other_frontend.release(["mine"])
+        # Seen once (so not in L2), evicted here, asked for again: no wait.
+        assert (await ca.lookup(["once"])).held == [False]
+        await ca.get_and_update([image_item(10)], ["once"], resend=[True], lease=False)
+        for i in range(3):
+            await ca.get_and_update([image_item(i, numel=200_000)], [f"big{i}"], lease=False)
+        assert "once" not in a.store
+        started = asyncio.get_running_loop().time()
+        assert (await ca.lookup(["once"])).held == [False]
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert value(a, "mmcache_l2_flight_waits_total", result="timeout") == 0
+
+
+async def test_a_claim_ends_when_its_sidecar_evicts_the_item_unwritten(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
+        assert (await ca.lookup(["brief"])).held == [False]  # A claims it
+        await ca.get_and_update([image_item(11)], ["brief"], resend=[True], lease=False)
+        for i in range(3):  # A evicts it, seen once: never written to L2
+            await ca.get_and_update([image_item(i, numel=200_000)], [f"big{i}"], lease=False)
+        assert "brief" not in a.store
+        await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 2)
+        started = asyncio.get_running_loop().time()
+        assert (await cb.lookup(["brief"])).held == [False]  # B claims it, no wait
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 0
