@@ -205,6 +205,17 @@ class TokenBook:
             # Mid-rotation (a half-written file): keep serving the tokens known.
             _LOGGER.warning("tokens file not reloaded, keeping the %d known: %s", len(self), exc)
             return
+        if not first and not grants and not self._inline:
+            # A file rewritten in place (`cat > F`) is empty for a moment: that
+            # must not lock every client out. Read again at the next check.
+            _LOGGER.warning(
+                "tokens file %s lists no token now; keeping the %d known (to revoke every "
+                "token, stop the server; to rotate, replace the file atomically: write a "
+                "new file and mv it over the old one)",
+                self._path,
+                len(self),
+            )
+            return
         if not first:
             _LOGGER.info("tokens file %s reloaded: %d tokens", self._path, len(grants))
         self._from_file, self._stamp = grants, stamp

@@ -327,3 +327,39 @@ async def test_a_claim_ends_when_its_sidecar_evicts_the_item_unwritten(
         assert (await cb.lookup(["brief"])).held == [False]  # B claims it, no wait
         assert asyncio.get_running_loop().time() - started < 1.0
         assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 0
+
+
+async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> None:
+    """Two sidecars' frontends keep uploading, looking up and reading while a
+    master dies under them: every call succeeds and every read is bit-exact."""
+    with redis_cluster() as doomed:
+        async with sidecars(doomed, 2, l2_admit="first", l2_timeout_s=0.3) as pairs:
+            stop = asyncio.Event()
+            done: list[int] = []
+
+            async def frontend(index: int, client: MMCacheClient) -> None:
+                n = 0
+                while not stop.is_set():
+                    h = f"t{index}-{n}"
+                    other = f"t{1 - index}-{max(0, n - 3)}"  # the other node's, maybe via L2
+                    item = image_item(n % 50)
+                    await client.get_and_update([item], [h], lease=False)
+                    found = await client.lookup([other], lease=False)
+                    if found.held[0]:
+                        (got,) = await client.fetch([other], release=False)
+                        assert got == image_item(max(0, n - 3) % 50)
+                    n += 1
+                done.append(n)
+
+            tasks = [asyncio.create_task(frontend(i, c)) for i, (_, c) in enumerate(pairs)]
+            await asyncio.sleep(1.0)
+            doomed.kill(doomed.ports[0])
+            await asyncio.sleep(1.5)
+            stop.set()
+            await asyncio.gather(*tasks)  # any failed call would raise here
+            assert len(done) == 2 and min(done) > 10
+            errors = sum(value(s, "mmcache_l2_errors_total", op=op) for s, _ in pairs
+                         for op in ("read", "write", "claim", "check"))  # fmt: skip
+            assert errors > 0  # the dead master was really in the way
+            hits = sum(value(s, "mmcache_l2_hits_total") for s, _ in pairs)
+            assert hits > 0

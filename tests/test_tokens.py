@@ -176,6 +176,26 @@ async def test_a_broken_tokens_file_keeps_the_known_tokens(
     assert any("not reloaded" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_tokens_file_emptied_in_place_keeps_the_known_tokens(
+    secured: tuple[MMCacheServer, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`cat new > tokens` truncates first: for a moment the file lists nothing."""
+    server, tokens = secured
+    content = tokens.read_text()
+    with caplog.at_level(logging.WARNING):
+        tokens.write_text("")
+        await asyncio.sleep(1.1)  # looked at, empty
+        async with connect(server, WRITE) as client:
+            await client.get_and_update([image_item(8)], ["e"])
+    assert any("lists no token now" in r.getMessage() for r in caplog.records)
+    # Once written, the file is read again: a token dropped from it is refused.
+    tokens.write_text(content.replace(f"write {WRITE}\n", ""))
+    await asyncio.sleep(1.1)
+    with pytest.raises(UnauthenticatedError):
+        async with connect(server, WRITE) as client:
+            await client.get_and_update([image_item(9)], ["f"])
+
+
 async def test_tokens_never_reach_the_log(
     secured: tuple[MMCacheServer, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
