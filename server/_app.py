@@ -12,6 +12,7 @@ import asyncio
 import logging
 import signal
 import uuid
+from collections.abc import Callable
 from types import TracebackType
 
 import grpc
@@ -422,8 +423,16 @@ def _exposure_risk(config: ServerConfig) -> str:
     return ""
 
 
-async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM or SIGINT; the process's exit status."""
+async def serve(config: ServerConfig, stop_requested: Callable[[], bool] = lambda: False) -> int:
+    """Run until SIGTERM or SIGINT; the process's exit status. The handlers are
+    in place before the server starts, and a signal `stop_requested` says came
+    even earlier stops it too: a stop is never lost, whenever it comes."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if stop_requested():
+        stop.set()
     keep_freed_memory()
     server = MMCacheServer(config)
     try:
@@ -432,10 +441,6 @@ async def serve(config: ServerConfig) -> int:
         _LOGGER.error("%s", exc)
         await server.stop(grace=0)
         return 2
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     _LOGGER.info("shutting down: NOT_SERVING, %.1fs for calls in flight", config.grace_s)
     await server.stop()

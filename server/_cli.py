@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -39,7 +40,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _EarlyStop:
+    """A SIGTERM or SIGINT that arrives before the server's own handlers are in
+    place (the imports and the start take a second): remembered, not lost. As
+    a container's PID 1 the process would otherwise ignore it, and be killed
+    only after the runtime's grace period."""
+
+    requested = False
+
+    @classmethod
+    def install(cls) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, cls._note)
+
+    @classmethod
+    def _note(cls, signum: int, frame: object) -> None:
+        cls.requested = True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    serving = (sys.argv[1:] if argv is None else list(argv))[:1] == ["serve"]
+    if serving:
+        _EarlyStop.install()  # first of all
     args = _parser().parse_args(argv)
     if args.command == "health":
         from ._health import check
@@ -67,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from ._app import serve
 
-    return asyncio.run(serve(config))
+    return asyncio.run(serve(config, stop_requested=lambda: _EarlyStop.requested))
 
 
 if __name__ == "__main__":

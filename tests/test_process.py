@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -221,3 +222,68 @@ def test_reflection_lists_the_services(
         )
     names = {s.name for s in replies[0].list_services_response.service}
     assert {"mmcache.v1.MMCache", "grpc.health.v1.Health"} <= names
+
+
+def _as_pid_one() -> list[str]:
+    """A prefix that runs a command as PID 1 of a new PID namespace (as in a
+    container without an init), where the kernel drops a signal the process has
+    no handler for; empty where this machine cannot make one."""
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "--kill-child", "true"], capture_output=True, check=False
+    )
+    return ["unshare", "--pid", "--fork", "--kill-child"] if probe.returncode == 0 else []
+
+
+def _server_pid(proc: subprocess.Popen[str]) -> int:
+    """The server's pid: unshare's child where unshare runs it (signals go to the
+    server itself, as a container runtime sends them to PID 1)."""
+    if proc.args[0] != "unshare":  # type: ignore[index]
+        return proc.pid
+    for _ in range(200):
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        if children:
+            return int(children[0])
+        time.sleep(0.005)
+    raise AssertionError("unshare started no server")
+
+
+def _catches_sigterm(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.2, 0.6])
+def test_a_stop_sent_while_the_server_starts_is_not_lost(delay: float) -> None:
+    """From the moment the process catches SIGTERM (its first step) to the
+    moment it serves, a stop ends it cleanly: exit 0, not a SIGKILL after the
+    runtime's grace. (Before that step, in the interpreter's own start, the
+    image's init, tini, stands in: a signal then ends the process at once.)"""
+    port, metrics_port = free_port(), free_port()
+    proc = start(
+        [*_as_pid_one(), MMCACHE, "serve"],
+        env={
+            "MMCACHE_HOST": "127.0.0.1",
+            "MMCACHE_PORT": str(port),
+            "MMCACHE_METRICS_PORT": str(metrics_port),
+            "MMCACHE_CAPACITY_GB": "0.1",
+            "MMCACHE_GRACE_S": "0",
+        },
+    )
+    pid = _server_pid(proc)
+    deadline = time.monotonic() + 10
+    while not _catches_sigterm(pid):
+        assert time.monotonic() < deadline, "the server never caught SIGTERM"
+        time.sleep(0.001)
+    # Caught long before the port is bound: no window in which a stop is dropped.
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", port)) != 0, "SIGTERM caught only once serving"
+    time.sleep(delay)  # importing, or starting: before the server serves
+    os.kill(pid, signal.SIGTERM)
+    try:
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
