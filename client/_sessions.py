@@ -25,13 +25,15 @@ its session down with it: the stream is then mid-batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
 from mmcache._frames import header_frame
 
-__all__ = ["FULL_BACKOFF_S", "MAX_SESSIONS", "SessionPool"]
+__all__ = ["FULL_BACKOFF_S", "MAX_SESSIONS", "SessionPool", "end_writes"]
 
 MAX_SESSIONS = 4  # per client: concurrent batches beyond this make calls of their own
 FULL_BACKOFF_S = 10.0  # after the server refused a session for want of room
@@ -43,6 +45,20 @@ _SEND_AGAIN = frozenset(
 )
 
 _Call = grpc.aio.StreamStreamCall[bytes, bytes]
+
+
+async def end_writes(
+    call: grpc.aio.StreamStreamCall[Any, Any] | grpc.aio.StreamUnaryCall[Any, Any],
+) -> None:
+    """Close the request side of a write-style stream call the server has
+    ended. With a client interceptor (tokens, namespaces), grpc feeds such a
+    call from a queue through a task of its own, and when the server ends the
+    call first (a refusal) that task would wait on the queue until collected,
+    then be reported: "Task was destroyed but it is pending!" and "aclose():
+    asynchronous generator is already running". Ending the writes ends it."""
+    if call.done():
+        with contextlib.suppress(Exception):
+            await call.done_writing()
 
 
 class SessionPool:
@@ -113,6 +129,7 @@ class SessionPool:
                 raise
         finally:
             self._give_back(call, kept=isinstance(reply, bytes))
+            await end_writes(call)
         # EOF: the server ended it with OK between batches (a status other than
         # OK would have raised).
         return reply if isinstance(reply, bytes) else None

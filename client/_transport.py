@@ -35,7 +35,7 @@ from mmcache._frames import (
 )
 from mmcache.v1 import cache_pb2 as pb
 
-from ._sessions import SessionPool
+from ._sessions import SessionPool, end_writes
 from ._status import translate_errors
 
 __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
@@ -282,7 +282,8 @@ class CacheTransport:
                     await call.write(frame)
                 await call.done_writing()
             except asyncio.InvalidStateError:
-                pass  # the server answered early (an error): awaiting the call raises it
+                # The server answered early (an error): awaiting the call raises it.
+                await end_writes(call)
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 call.cancel()
                 raise

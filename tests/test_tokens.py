@@ -264,3 +264,25 @@ async def test_the_plugins_client_fails_loudly_on_a_refused_token_and_open_on_si
     assert not [t for t in threading.enumerate() if t.name == "mmcache-client"]  # nothing left
     await asyncio.to_thread(make, WRITE)
     await asyncio.to_thread(make, WRITE, "127.0.0.1:1")  # nothing listens: fails open
+
+
+@pytest.mark.parametrize("sessions", [4, 0])
+async def test_a_refused_call_leaves_no_stray_task_or_traceback(
+    secured: tuple[MMCacheServer, Path], caplog: pytest.LogCaptureFixture, sessions: int
+) -> None:
+    """A refused upload (over a session, or as a call of its own) ends every
+    task grpc made for it: nothing is reported when the call is collected."""
+    import gc
+
+    server, _ = secured
+    with caplog.at_level(logging.DEBUG, logger="asyncio"):
+        async with connect(server, READ, sessions=sessions) as engine:  # a token without write
+            for n in range(3):
+                for item in (image_item(n, numel=300_000), image_item(n)):  # chunks, one frame
+                    with pytest.raises(PermissionDeniedError):
+                        await engine.get_and_update([item], [f"refused-{n}"])
+        gc.collect()
+        await asyncio.sleep(0.05)
+        gc.collect()
+    reported = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert not reported, [r.getMessage() for r in reported]
