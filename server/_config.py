@@ -134,6 +134,18 @@ class ServerConfig:
                 raise ConfigError(f"--l2 {_without_password(self.l2)!r}: {exc}") from None
         if self.l2_admit not in ("first", "second"):
             raise ConfigError(f"--l2-admit must be first or second, got {self.l2_admit!r}")
+        for flag, seconds in (("--l2-timeout-ms", self.l2_timeout_s),
+                              ("--l2-wait-ms", self.l2_wait_s),
+                              ("--l2-window-s", self.l2_window_s)):  # fmt: skip
+            if not seconds > 0:
+                raise ConfigError(f"{flag} must be more than 0")
+        if self.l2_ttl_s < 0 or self.l2_queue_items < 1:
+            raise ConfigError("--l2-ttl-s must be >= 0 and --l2-queue-items >= 1")
+        if "{" in self.l2_prefix or "}" in self.l2_prefix:
+            raise ConfigError(
+                f"--l2-prefix {self.l2_prefix!r} holds a brace: Redis Cluster would take it "
+                "for a hash tag; use letters, digits and : . _ -"
+            )
         if self.events_replay_endpoint is not None and self.events_endpoint is None:
             raise ConfigError(
                 "--events-replay-endpoint replays what --events-endpoint publishes: give both"

@@ -89,6 +89,7 @@ class ItemEvents:
         instance_id: str,
         *,
         buffer_batches: int = 10_000,
+        buffer_bytes: int = 64 << 20,
         flush_s: float = 0.01,
     ) -> None:
         self._endpoint = endpoint
@@ -98,6 +99,8 @@ class ItemEvents:
         self._flush_s = flush_s
         self._encoder = msgspec.msgpack.Encoder()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._buffered = 0  # bytes in the buffer, at most buffer_bytes
+        self._buffer_bytes = buffer_bytes
         self._seq = 0
         # Changes not yet sent: (kind, namespace, tier, hash, size), in order.
         self._pending: list[tuple[str, str, str, str, int]] = []
@@ -179,7 +182,12 @@ class ItemEvents:
         payload = self._encoder.encode(ItemEventBatch(time.time(), events, self._instance_id))
         seq = self._seq
         self._seq += 1
+        if len(self._buffer) == self._buffer.maxlen:
+            self._buffered -= len(self._buffer[0][1])
         self._buffer.append((seq, payload))
+        self._buffered += len(payload)
+        while self._buffered > self._buffer_bytes and len(self._buffer) > 1:
+            self._buffered -= len(self._buffer.popleft()[1])
         # A PUB socket never blocks: past its high-water mark a slow
         # subscriber's messages are dropped, and it replays the gap.
         with contextlib.suppress(zmq.Again):
@@ -189,16 +197,22 @@ class ItemEvents:
 
     async def _serve_replay(self, replay: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await replay.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
-                _LOGGER.debug("replay request of %d frames ignored", len(frames))
-                continue
-            client, empty, start = frames
-            first = int.from_bytes(start, "big")
-            for seq, payload in list(self._buffer):
-                if seq >= first:
-                    await replay.send_multipart([client, empty, seq.to_bytes(8, "big"), payload])
-            await replay.send_multipart([client, empty, END_SEQ, b""])
+            try:
+                await self._replay_once(replay)
+            except zmq.ZMQError as exc:  # one subscriber's trouble ends no replay
+                _LOGGER.warning("item-event replay failed: %s", exc)
+
+    async def _replay_once(self, replay: zmq.asyncio.Socket) -> None:
+        frames = await replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            _LOGGER.debug("replay request of %d frames ignored", len(frames))
+            return
+        client, empty, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                await replay.send_multipart([client, empty, seq.to_bytes(8, "big"), payload])
+        await replay.send_multipart([client, empty, END_SEQ, b""])
 
     def _close_sockets(self) -> None:
         for socket in (self._pub, self._replay):

@@ -1,6 +1,7 @@
 """The L2 tier on Redis Cluster (redis-py's asyncio `RedisCluster`).
 
-One Redis hash per item, `{prefix}{<store key>}`: field `m` the manifest,
+One Redis hash per item, `{prefix}{<tag>}<store key>` (the tag a digest of
+the key: a Redis Cluster hash tag): field `m` the manifest,
 `c0`, `c1`, … the chunk frames. The braces are a hash tag, so an item's
 fields and its claim (`…:f`, single flight) live on one slot of one master, and
 `allkeys-lru` evicts an item whole. A write is one Lua script (DEL, the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 from urllib.parse import unquote, urlsplit
@@ -27,14 +29,15 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from ._l2 import L2Error, L2Record, Poll, Sighting
 
-__all__ = ["RedisClusterL2", "parse_l2_url"]
+__all__ = ["RedisClusterL2", "parse_l2_url", "redis_key"]
 
 T = TypeVar("T")
 
 _MANIFEST = b"m"
 
 # Scripts run atomically on the slot's master: a reader never sees part of a
-# write. (redis-py's asyncio cluster pipelines run MULTI through a thread each.)
+# write. (redis-py 8's asyncio cluster pipelines run a MULTI's commands each
+# in a thread of its own, with an event loop of its own: no use here.)
 # ARGV: the TTL in ms (0: none), the manifest, then the chunks.
 _WRITE = """
 redis.call('DEL', KEYS[1])
@@ -79,6 +82,16 @@ return redis.call('EXISTS', KEYS[2])
 """
 
 
+def redis_key(prefix: str, key: str) -> str:
+    """The Redis key of the item under the store key `key` (its claim: + ":f").
+
+    The hash tag is a digest of the key, not the key itself: a hash may hold
+    braces, which would cut the tag short (an item and its claim on two
+    slots) or choose its slot (one tenant's items all on one master)."""
+    tag = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    return f"{prefix}{{{tag}}}{key}"
+
+
 def parse_l2_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | None, bool]:
     """`redis://[user:password@]host:port[,host:port…]` (or `rediss://` for TLS):
     the seed nodes, user, password and whether TLS. ValueError says what is wrong."""
@@ -104,7 +117,14 @@ class RedisClusterL2:
     """An `L2Backend` on a Redis Cluster; connects on first use (and again
     after a failure), so a sidecar starts while its cluster is down."""
 
-    def __init__(self, url: str, *, prefix: str = "mmcache:", timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "mmcache:",
+        timeout_s: float = 1.0,
+        max_connections: int = 64,
+    ) -> None:
         nodes, user, password, tls = parse_l2_url(url)
         self._prefix = prefix
         self._timeout_s = timeout_s
@@ -118,6 +138,8 @@ class RedisClusterL2:
             socket_connect_timeout=timeout_s,
             # The caller falls back to L1 at once: a retry would only spend its time.
             retry=Retry(NoBackoff(), 0),
+            # Above the tier's own bound on operations at once (L2Settings).
+            max_connections=max_connections,
             require_full_coverage=False,
             decode_responses=False,
         )
@@ -128,7 +150,7 @@ class RedisClusterL2:
         return self._where
 
     def _key(self, key: str) -> str:
-        return f"{self._prefix}{{{key}}}"
+        return redis_key(self._prefix, key)
 
     async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -138,6 +160,8 @@ class RedisClusterL2:
             return await asyncio.wait_for(call(), self._timeout_s)
         except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             raise L2Error(f"{self._where}: {type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # redis-py's surprises (a slot map mid-change) too
+            raise L2Error(f"{self._where}: unexpected {type(exc).__name__}: {exc}") from None
 
     async def read(self, key: str) -> L2Record | None:
         raw = await self._run(lambda: self._client.hgetall(self._key(key)))
@@ -185,7 +209,7 @@ class RedisClusterL2:
         for key in keys:
             pipe.hget(self._key(key) + ":f", "n")
         values = await self._run(pipe.execute)
-        return [v is not None and int(v) > 0 for v in values]
+        return [isinstance(v, bytes) and v.isdigit() and int(v) > 0 for v in values]
 
     async def close(self) -> None:
         with contextlib.suppress(RedisError, OSError):

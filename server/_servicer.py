@@ -437,19 +437,21 @@ class CacheServicer:
         if request.timeout_ms:  # a session's batch says its time (a call's deadline does)
             said = request.timeout_ms / 1000
             remaining = said if remaining is None else min(remaining, said)
+        loop = asyncio.get_running_loop()
+        deadline = None if remaining is None else loop.time() + remaining
         wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
-        waited = await self._pending.wait(
-            [e.key for e in entries if e.spec is None], max(0.0, wait_s)
-        )
+        alone = [e.key for e in entries if e.spec is None]
+        waited = await self._pending.wait(alone, max(0.0, wait_s))
         if waited:
             self._metrics.upload_waits.inc(waited)
-        pulled = await self._read_through([e.key for e in entries if e.spec is None], remaining)
         payload = sum(e.payload for e in entries if e.chunks is not None)
         marked = self._pending.mark(data_hashes(entries))
-        # Made only now: an iterator never started (a call refused on its
-        # header) would warn when collected. grpc hands back the same one.
-        stream = aiter(frames)
         try:
+            left = None if deadline is None else deadline - loop.time()
+            pulled = await self._read_through(alone, left)
+            # Made only now: an iterator never started (a call refused on its
+            # header) would warn when collected. grpc hands back the same one.
+            stream = aiter(frames)
             # Nothing is stored until every byte has arrived and been checked,
             # so a cancelled or malformed upload leaves the cache as it was.
             async with self._inflight.reserve(payload):
@@ -467,8 +469,10 @@ class CacheServicer:
                     await check_no_surplus(stream, in_metadata)
                 self._metrics.received_bytes.inc(payload)
                 touches = namespace.keys(request.touches)
-                # No await from here on: what came from L2 is in L1 when answered.
-                adopted = self._store.adopt(pulled) if pulled else []
+                # No await from here on: what came from L2 is in L1 when answered,
+                # and its room is made without evicting what this batch names.
+                batch = [e.key for e in entries]
+                adopted = self._store.adopt(pulled, keep=batch) if pulled else []
                 result = self._store.update(touches, uploads, lease=request.lease)
                 self._write_behind(entries, result.outcomes)
                 return replace(result, evicted=adopted + result.evicted) if adopted else result
@@ -501,6 +505,8 @@ class CacheServicer:
                 self._l2.hit(entry.key)
             elif outcome in (Outcome.STORED, Outcome.REPLACED):
                 self._l2.stored(entry.key, replaced=outcome == Outcome.REPLACED)
+            elif entry.spec is not None:  # data it could not keep: UNCACHED, withheld
+                self._l2.not_stored(entry.key)
 
     def _claim(self, token: bytes, entries: Sequence[EntryHeader]) -> dict[int, Slot]:
         """The write slots this upload names, checked now and kept from expiry
@@ -601,7 +607,7 @@ class CacheServicer:
             missing = exc.missing_hashes
         pulled = await self._read_through(missing, context.time_remaining(), flight=False)
         try:
-            self._store.adopt(pulled)
+            self._store.adopt(pulled, keep=keys)
             return keys, self._store.fetch(keys)
         except CacheMissError as exc:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None

@@ -205,11 +205,18 @@ class ItemStore:
                 metadata.append(blob)
         return BatchResult(outcomes, sizes, evicted, truncated, metadata, budget < 0)
 
-    def adopt(self, items: Iterable[tuple[str, StoredItem]]) -> list[str]:
+    def adopt(
+        self, items: Iterable[tuple[str, StoredItem]], *, keep: Iterable[str] = ()
+    ) -> list[str]:
         """Store items read from the L2 tier under keys still absent, as an
-        upload would (the feed hears of them); the keys their room evicted."""
+        upload would (the feed hears of them), making room without evicting
+        the held items under `keep` (the rest of the caller's batch: they are
+        touched, as that batch will); the keys their room evicted."""
         absent = [UploadEntry(key, item) for key, item in items if key not in self._lru]
-        return self.update((), absent).evicted if absent else []
+        if not absent:
+            return []
+        kept = [UploadEntry(key) for key in dict.fromkeys(keep) if key in self._lru]
+        return self.update((), [*kept, *absent]).evicted
 
     def fetch(self, mm_hashes: Sequence[str]) -> list[StoredItem]:
         """The items under `mm_hashes`, in order, without touching the order.

@@ -27,13 +27,13 @@ Every L2 failure degrades to a miss or an unwritten item, counted in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from mmcache._errors import InvalidArgumentError
@@ -61,6 +61,16 @@ class L2Settings:
     recheck_s: float = 0.05  # how often items stored here first are checked for wanters
     max_candidates: int = 1024  # such items watched at once
     known_items: int = 65536  # items this sidecar knows L2 holds (not written again)
+    concurrency: int = 32  # L2 operations under way at once (a call's reads, polls, writes)
+
+
+class _Budget:
+    """The bytes one call may read from L2: what its L1 could take at most."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, most: int) -> None:
+        self.left = most
 
 
 class L2Tier:
@@ -81,20 +91,28 @@ class L2Tier:
         self._metrics = metrics
         self._settings = settings
         self._clock = clock
+        self._gate = asyncio.Semaphore(settings.concurrency)
         self._queue: deque[str] = deque()
         self._queued: set[str] = set()
+        # Keys whose claim this sidecar ends (it evicted or could not store them).
         self._unclaims: deque[str] = deque(maxlen=1024)
+        # Items stored here without a claim of this sidecar's: claimed (or
+        # found wanted) by the writer, so that other sidecars wait for them.
+        self._to_claim: deque[str] = deque(maxlen=1024)
         # Items stored here on a first sighting, watched until their claim's
         # window ends for another sidecar asking: key -> its end.
         self._candidates: OrderedDict[str, float] = OrderedDict()
         # Cold keys this sidecar claimed and its frontend has not stored yet:
         # key -> when, within the window.
         self._claims: OrderedDict[str, float] = OrderedDict()
+        # Claims being asked for now, so that two local calls ask once.
+        self._sighting: dict[str, asyncio.Future[Sighting | None]] = {}
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._stopping = False
+        self._next_check = 0.0
 
     @property
     def backend(self) -> L2Backend:
@@ -125,47 +143,72 @@ class L2Tier:
         self, keys: Sequence[str], budget_s: float | None, *, flight: bool = True
     ) -> list[tuple[str, StoredItem]]:
         """Items under `keys` (absent from L1) read from L2 within `budget_s`
-        (None: a call with no deadline; one read and one wait, at most).
-        `flight`: the caller processes what is missing (a frontend), so the
-        misses are sighted and waited for as the module says; an engine's read
-        only reads."""
+        (None: a call with no deadline; one read and one wait, at most), and
+        no more bytes than L1 could take. `flight`: the caller processes what
+        is missing (a frontend), so the misses are claimed and waited for as
+        the module says; an engine's read only reads."""
         most = self._settings.timeout_s + self._settings.wait_s
         budget = most if budget_s is None else min(most, budget_s)
         if not keys or budget <= 0:
             return []
         deadline = self._clock() + budget
-        found = await asyncio.gather(*(self._pull_one(key, deadline, flight) for key in keys))
+        room = _Budget(self._store.capacity)
+        found = await asyncio.gather(*(self._pull_one(key, deadline, flight, room) for key in keys))
         return [(key, item) for key, item in zip(keys, found, strict=True) if item is not None]
 
-    async def _pull_one(self, key: str, deadline: float, flight: bool) -> StoredItem | None:
-        backend = self._backend
+    async def _pull_one(
+        self, key: str, deadline: float, flight: bool, room: _Budget
+    ) -> StoredItem | None:
+        if room.left <= 0:  # L1 could not take more: the rest are misses
+            self._metrics.misses.inc()
+            return None
         try:
-            record = await self._op("read", lambda: backend.read(key), deadline)
-            if record is not None:
-                return self._read_in(key, record)
-            if not flight:
-                self._metrics.misses.inc()
-                return None
-            sighting = await self._op(
-                "claim",
-                lambda: backend.sight(key, self._settings.window_s, self._node),
-                deadline,
-            )
+            record = await self._op("read", lambda: self._backend.read(key), deadline)
         except L2Error:
             self._metrics.misses.inc()
             return None
-        now = self._clock()
-        if sighting == Sighting.FIRST:  # this sidecar's frontend processes it
-            self._claim(key, now)
+        if record is not None:
+            room.left -= record.nbytes
+            return self._read_in(key, record)
+        sighting = await self._sight(key, deadline) if flight else None
+        if sighting is None or sighting == Sighting.FIRST:
+            # An engine's read; an L2 failure; or this sidecar's frontend
+            # processes it now.
             self._metrics.misses.inc()
             return None
         if sighting == Sighting.MINE and key not in self._claims:
             # Processed here and stored already; L1 has evicted it since.
             self._metrics.misses.inc()
             return None
-        return await self._wait_for(key, min(deadline, now + self._settings.wait_s))
+        return await self._wait_for(key, min(deadline, self._clock() + self._settings.wait_s))
 
-    def _claim(self, key: str, now: float) -> None:
+    async def _sight(self, key: str, deadline: float) -> Sighting | None:
+        """Claim `key` in L2, or learn whose it is (None: L2 failed). Local calls
+        asking at once ask once: the first claims, the others find it MINE."""
+        running = self._sighting.get(key)
+        if running is not None:
+            found = await asyncio.shield(running)
+            return Sighting.MINE if found == Sighting.FIRST else found
+        future: asyncio.Future[Sighting | None] = asyncio.get_running_loop().create_future()
+        self._sighting[key] = future
+        found = None
+        try:
+            found = await self._op(
+                "claim",
+                lambda: self._backend.sight(key, self._settings.window_s, self._node),
+                deadline,
+            )
+            if found == Sighting.FIRST:
+                self._claim(key)
+        except L2Error:
+            pass
+        finally:
+            del self._sighting[key]
+            future.set_result(found)
+        return found
+
+    def _claim(self, key: str) -> None:
+        now = self._clock()
         self._claims[key] = now
         self._claims.move_to_end(key)
         window = self._settings.window_s
@@ -179,20 +222,19 @@ class L2Tier:
         """The item another sidecar is processing, once it reaches L2; None when it
         reaches L1 here instead (the batch finds it there), when its claimer
         gives it up (evicted before anyone wrote it), or not in time."""
-        backend = self._backend
         while (left := until - self._clock()) > 0:
             await asyncio.sleep(min(self._settings.poll_s, left))
             if key in self._store:
                 self._metrics.flight_waits.labels("arrived").inc()
                 return None
             try:
-                state = await self._op("check", lambda: backend.poll(key), until)
+                state = await self._op("check", lambda: self._backend.poll(key), until)
                 if state == Poll.GONE:
                     self._metrics.flight_waits.labels("abandoned").inc()
                     self._metrics.misses.inc()
                     return None
                 if state == Poll.HELD:
-                    record = await self._op("read", lambda: backend.read(key), until)
+                    record = await self._op("read", lambda: self._backend.read(key), until)
                     if record is not None:
                         self._metrics.flight_waits.labels("arrived").inc()
                         return self._read_in(key, record)
@@ -228,12 +270,12 @@ class L2Tier:
 
         return list(await asyncio.gather(*(one(key) for key in keys)))
 
-    # -- write-behind --
+    # -- what L1 did: the admission's sightings --
 
     def stored(self, key: str, *, replaced: bool) -> None:
         """A client's data was stored in L1 under `key`; `replaced`: over data
         held (sent data wins, in L2 too, and it is a second sighting anyway)."""
-        self._claims.pop(key, None)
+        claimed = self._claims.pop(key, None) is not None
         if replaced or self._settings.admit == "first":
             self._enqueue(key)
         elif key not in self._known:
@@ -241,6 +283,15 @@ class L2Tier:
             self._candidates.move_to_end(key)
             while len(self._candidates) > self._settings.max_candidates:
                 self._candidates.popitem(last=False)
+            if not claimed:  # uploaded without asking first: claim it now
+                self._to_claim.append(key)
+            self._wake.set()
+
+    def not_stored(self, key: str) -> None:
+        """A client's data for `key` could not be stored (UNCACHED, withheld):
+        this sidecar's claim on it, if any, ends: nobody waits for it."""
+        if self._claims.pop(key, None) is not None:
+            self._unclaims.append(key)
             self._wake.set()
 
     def removed(self, key: str) -> None:
@@ -253,16 +304,20 @@ class L2Tier:
     def hit(self, key: str) -> None:
         """L1 answered `key` held: a second sighting here of an item L2 may lack."""
         if key not in self._known and key not in self._queued:
-            self._candidates.pop(key, None)
             self._enqueue(key)
 
-    def _enqueue(self, key: str) -> None:
+    def _enqueue(self, key: str, *, urgent: bool = False) -> None:
+        """Queue a write: `urgent` (another sidecar waits for it) at the head."""
+        self._candidates.pop(key, None)
         if key in self._queued:
             return
         if len(self._queue) >= self._settings.queue_items:
             self._metrics.writes.labels("dropped").inc()
             return
-        self._queue.append(key)
+        if urgent:
+            self._queue.appendleft(key)
+        else:
+            self._queue.append(key)
         self._queued.add(key)
         self._wake.set()
 
@@ -272,9 +327,11 @@ class L2Tier:
         while len(self._known) > self._settings.known_items:
             self._known.popitem(last=False)
 
+    # -- the writer --
+
     async def _write_behind(self) -> None:
         while not self._stopping:
-            if not self._queue and not self._unclaims:
+            if not (self._queue or self._unclaims or self._to_claim):
                 self._wake.clear()
                 timeout = self._settings.recheck_s if self._candidates else None
                 woken = asyncio.ensure_future(self._wake.wait())
@@ -282,49 +339,61 @@ class L2Tier:
                     await asyncio.wait({woken}, timeout=timeout)
                 finally:
                     woken.cancel()
-            while self._unclaims and not self._stopping:
-                await self._unclaim(self._unclaims.popleft())
-            if self._candidates and not self._stopping:
-                await self._check_candidates()
-            while self._queue and not self._stopping:
-                key = self._queue.popleft()
-                self._queued.discard(key)
-                await self._write(key)
+            try:
+                await self._write_round()
+            except Exception:  # never let one surprise stop every later write
+                _LOGGER.exception("L2 write-behind round failed; going on")
 
-    async def _unclaim(self, key: str) -> None:
-        deadline = self._clock() + self._settings.timeout_s
-        with contextlib.suppress(L2Error):
-            await self._op("claim", lambda: self._backend.unclaim(key, self._node), deadline)
+    async def _write_round(self) -> None:
+        while self._unclaims and not self._stopping:
+            key = self._unclaims.popleft()
+            await self._quietly("claim", partial(self._backend.unclaim, key, self._node))
+        while self._to_claim and not self._stopping:
+            key = self._to_claim.popleft()
+            window = self._settings.window_s
+            found = await self._quietly(
+                "claim", partial(self._backend.sight, key, window, self._node)
+            )
+            if found == Sighting.OTHERS:  # another sidecar waits for it, or will
+                self._enqueue(key, urgent=True)
+        await self._check_candidates()
+        while self._queue and not self._stopping:
+            key = self._queue.popleft()
+            self._queued.discard(key)
+            await self._write(key)
+            await self._check_candidates()  # a waiter's item goes next, not last
+
+    async def _quietly(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
+        """A background operation: its failure is counted, and skipped."""
+        try:
+            return await self._op(op, call, self._clock() + self._settings.timeout_s)
+        except L2Error:
+            return None
 
     async def _check_candidates(self) -> None:
-        """Enqueue the items stored here first that another sidecar has asked
-        for since; forget those whose window ended."""
+        """Every `recheck_s`: enqueue, first, the items stored here first that
+        another sidecar has asked for since; forget those whose window ended."""
         now = self._clock()
+        if not self._candidates or now < self._next_check or self._stopping:
+            return
+        self._next_check = now + self._settings.recheck_s
         while self._candidates:
             key, end = next(iter(self._candidates.items()))
             if end > now:
                 break
             del self._candidates[key]
         keys = list(self._candidates)
-        if not keys:
-            return
-        try:
-            wanted = await self._op(
-                "check", lambda: self._backend.wanted(keys), now + self._settings.timeout_s
-            )
-        except L2Error:
-            return
-        for key, elsewhere in zip(keys, wanted, strict=True):
+        wanted = await self._quietly("check", lambda: self._backend.wanted(keys)) if keys else None
+        for key, elsewhere in zip(keys, wanted or (), strict=False):
             if elsewhere:
-                self._candidates.pop(key, None)
-                self._enqueue(key)
+                self._enqueue(key, urgent=True)
 
     async def _write(self, key: str) -> None:
         item = self._store.peek(key)
         if item is None:
             self._metrics.writes.labels("gone").inc()
             return
-        record = record_of_item(key, item)
+        record, size = record_of_item(key, item), item.size
         del item  # a resident item's extent is not held while the write waits
         try:
             await self._op(
@@ -339,18 +408,28 @@ class L2Tier:
         self._metrics.writes.labels("written").inc()
         self._metrics.written_bytes.inc(record.nbytes)
         self._know(key)
-        self._on_written(key, self._store.size_of(key))
+        self._on_written(key, size)
 
     async def _op(self, op: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
-        """One backend call, bounded by `deadline`; L2Error (counted) when it fails."""
+        """One backend call, at most `concurrency` at once, bounded by
+        `deadline`; L2Error (counted) when it fails in any way."""
         left = deadline - self._clock()
         if left <= 0:
             raise L2Error("no time left for L2")
-        started = time.perf_counter()
         try:
-            result = await asyncio.wait_for(call(), left)
-        except (L2Error, TimeoutError) as exc:
+            return await asyncio.wait_for(self._gated(op, call), left)
+        except (L2Error, TimeoutError, asyncio.TimeoutError) as exc:
             self._metrics.errors.labels(op).inc()
             raise L2Error(f"L2 {op}: {exc or 'timed out'}") from None
-        self._metrics.latency.labels(op).observe(time.perf_counter() - started)
-        return result
+
+    async def _gated(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
+        async with self._gate:
+            started = time.perf_counter()
+            try:
+                result = await call()
+            except L2Error:
+                raise
+            except Exception as exc:  # a backend's surprise is a failure like any other
+                raise L2Error(f"{type(exc).__name__}: {exc}") from None
+            self._metrics.latency.labels(op).observe(time.perf_counter() - started)
+            return result

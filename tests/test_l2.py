@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.server._config import ConfigError
+from mmcache.server._l2_redis import redis_key
 
 from .conftest import MIB, eventually, server_config
 from .items import image_item
@@ -129,7 +130,7 @@ async def test_an_engine_read_goes_through_to_l2(fresh: RedisCluster) -> None:
 
 async def test_a_record_no_sidecar_wrote_is_a_miss(fresh: RedisCluster) -> None:
     async with sidecars(fresh, 1) as [(a, ca)]:
-        key = "mmcache:{forged}"
+        key = redis_key("mmcache:", "forged")
         for port in fresh.ports:  # whichever master owns the slot takes it
             fresh.cli(port, "HSET", key, "m", "not a manifest", "c0", "junk")
         assert (await ca.lookup(["forged"])).held == [False]
@@ -363,3 +364,57 @@ async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> Non
             assert errors > 0  # the dead master was really in the way
             hits = sum(value(s, "mmcache_l2_hits_total") for s, _ in pairs)
             assert hits > 0
+
+
+async def test_room_for_an_item_from_l2_is_never_taken_from_the_same_batch(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_admit="first", capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
+        big = 120_000  # 480 KB each: four fill B's 2 MiB
+        await ca.get_and_update([image_item(20, numel=big)], ["from-l2"], lease=False)
+        await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") >= 1)
+        # B: "named" is its least recent item, then three more fill it.
+        for h, seed in (("named", 21), ("x1", 22), ("x2", 23), ("x3", 26)):
+            await cb.get_and_update([image_item(seed, numel=big)], [h], lease=False)
+        found = await cb.lookup(["named", "from-l2"], lease=False)
+        assert found.held == [True, True]  # room came from x1, not from "named"
+        assert "named" in b.store and "from-l2" in b.store
+
+
+async def test_data_it_could_not_keep_ends_its_claim(fresh: RedisCluster) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=3.0, capacity_bytes=1 * MIB) as [(_, ca), (b, cb)]:
+        assert (await ca.lookup(["huge"])).held == [False]  # A claims it
+        sent = await ca.get_and_update(
+            [image_item(24, numel=400_000)], ["huge"], resend=[True], lease=False
+        )
+        assert sent.held == [False]  # larger than A's cache: never stored
+        await asyncio.sleep(0.2)  # the claim ends in the background
+        started = asyncio.get_running_loop().time()
+        assert (await cb.lookup(["huge"])).held == [False]
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 0
+
+
+async def test_an_item_uploaded_without_asking_is_claimed_and_shared(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+        await ca.get_and_update([image_item(25)], ["direct"], lease=False)  # no lookup first
+        await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 1)
+        found = await cb.lookup(["direct"], lease=False)  # waits for A's write
+        assert found.held == [True]
+        assert value(b, "mmcache_l2_flight_waits_total", result="arrived") == 1
+
+
+async def test_hundreds_of_items_in_one_lookup_all_come_from_l2(fresh: RedisCluster) -> None:
+    hashes = [f"many-{{{i}}}" for i in range(400)]  # braces too: no effect on the slot
+    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (b, cb)]:
+        for start in range(0, 400, 100):
+            chunk = hashes[start : start + 100]
+            await ca.get_and_update([image_item(i) for i in range(len(chunk))], chunk, lease=False)
+        await eventually(
+            lambda: value(a, "mmcache_l2_writes_total", result="written") == 400, timeout=30
+        )
+        found = await cb.lookup(hashes, lease=False)
+        assert all(found.held)
+        assert value(b, "mmcache_l2_errors_total", op="read") == 0
