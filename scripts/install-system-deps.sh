@@ -7,6 +7,7 @@
 #   docker-compose                 docker-compose 1.29.2            `docker-compose config`
 #   prometheus, promtool           prometheus 2.42.0                real-Prometheus tests
 #   redis-server, redis-cli        redis-server 7.0.15              the L2 tier's Redis Cluster
+#   podman, mmdebstrap             podman 4.3, mmdebstrap 1.3       the image, built and run
 #
 # A kubectl that is already on PATH (e.g. the Google Cloud SDK's `kubectl` package,
 # v1.32 with kustomize v5) is kept: the manifests render with either. The offline
@@ -25,6 +26,9 @@ declare -A package_for=(
     [promtool]=prometheus
     [redis-server]=redis-server
     [redis-cli]=redis-server
+    # With what the image checks use of its recommends (rootful, host network).
+    [podman]="podman uidmap slirp4netns fuse-overlayfs"
+    [mmdebstrap]=mmdebstrap
 )
 
 have() {
@@ -36,17 +40,18 @@ have() {
 }
 
 missing=()
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap; do
     if ! have "$program"; then
         package=${package_for[$program]}
         if [[ " ${missing[*]-} " != *" $package "* ]]; then
-            missing+=("$package")
+            # shellcheck disable=SC2206 # a value may name several packages
+            missing+=($package)
         fi
     fi
 done
 
 if ((${#missing[@]} == 0)); then
-    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis all present"
+    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis, podman, mmdebstrap all present"
     exit 0
 fi
 
@@ -73,7 +78,7 @@ export DEBIAN_FRONTEND=noninteractive
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
     "${missing[@]}"
 
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap; do
     if ! have "$program"; then
         echo "install-system-deps: $program still missing after installing ${missing[*]}" >&2
         exit 1
