@@ -108,9 +108,9 @@ async def test_subscribers_see_items_stored_and_evicted(publishing: MMCacheServe
             # A subscriber that missed everything gets it back from the replay socket.
             replayed = events_of(await replay(replay_at, 1))
             assert replayed[0] == ["ItemStored", ["first"], [size], "l1", "qwen"]
-            assert [e for e in replayed if e[0] == "ItemRemoved"] == [
-                e for e in seen if e[0] == "ItemRemoved"
-            ]
+            # What the subscriber saw comes first; later evictions may follow.
+            live = [e for e in seen if e[0] == "ItemRemoved"]
+            assert [e for e in replayed if e[0] == "ItemRemoved"][: len(live)] == live
     finally:
         sub.close(linger=0)
         context.term()

@@ -369,7 +369,9 @@ async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> Non
             await asyncio.sleep(1.5)
             stop.set()
             await asyncio.gather(*tasks)  # any failed call would raise here
-            assert len(done) == 2 and min(done) > 5
+            # Calls that touch the dead master's slots each wait out its
+            # timeouts, so a frontend may get few done: none may fail.
+            assert len(done) == 2 and min(done) >= 1
             errors = sum(value(s, "mmcache_l2_errors_total", op=op) for s, _ in pairs
                          for op in ("read", "write", "claim", "check"))  # fmt: skip
             assert errors > 0  # the dead master was really in the way
