@@ -12,7 +12,10 @@ the call's time) for that item to reach L2 or its own L1, then answers from
 it; past the wait it answers MISSING and its frontend processes the image
 itself. The claimer asking again waits only while its own frontend is still
 processing the item (a second local request); once it stored the item, a
-later miss means its L1 evicted it, and it answers MISSING at once.
+later miss means its L1 evicted it, and it answers MISSING at once. A claim
+ends early when its item leaves L1 unwritten or could not be stored there
+(nobody is left to write it), and an item uploaded without asking first is
+claimed by the writer, so that other sidecars wait for it too.
 
 Write-behind, with admission so that one-off images do not flood L2: an item
 is written once it is seen a second time, here (a hit in L1) or anywhere in
@@ -21,7 +24,9 @@ the fleet (another sidecar asked for it within the claim's window).
 keys; an item evicted before its turn is not written.
 
 Every L2 failure degrades to a miss or an unwritten item, counted in
-`mmcache_l2_*`: L2 is optional, health does not depend on it.
+`mmcache_l2_*`: L2 is optional, health does not depend on it. At most
+`concurrency` operations run at once, and a call reads no more from L2 than
+L1 could hold.
 """
 
 from __future__ import annotations
