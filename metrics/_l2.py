@@ -5,11 +5,7 @@ configured they stay 0."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["L2_OPS", "L2_WRITE_RESULTS", "L2Metrics"]
 
@@ -18,7 +14,7 @@ L2_WRITE_RESULTS = ("written", "dropped", "gone", "failed")
 
 
 class L2Metrics:
-    def __init__(self, registry: CollectorRegistry, queued: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.hits = Counter(
             "mmcache_l2_hits",
             "Items missing from this sidecar's cache that were read from L2 and stored here.",
@@ -71,16 +67,9 @@ class L2Metrics:
             self.writes.labels(result)
         for result in ("arrived", "abandoned", "timeout"):
             self.flight_waits.labels(result)
-        registry.register(_QueueGauge(queued))
-
-
-class _QueueGauge(Collector):
-    def __init__(self, queued: Callable[[], int]) -> None:
-        self._queued = queued
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(
+        # Read from the tier at scrape time (`set_function`, by whoever makes it).
+        self.queued = Gauge(
             "mmcache_l2_queued_items",
             "Items waiting to be written to L2 (write-behind queue).",
-            value=self._queued(),
+            registry=registry,
         )

@@ -323,8 +323,7 @@ def _l2_tier(
         wait_s=config.l2_wait_s,
         queue_items=config.l2_queue_items,
     )
-    tier: L2Tier | None = None
-    metrics = L2Metrics(registry, queued=lambda: 0 if tier is None else tier.queued)
+    metrics = L2Metrics(registry)
     tier = L2Tier(
         backend,
         store,
@@ -333,6 +332,7 @@ def _l2_tier(
         node=instance_id,
         on_written=(lambda key, size: None) if events is None else events.written_to_l2,
     )
+    metrics.queued.set_function(lambda: tier.queued)
     _LOGGER.info(
         "L2 tier: %s, keys under %r, admit on %s sighting",
         backend.where,
