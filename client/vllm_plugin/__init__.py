@@ -49,42 +49,71 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["connection_settings", "register", "scope_of"]
+__all__ = ["client_for", "connection_settings", "ec_scope_of", "register", "scope_of"]
 
 _LOGGER = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_process_client: Any = None  # this process's SyncClient, made on first use
+_process_clients: dict[str, Any] = {}  # this process's SyncClient per target, made on first use
 
 
 def scope_of(vllm_config: Any) -> str:
     """The key scope of a model: a digest of what shapes its processed items."""
     model = vllm_config.model_config
-    described = {
-        "model": str(model.model),
-        "revision": str(getattr(model, "revision", None)),
-        "tokenizer": str(getattr(model, "tokenizer", None)),
-        "mm_processor_kwargs": getattr(model.get_multimodal_config(), "mm_processor_kwargs", None),
-        "hf_overrides": getattr(model, "hf_overrides", None),
-        "namespace": os.environ.get("MMCACHE_NAMESPACE", ""),
-    }
+    return _digest(
+        {
+            "model": str(model.model),
+            "revision": str(getattr(model, "revision", None)),
+            "tokenizer": str(getattr(model, "tokenizer", None)),
+            "mm_processor_kwargs": getattr(
+                model.get_multimodal_config(), "mm_processor_kwargs", None
+            ),
+            "hf_overrides": getattr(model, "hf_overrides", None),
+            "namespace": os.environ.get("MMCACHE_NAMESPACE", ""),
+        }
+    )
+
+
+def ec_scope_of(vllm_config: Any) -> str:
+    """The key scope of a model's encoder outputs: what shapes its items, plus
+    the weights (revision, quantization) and the dtype the encoder runs in."""
+    model = vllm_config.model_config
+    return _digest(
+        {
+            "kind": "encoder_output",
+            "processed": scope_of(vllm_config),
+            "dtype": str(getattr(model, "dtype", None)),
+            "quantization": str(getattr(model, "quantization", None)),
+            "code_revision": str(getattr(model, "code_revision", None)),
+        }
+    )
+
+
+def _digest(described: Mapping[str, Any]) -> str:
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode())
     return digest.hexdigest()[:16]
 
 
-def _client() -> Any:
-    global _process_client
+def client_for(target: str, deadline_s: float) -> Any:
+    """This process's SyncClient of `target` (one per process and target)."""
     with _lock:
-        if _process_client is None:
+        client = _process_clients.get(target)
+        if client is None:
             from ._sync import SyncClient
 
-            _process_client = SyncClient(
-                os.environ["MMCACHE_TARGET"],
-                deadline_s=float(os.environ.get("MMCACHE_DEADLINE_S", "1.0")),
+            client = _process_clients[target] = SyncClient(
+                target,
+                deadline_s=deadline_s,
                 on_fail_open=_fail_open_counter().inc,
                 **connection_settings(os.environ),
             )
-        return _process_client
+        return client
+
+
+def _client() -> Any:
+    return client_for(
+        os.environ["MMCACHE_TARGET"], float(os.environ.get("MMCACHE_DEADLINE_S", "1.0"))
+    )
 
 
 def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
@@ -105,16 +134,24 @@ def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+_fail_opens: Any = None
+
+
 def _fail_open_counter() -> Any:
     # vLLM serves prometheus_client's global registry on its /metrics (summed
     # over its API processes): the counter goes where vLLM's operators look.
+    # One per process: a second client (the EC connector's) shares it.
+    global _fail_opens
     from prometheus_client import REGISTRY, Counter
 
-    return Counter(
+    if _fail_opens is not None:
+        return _fail_opens
+    _fail_opens = Counter(
         "mmcache_vllm_fail_opens",
         "Calls to the mmcache sidecar that failed open: the items went inline.",
         registry=REGISTRY,
     )
+    return _fail_opens
 
 
 def _caching_enabled(vllm_config: Any) -> bool:

