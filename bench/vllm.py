@@ -17,6 +17,16 @@ is what the sidecar received per upload); the bytes the engine read from the
 sidecar instead; processor runs avoided (hits) and the
 processor time that saves (hits x one item's processing time, measured
 here); request latency p50/p99.
+
+Then the EC connector (`mmcache.client.vllm_ec`): two engines, separate `vllm
+serve` processes, take the same chats' requests in turn (a router with no
+image affinity). Once with no connector, once with one sidecar per engine
+(each keeps its own outputs: no sharing), once with one sidecar shared by
+both. Printed: vision-encoder runs (the connector's `mmcache_ec_encoded`,
+which tests/vllm/test_ec.py checks against the vision tower's own calls; vLLM
+alone counts none), runs avoided (outputs loaded instead), the bytes loaded,
+request latency p50/p99, and an image's bytes as pixel_values and as an
+encoder output.
 """
 
 from __future__ import annotations
@@ -142,17 +152,131 @@ def processing_time(model: Path) -> float:
     return (time.perf_counter() - start) / 20
 
 
+def ec_config(sidecar: Sidecar) -> str:
+    return json.dumps(
+        {
+            "ec_connector": "CountingECConnector",
+            "ec_connector_module_path": "tests.vllm.counting_ec",
+            "ec_role": "ec_both",
+            "ec_connector_extra_config": {"target": sidecar.target},
+        }
+    )
+
+
+@dataclass
+class Fleet:
+    encoded: float | None
+    loaded: float
+    loaded_bytes: float
+    latencies: list[float]
+
+
+def replay_fleet(
+    model: Path, chats: list[list[list[str]]], sidecars: list[Sidecar] | None
+) -> Fleet:
+    """Two engines taking turns: turn i of a chat goes to engine i % 2."""
+    ports = [free_port(), free_port()]
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, port in enumerate(ports):
+            options = ["--limit-mm-per-prompt", '{"image": 4}']
+            env = {"MMCACHE_TEST_ENCODER_CALLS": f"{tmp}/calls{i}"}
+            if sidecars is not None:
+                options += ["--ec-transfer-config", ec_config(sidecars[i])]
+            procs.append(
+                subprocess.Popen(
+                    serve_command(str(model), port, *options),
+                    cwd=ROOT,
+                    env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        try:
+            for port, proc in zip(ports, procs, strict=True):
+                wait_healthy(port, proc, timeout=300)
+
+            def conversation(turns: list[list[str]]) -> list[float]:
+                return [chat(ports[i % 2], colors) for i, colors in enumerate(turns)]
+
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                latencies = [t for ts in pool.map(conversation, chats) for t in ts]
+            time.sleep(2)  # vLLM publishes its stats a step after the work
+            seen = [metrics(f"http://127.0.0.1:{port}/metrics") for port in ports]
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(60)
+
+    def total(name: str) -> float:
+        return sum(m.get(f"mmcache_ec_{name}_total", 0.0) for m in seen)
+
+    encoded = total("encoded") if sidecars is not None else None
+    return Fleet(encoded, total("loaded"), total("loaded_bytes"), latencies)
+
+
+def item_bytes(model: Path) -> tuple[int, int]:
+    """One test image's bytes as pixel_values (float32, as the processor makes
+    them) and as the encoder's output (tokens x hidden size, bfloat16)."""
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model).image_processor
+    out = processor(images=[Image.new("RGB", (100, 80), "red")], return_tensors="pt")
+    pixels = out["pixel_values"]
+    merge = AutoConfig.from_pretrained(model).vision_config.spatial_merge_size
+    tokens = int(out["image_grid_thw"].prod()) // merge**2
+    hidden = AutoConfig.from_pretrained(model).text_config.hidden_size
+    return pixels.numel() * pixels.element_size(), tokens * hidden * 2
+
+
+def ec_table(model: Path, chats: list[list[list[str]]]) -> None:
+    pixel_bytes, output_bytes = item_bytes(model)
+    print(
+        f"\nEC connector, 2 engines taking turns; an image is {pixel_bytes / 1024:.1f} KiB "
+        f"as pixel_values, {output_bytes / 1024:.1f} KiB as an encoder output"
+    )
+    print(
+        "| cache of encoder outputs | encoder runs | runs avoided (loaded) | KiB loaded "
+        "| latency p50 / p99 ms |"
+    )
+    print("|---|---|---|---|---|")
+    for name in ("vLLM alone", "one sidecar per engine", "one shared sidecar"):
+        sidecars = None
+        if name != "vLLM alone":
+            shared = Sidecar()
+            sidecars = [shared, shared] if name == "one shared sidecar" else [shared, Sidecar()]
+        for sidecar in set(sidecars or ()):
+            sidecar.start()
+        try:
+            run = replay_fleet(model, chats, sidecars)
+        finally:
+            for sidecar in set(sidecars or ()):
+                sidecar.stop()
+        cuts = statistics.quantiles(run.latencies, n=100, method="inclusive")
+        encoded = "not counted" if run.encoded is None else f"{run.encoded:.0f}"
+        print(
+            f"| {name} | {encoded} | {run.loaded:.0f} | {run.loaded_bytes / 1024:.1f} "
+            f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--api-servers", default="1,2,4")
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", choices=("plugin", "ec"), help="one table only")
     args = parser.parse_args()
     chats = trace(args.conversations, args.seed)
     requests = sum(len(t) for t in chats)
     refs = sum(len(colors) for t in chats for colors in t)
     with tempfile.TemporaryDirectory() as tmp:
         model = build(Path(tmp) / "tiny-qwen2-vl")
+        if args.only == "ec":
+            ec_table(model, chats)
+            return
         seconds = processing_time(model)
         print(
             f"{args.conversations} chats, {requests} requests, {refs} images sent; one image "
@@ -184,6 +308,8 @@ def main() -> None:
                     f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} |",
                     flush=True,
                 )
+        if args.only is None:
+            ec_table(model, chats)
 
 
 if __name__ == "__main__":

@@ -76,7 +76,8 @@ _LOGGER = logging.getLogger(__name__)
 FIELD = "encoder_output"  # the one field of a stored encoder output
 MODALITY = "encoder_output"  # its label on the sidecar's metrics, apart from processed items
 _RETRY_S = 5.0  # an item whose read failed is not tried again sooner
-_UNHANDED_TTL_S = 30.0  # a staged item no request took is removed after this
+_IDLE_TTL_S = 30.0  # a staged item no request took is removed after this
+_STUCK_TTL_S = 300.0  # and one whose load never came back, after this
 _MAX_UPLOADS = 32  # uploads in flight at most; past it an output is not saved
 
 # Counter names, as ECConnectorStats data keys and metric names (mmcache_ec_*).
@@ -110,9 +111,11 @@ class MMCacheECMetadata(ECConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class _WorkerCounts(ECConnectorWorkerMetadata):  # type: ignore[misc]
-    """A worker's counters since its last step, sent back to the scheduler."""
+    """A worker's counters since its last step, and the loads the step ran,
+    sent back to the scheduler."""
 
     counts: dict[str, int] = field(default_factory=dict)
+    loads_run: list[str] = field(default_factory=list)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         # Tensor-parallel workers each load and encode the same items: the
@@ -206,6 +209,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 getattr(vllm_config.scheduler_config, "encoder_cache_size", 0) or 0
             )
         else:
+            self._loads_run: list[str] = []
             self._uploads = 0
             self._uploads_lock = threading.Lock()
 
@@ -320,6 +324,8 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             return  # vLLM encodes it
         staged.requests.add(request.request_id)
         if all(load.identifier != identifier for load in self._loads):
+            staged.handed = True
+            staged.loads_in_flight += 1
             self._loads.append(_Load(identifier, staged.path, staged.dtype, staged.shape))
 
     def _remember_local(self, identifier: str, embeds: int) -> None:
@@ -338,8 +344,16 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         self._loads = []
         now = time.monotonic()
         for identifier, staged in self._staging.items():
-            if not staged.requests and now - staged.since > _UNHANDED_TTL_S:
-                self._staging.drop(identifier)  # read for a request that never came
+            if staged.requests:
+                continue
+            idle = now - staged.idle_since
+            # A file goes once no request holds it and no step that names it
+            # is still to run (an aborted request ends while a step built
+            # before may yet load it); one that no request took, after a
+            # while; one whose step never came back (stopped), after longer.
+            settled = staged.loads_in_flight == 0 and (staged.handed or idle > _IDLE_TTL_S)
+            if settled or idle > _STUCK_TTL_S:
+                self._staging.drop(identifier)
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -348,14 +362,21 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             staged = self._staging.get(feature.identifier)
             if staged is not None and request.request_id in staged.requests:
                 staged.requests.discard(request.request_id)
-                if not staged.requests:  # its workers have loaded it: in vLLM's cache now
-                    self._staging.drop(feature.identifier)
+                if not staged.requests:
+                    staged.idle_since = time.monotonic()
+                    if staged.loads_in_flight == 0:  # loaded: in vLLM's cache now
+                        self._staging.drop(feature.identifier)
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.ec_connector_worker_meta
-        if isinstance(meta, _WorkerCounts):
-            self._counts.merge(meta.counts)
+        if not isinstance(meta, _WorkerCounts):
+            return
+        self._counts.merge(meta.counts)
+        for identifier in meta.loads_run:
+            staged = self._staging.get(identifier)
+            if staged is not None:
+                staged.loads_in_flight -= 1
 
     def get_ec_connector_stats(self) -> MMCacheECStats | None:
         counts = self._counts.take()
@@ -374,6 +395,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         assert isinstance(meta, MMCacheECMetadata)
         device = _device()
         for load in meta.loads:
+            self._loads_run.append(load.identifier)
             if load.identifier in encoder_cache:
                 continue
             tensor = load_staged(load.path, load.dtype, load.shape, device)
@@ -419,7 +441,8 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> _WorkerCounts | None:
         counts = self._counts.take()
-        return _WorkerCounts(counts) if counts else None
+        loads_run, self._loads_run = self._loads_run, []
+        return _WorkerCounts(counts, loads_run) if counts or loads_run else None
 
     # -- metrics -----------------------------------------------------------
 

@@ -34,8 +34,10 @@ class Staged:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
     nbytes: int
-    since: float = field(default_factory=time.monotonic)
     requests: set[str] = field(default_factory=set)  # live requests it was handed to
+    idle_since: float = field(default_factory=time.monotonic)  # no request has it since
+    handed: bool = False  # named in a step's loads at least once
+    loads_in_flight: int = 0  # steps that name it and have not come back from the workers
 
 
 class Staging:

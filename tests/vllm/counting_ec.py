@@ -3,9 +3,10 @@
     --ec-transfer-config '{"ec_connector": "CountingECConnector",
         "ec_connector_module_path": "tests.vllm.counting_ec", ...}'
 
-The worker side wraps the tiny Qwen2-VL's vision tower so that each call
-appends a line to the file named by MMCACHE_TEST_ENCODER_CALLS: a count of
-encoder runs that does not rely on the connector's own counters.
+The worker side wraps the tiny Qwen2-VL's vision tower so that each image it
+encodes (a call may batch several: one row of `grid_thw` each) appends a line
+to the file named by MMCACHE_TEST_ENCODER_CALLS: a count of encoder runs that
+does not rely on the connector's own counters.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def _count_vision_calls(path: str) -> None:
         return
 
     @functools.wraps(forward)
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: Any, x: Any, grid_thw: Any, *args: Any, **kwargs: Any) -> Any:
+        images = 1 if grid_thw is None else len(grid_thw)
         with open(path, "a", encoding="utf-8") as file:
-            file.write("call\n")
-        return forward(self, *args, **kwargs)
+            file.write("image\n" * images)
+        return forward(self, x, grid_thw, *args, **kwargs)
 
     counted.counted = True  # type: ignore[attr-defined]
     Qwen2VisionTransformer.forward = counted  # type: ignore[method-assign]
