@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -42,3 +44,17 @@ def metrics(url: str) -> dict[str, float]:
         for sample in family.samples:
             sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
+
+
+def post_chat(port: int, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    """POST a chat completion: the HTTP status and the answer (None on an error)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return int(response.status), json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), None

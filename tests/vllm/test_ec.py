@@ -15,8 +15,6 @@ import os
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -28,7 +26,7 @@ import pytest
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, free_port
 from .images import chat_messages
-from .serve import metrics, serve_command, wait_healthy
+from .serve import metrics, post_chat, serve_command, wait_healthy
 from .tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,17 +115,8 @@ def chat(port: int, color: str) -> tuple[int, list[int]]:
         "return_token_ids": True,
         "messages": chat_messages(color),
     }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            answer = json.loads(response.read())
-            return int(response.status), list(answer["choices"][0]["token_ids"])
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), []
+    status, answer = post_chat(port, body)
+    return status, [] if answer is None else list(answer["choices"][0]["token_ids"])
 
 
 def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:

@@ -17,8 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ import pytest
 
 from .conftest import Sidecar, free_port
 from .images import chat_messages
-from .serve import metrics, serve_command, wait_healthy
+from .serve import metrics, post_chat, serve_command, wait_healthy
 from .tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,22 +115,8 @@ def _start(
 
 
 def chat(port: int, color: str) -> int:
-    body = {
-        "model": "",
-        "max_tokens": 8,
-        "temperature": 0,
-        "messages": chat_messages(color),
-    }
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
+    body = {"model": "", "max_tokens": 8, "temperature": 0, "messages": chat_messages(color)}
+    return post_chat(port, body, timeout=60)[0]
 
 
 def test_two_api_servers_share_one_cache_through_restarts_and_outages(
