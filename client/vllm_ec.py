@@ -21,9 +21,12 @@ running its vision encoder (docs/vllm.md, "Encoder outputs").
   the background, unless the sidecar already holds it; `start_load_caches`
   reads the staged files named in the step's metadata.
 - **Keys** are vLLM's identifier (the item's `mm_hash`, LoRA-prefixed where
-  vLLM prefixes it) scoped by a digest of the model, its revision, dtype,
-  quantization and processor settings: two models, or one in two dtypes,
-  never share an output.
+  vLLM prefixes it) scoped by a digest of the model, its revision, config,
+  dtype, quantization, processor settings and vLLM's version: two models, or
+  one in two dtypes, never share an output.
+- **Where**: loads only where the workers share the scheduler's host and vLLM
+  runs the connector's load (no multi-node, pipeline parallelism or
+  encoder-decoder models); elsewhere outputs are saved only.
 - **Metrics** (`mmcache_ec_*`, on vLLM's `/metrics`): outputs encoded, saved,
   loaded and their bytes, and lookups by result; they travel as vLLM's EC
   connector stats.
@@ -64,7 +67,7 @@ from mmcache._errors import CacheMissError, MMCacheError
 from mmcache._items import BatchedField, FieldElem, MMItem
 
 from .vllm_plugin import client_for, ec_scope_of
-from .vllm_plugin._staging import Staging, load_staged
+from .vllm_plugin._staging import Staged, Staging, load_staged
 
 if TYPE_CHECKING:
     from .vllm_plugin._sync import SyncClient
@@ -91,12 +94,21 @@ _COUNTERS = {
     "loaded_bytes": "Bytes of encoder outputs loaded into the engine.",
 }
 # Lookup results: staged (cached for vLLM), or why an item is encoded instead.
-_LOOKUPS = ("staged", "absent", "evicted", "unavailable", "over_budget", "mismatch")
+_LOOKUPS = (
+    "staged",
+    "absent",
+    "evicted",
+    "unavailable",
+    "over_budget",
+    "staging_error",
+    "mismatch",
+)
 
 
 @dataclass
 class _Load:
     identifier: str
+    token: int  # which staging of it: a late report never counts for a later one
     path: str
     dtype: str
     shape: tuple[int, ...]
@@ -115,7 +127,7 @@ class _WorkerCounts(ECConnectorWorkerMetadata):  # type: ignore[misc]
     sent back to the scheduler."""
 
     counts: dict[str, int] = field(default_factory=dict)
-    loads_run: list[str] = field(default_factory=list)
+    loads_run: list[tuple[str, int]] = field(default_factory=list)  # (identifier, token)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         # Tensor-parallel workers each load and encode the same items: the
@@ -194,12 +206,22 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         # Made here, not on first use: a sidecar that refuses this engine fails
         # its start, and no request pays for the connection.
         self._sync: SyncClient = client_for(settings.target, settings.deadline_s)
+        # Loads only where the workers can read this host's files and vLLM
+        # runs the connector's load for the model; elsewhere outputs are still saved.
+        self._loads_on = self.is_consumer and _loads_possible(vllm_config)
         if role == ECConnectorRole.SCHEDULER:
+            self._ec_config = vllm_config.ec_transfer_config
             self._staging = Staging(settings.staging_bytes, settings.staging_dir)
             self._reads: dict[str, tuple[Future[torch.Tensor], float]] = {}
-            self._failed: dict[str, float] = {}  # identifier -> when its read failed
-            # Per live request, the items already looked up: one lookup each.
+            # identifier -> when and why its read failed: not tried again sooner
+            # than _RETRY_S.
+            self._failed: dict[str, tuple[float, str]] = {}
+            self._swept = 0.0
+            # Per live request, the items already looked up (one lookup each)
+            # and those refused for it (a staged output of another size).
             self._decided: dict[str, set[str]] = {}
+            self._refused: dict[str, set[str]] = {}
+            self._refused_now: set[str] = set()  # the request being scheduled's
             self._loads: list[_Load] = []
             # What vLLM's own encoder cache likely holds (it evicts silently): an
             # item there needs no read. Wrong either way costs work, never a request.
@@ -209,7 +231,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 getattr(vllm_config.scheduler_config, "encoder_cache_size", 0) or 0
             )
         else:
-            self._loads_run: list[str] = []
+            self._loads_run: list[tuple[str, int]] = []
             self._uploads = 0
             self._uploads_lock = threading.Lock()
 
@@ -221,9 +243,12 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         """Start reading the request's items the sidecar holds; False (wait)
         while a read is under way, at most the deadline."""
-        if not self.is_consumer:
+        # vLLM asks has_cache_item about this request's items right after this.
+        request_id = request.request_id
+        self._refused_now = self._refused.get(request_id, set())
+        if not self._loads_on:
             return True
-        decided = self._decided.setdefault(request.request_id, set())
+        decided = self._decided.setdefault(request_id, set())
         waiting = False
         now = time.monotonic()
         for index, feature in enumerate(request.mm_features):
@@ -231,7 +256,16 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             position = feature.mm_position
             if identifier in decided or position.offset + position.length <= num_computed_tokens:
                 continue  # decided for this request, or in its KV cache already
-            if identifier in self._staging or identifier in self._local:
+            embeds = request.get_num_encoder_embeds(index)
+            staged = self._staging.get(identifier)
+            if staged is not None:
+                decided.add(identifier)
+                if staged.shape[0] == embeds:
+                    staged.requests.add(request_id)  # kept for it until it ends
+                else:  # the same identifier for other content (a reused uuid)
+                    self._refuse(request_id, identifier)
+                continue
+            if identifier in self._local:
                 decided.add(identifier)
                 continue
             read = self._reads.get(identifier)
@@ -246,8 +280,10 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             future, started = read
             if future.done():
                 del self._reads[identifier]
-                self._settle(identifier, future, request.get_num_encoder_embeds(index))
                 decided.add(identifier)
+                staged = self._settle(identifier, future, embeds, feature.modality)
+                if staged is not None:
+                    staged.requests.add(request_id)
             elif now - started > self._settings.deadline_s:
                 del self._reads[identifier]
                 future.cancel()
@@ -257,11 +293,17 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 waiting = True
         return not waiting
 
+    def _refuse(self, request_id: str, identifier: str) -> None:
+        self._refused.setdefault(request_id, set()).add(identifier)
+        self._refused_now = self._refused[request_id]
+        self._counts.add("lookup_mismatch")
+
     def _worth_reading(self, identifier: str, now: float) -> bool:
         failed = self._failed.get(identifier)
         if failed is not None:
-            if now - failed < _RETRY_S:
-                self._counts.add("lookup_unavailable")
+            when, why = failed
+            if now - when < _RETRY_S:
+                self._counts.add(f"lookup_{why}")
                 return False
             del self._failed[identifier]
         client = self._sync.client
@@ -282,38 +324,58 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             raise TypeError(f"{key} holds no encoder output")
         return tensor
 
-    def _settle(self, identifier: str, future: Future[torch.Tensor], embeds: int) -> None:
+    def _settle(
+        self, identifier: str, future: Future[torch.Tensor], embeds: int, modality: str
+    ) -> Staged | None:
+        """Stage a finished read's output; None (and why, counted) when not."""
         now = time.monotonic()
         try:
             tensor = future.result()
         except CacheMissError:  # in the mirror, gone on the sidecar; or never there
-            self._fail(
-                identifier, "evicted" if self._settings.lookup == "mirror" else "absent", now
-            )
-            return
+            why = "evicted" if self._settings.lookup == "mirror" else "absent"
+            self._fail(identifier, why, now)
+            return None
         except (MMCacheError, TimeoutError, OSError) as exc:
             _LOGGER.debug("mmcache: reading encoder output %s failed: %s", identifier, exc)
             self._fail(identifier, "unavailable", now)
-            return
+            return None
         except Exception:  # a bad item: never the engine's failure
             _LOGGER.warning("mmcache: encoder output %s unreadable", identifier, exc_info=True)
             self._fail(identifier, "mismatch", now)
-            return
-        if tensor.dim() == 0 or tensor.shape[0] != embeds:
+            return None
+        if not self._fits(tensor, embeds, modality):
             self._fail(identifier, "mismatch", now)
-            return
-        if self._staging.put(identifier, tensor) is None:
+            return None
+        try:
+            staged = self._staging.put(identifier, tensor)
+        except OSError as exc:  # a full staging_dir: encode instead
+            directory = self._staging.directory
+            _LOGGER.warning("mmcache: cannot stage encoder outputs in %s: %s", directory, exc)
+            self._fail(identifier, "staging_error", now)
+            return None
+        if staged is None:
             self._fail(identifier, "over_budget", now)
-            return
+            return None
         self._counts.add("lookup_staged")
+        return staged
 
-    def _fail(self, identifier: str, result: str, now: float) -> None:
-        self._failed[identifier] = now
-        self._counts.add(f"lookup_{result}")
+    def _fits(self, tensor: torch.Tensor, embeds: int, modality: str) -> bool:
+        """The output has the request's rows, and the width the engine measured
+        for the modality (when it did)."""
+        if tensor.dim() != 2 or tensor.shape[0] != embeds:
+            return False
+        width = self._ec_config.mm_encoder_output_widths.get(modality)
+        return width is None or tensor.shape[1] == width
+
+    def _fail(self, identifier: str, why: str, now: float) -> None:
+        self._failed[identifier] = (now, why)
+        self._counts.add(f"lookup_{why}")
 
     def has_cache_item(self, identifier: str) -> bool:
         """Cached only when staged for this engine: its load cannot fail."""
-        return self.is_consumer and identifier in self._staging
+        return (
+            self._loads_on and identifier in self._staging and identifier not in self._refused_now
+        )
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
@@ -326,7 +388,9 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         if all(load.identifier != identifier for load in self._loads):
             staged.handed = True
             staged.loads_in_flight += 1
-            self._loads.append(_Load(identifier, staged.path, staged.dtype, staged.shape))
+            self._loads.append(
+                _Load(identifier, staged.token, staged.path, staged.dtype, staged.shape)
+            )
 
     def _remember_local(self, identifier: str, embeds: int) -> None:
         local = self._local
@@ -354,10 +418,23 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             settled = staged.loads_in_flight == 0 and (staged.handed or idle > _IDLE_TTL_S)
             if settled or idle > _STUCK_TTL_S:
                 self._staging.drop(identifier)
+        if now - self._swept > 1.0:
+            self._sweep(now)
         return meta
+
+    def _sweep(self, now: float) -> None:
+        """Forget failures past their retry time, and reads no request came
+        back for (aborted while waiting)."""
+        self._swept = now
+        self._failed = {i: f for i, f in self._failed.items() if now - f[0] < _RETRY_S}
+        for identifier, (future, started) in list(self._reads.items()):
+            if now - started > 2 * self._settings.deadline_s:
+                future.cancel()
+                del self._reads[identifier]
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         self._decided.pop(request.request_id, None)
+        self._refused.pop(request.request_id, None)
         for feature in request.mm_features or ():
             staged = self._staging.get(feature.identifier)
             if staged is not None and request.request_id in staged.requests:
@@ -373,12 +450,14 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         if not isinstance(meta, _WorkerCounts):
             return
         self._counts.merge(meta.counts)
-        for identifier in meta.loads_run:
+        for identifier, token in meta.loads_run:
             staged = self._staging.get(identifier)
-            if staged is not None:
+            if staged is not None and staged.token == token:
                 staged.loads_in_flight -= 1
 
     def get_ec_connector_stats(self) -> MMCacheECStats | None:
+        if self.role != ECConnectorRole.SCHEDULER:
+            return None  # a worker's counts go back in its metadata, from one rank
         counts = self._counts.take()
         return MMCacheECStats(data=counts) if counts else None
 
@@ -395,7 +474,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         assert isinstance(meta, MMCacheECMetadata)
         device = _device()
         for load in meta.loads:
-            self._loads_run.append(load.identifier)
+            self._loads_run.append((load.identifier, load.token))
             if load.identifier in encoder_cache:
                 continue
             tensor = load_staged(load.path, load.dtype, load.shape, device)
@@ -482,8 +561,8 @@ class _PromMetrics(ECConnectorPromMetrics):  # type: ignore[misc]
             }
         lookups = self._counter_cls(
             name="mmcache_ec_lookups",
-            documentation="Items the scheduler looked up, by result: staged (loaded, not "
-            "encoded), or why vLLM encodes it (absent, evicted, unavailable, over_budget, "
+            documentation="Items the scheduler looked up, by result: staged (ready to load), "
+            "or why vLLM encodes it (absent, evicted, unavailable, over_budget, staging_error, "
             "mismatch).",
             labelnames=[*labelnames, "result"],
         )
@@ -498,6 +577,22 @@ class _PromMetrics(ECConnectorPromMetrics):  # type: ignore[misc]
             children = self._counters.get(name)
             if children is not None and value:
                 children[engine_idx].inc(value)
+
+
+def _loads_possible(vllm_config: Any) -> bool:
+    """Whether loads can be promised: the workers read files of the scheduler's
+    host, and vLLM runs the connector's load for this model."""
+    parallel = vllm_config.parallel_config
+    reasons = []
+    if getattr(parallel, "nnodes", 1) > 1 or parallel.distributed_executor_backend == "ray":
+        reasons.append("workers on other nodes cannot read this node's staged files")
+    if parallel.pipeline_parallel_size > 1:
+        reasons.append("vLLM drops the connector's output under pipeline parallelism")
+    if vllm_config.model_config.is_encoder_decoder:
+        reasons.append("vLLM never runs the connector's load for encoder-decoder models")
+    for reason in reasons:
+        _LOGGER.warning("mmcache EC connector: no loads, outputs only saved: %s", reason)
+    return not reasons
 
 
 def _first_rank() -> bool:

@@ -3,6 +3,10 @@ bytes staged at once stay under the budget, and nothing outlives its use."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -45,9 +49,48 @@ def test_engines_stage_apart_and_close_removes_everything(tmp_path: Path) -> Non
     b = second.put("same", torch.full((4,), 2.0))
     assert a is not None and b is not None and a.path != b.path
     # Written whole, then renamed: no partial file is ever left to be read.
-    assert [p.name for p in Path(first.directory).iterdir()] == [Path(a.path).name]
+    files = sorted(p.name for p in Path(first.directory).iterdir())
+    assert files == sorted([".lock", Path(a.path).name])
     first.close()
     assert not Path(first.directory).exists() and Path(b.path).exists()
     second.drop("missing")  # dropping what is not staged is no error
     second.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_engines_files_are_removed_by_the_next_one(tmp_path: Path) -> None:
+    # A scheduler in another process holds its directory's lock while it lives.
+    code = (
+        "import sys, time, torch; from mmcache.client.vllm_plugin._staging import Staging; "
+        "s = Staging(1 << 20, sys.argv[1]); s.put('x', torch.ones(8)); "
+        "print(s.directory, flush=True); time.sleep(60)"
+    )
+    alive = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code.replace("time.sleep(60)", "os._exit(9)").replace("import sys", "import os, sys"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        assert alive.stdout is not None
+        live_dir = Path(alive.stdout.readline().strip())
+        dead_dir = Path(killed.stdout.strip())
+        assert dead_dir.exists() and live_dir.exists()
+        old = time.time() - 3600  # both past the age under which none is taken
+        for directory in (live_dir, dead_dir):
+            os.utime(directory / ".lock", (old, old))
+        fresh = Staging(1 << 20, str(tmp_path))
+        assert not dead_dir.exists()  # its lock was free: nobody stages there
+        assert live_dir.exists() and any(live_dir.iterdir())  # held: kept
+        fresh.close()
+    finally:
+        alive.kill()
+        alive.wait()

@@ -76,8 +76,12 @@ def scope_of(vllm_config: Any) -> str:
 
 def ec_scope_of(vllm_config: Any) -> str:
     """The key scope of a model's encoder outputs: what shapes its items, plus
-    the weights (revision, quantization) and the dtype the encoder runs in."""
+    the weights (revision, config, quantization), the dtype the encoder runs in
+    and vLLM's version."""
+    import vllm
+
     model = vllm_config.model_config
+    hf_config = getattr(model, "hf_config", None)
     return _digest(
         {
             "kind": "encoder_output",
@@ -85,6 +89,9 @@ def ec_scope_of(vllm_config: Any) -> str:
             "dtype": str(getattr(model, "dtype", None)),
             "quantization": str(getattr(model, "quantization", None)),
             "code_revision": str(getattr(model, "code_revision", None)),
+            # Two checkpoints served from one path differ here at least.
+            "hf_config": hf_config.to_json_string() if hf_config is not None else None,
+            "vllm": vllm.__version__,  # encoders change between versions
         }
     )
 

@@ -8,13 +8,19 @@ file, whatever the sidecar does meanwhile. Files are written whole and then
 renamed, so a worker never sees a partial one, and the bytes staged at once
 are bounded: past the bound an item is simply not staged (vLLM encodes it).
 
+Each scheduler stages in a directory of its own, locked (`flock`) for as long
+as its process lives; a new one removes the directories whose lock it can
+take, left by engines that were killed. Used from one thread (the scheduler's).
 Nothing here speaks to the sidecar or to vLLM: torch and the file system only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import hashlib
+import itertools
 import os
 import shutil
 import tempfile
@@ -25,6 +31,11 @@ import torch
 
 __all__ = ["Staged", "Staging", "load_staged"]
 
+_PREFIX = "mmcache-ec-"
+_LOCK = ".lock"
+_YOUNG_S = 60.0  # a directory younger than this is never taken for abandoned
+_tokens = itertools.count(1)
+
 
 @dataclass
 class Staged:
@@ -34,6 +45,7 @@ class Staged:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
     nbytes: int
+    token: int = field(default_factory=lambda: next(_tokens))  # this staging of it, not a later one
     requests: set[str] = field(default_factory=set)  # live requests it was handed to
     idle_since: float = field(default_factory=time.monotonic)  # no request has it since
     handed: bool = False  # named in a step's loads at least once
@@ -53,9 +65,13 @@ class Staging:
 
     def __init__(self, budget_bytes: int, parent: str | None = None) -> None:
         self.budget_bytes = budget_bytes
+        parent = parent or _default_parent()
+        _remove_abandoned(parent)
         # A directory of this scheduler's own: two engines on one host (data
         # parallelism) stage the same identifier without touching each other.
-        self.directory = tempfile.mkdtemp(prefix="mmcache-ec-", dir=parent or _default_parent())
+        self.directory = tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
+        self._lock = os.open(os.path.join(self.directory, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self._items: dict[str, Staged] = {}
         self._bytes = 0
 
@@ -73,7 +89,8 @@ class Staging:
         return list(self._items.items())
 
     def put(self, identifier: str, tensor: torch.Tensor) -> Staged | None:
-        """Write `tensor` for `identifier`; None when it would pass the budget."""
+        """Write `tensor` for `identifier`; None when it would pass the budget.
+        OSError (a full file system) leaves nothing behind."""
         data = tensor.detach().to("cpu").contiguous()
         nbytes = data.numel() * data.element_size()
         if identifier in self._items:
@@ -83,8 +100,13 @@ class Staging:
         name = hashlib.blake2b(identifier.encode(), digest_size=16).hexdigest()
         path = os.path.join(self.directory, name)
         partial = path + ".partial"
-        data.view(torch.uint8).reshape(-1).numpy().tofile(partial)
-        os.replace(partial, path)
+        try:
+            data.view(torch.uint8).reshape(-1).numpy().tofile(partial)
+            os.replace(partial, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
+            raise
         staged = Staged(path, str(data.dtype).removeprefix("torch."), tuple(data.shape), nbytes)
         self._items[identifier] = staged
         self._bytes += nbytes
@@ -104,6 +126,7 @@ class Staging:
         self._items.clear()
         self._bytes = 0
         shutil.rmtree(self.directory, ignore_errors=True)
+        os.close(self._lock)
 
 
 def load_staged(path: str, dtype: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
@@ -114,6 +137,26 @@ def load_staged(path: str, dtype: str, shape: tuple[int, ...], device: str) -> t
     tensor = raw.view(torch_dtype).reshape(shape)
     # Owned memory: the scheduler removes the file once the request ends.
     return tensor.clone() if device == "cpu" else tensor.to(device)
+
+
+def _remove_abandoned(parent: str | None) -> None:
+    """Remove the staging directories of schedulers that are gone: their lock
+    is free (a live one holds it, also from another PID namespace)."""
+    for directory in glob.glob(os.path.join(parent or tempfile.gettempdir(), _PREFIX + "*")):
+        path = os.path.join(directory, _LOCK)
+        try:
+            if time.time() - os.stat(path).st_mtime < _YOUNG_S:
+                continue  # perhaps made but not yet locked
+            lock = os.open(path, os.O_RDWR)
+        except OSError:
+            continue  # being made right now, or not ours
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # alive
+        finally:
+            os.close(lock)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _default_parent() -> str | None:

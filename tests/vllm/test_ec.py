@@ -58,7 +58,8 @@ class Engine:
         }
 
     def staged_files(self) -> list[Path]:
-        return [f for d in self.staging.iterdir() for f in d.iterdir()]
+        """Staged outputs (not the directory's lock)."""
+        return [f for d in self.staging.iterdir() for f in d.iterdir() if f.name != ".lock"]
 
 
 @contextmanager
