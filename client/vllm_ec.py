@@ -284,6 +284,9 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 staged = self._settle(identifier, future, embeds, feature.modality)
                 if staged is not None:
                     staged.requests.add(request_id)
+                    # A read leaves the sidecar's LRU order alone: an output the
+                    # fleet keeps loading is kept from eviction this way.
+                    self._sync.submit(self._sync.client.refresh([self._key(identifier)]))
             elif now - started > self._settings.deadline_s:
                 del self._reads[identifier]
                 future.cancel()

@@ -314,6 +314,18 @@ async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> No
             assert set(server.store._lru.keys()) == {"a", "c"}
 
 
+async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
+    a, b, c = image_item(1), image_item(2), image_item(3)
+    async with MMCacheServer(server_config(capacity_bytes=2 * size_of(a) + 10)) as server:
+        async with MMCacheClient(f"127.0.0.1:{server.port}") as writer:
+            await writer.get_and_update([a, b], ["a", "b"], lease=False)
+            async with MMCacheClient(f"127.0.0.1:{server.port}") as reader:
+                await reader.fetch(["a"], release=False)  # a read moves nothing
+                assert await reader.refresh(["a", "ghost"]) == 1  # one call, one held
+            await writer.get_and_update([c], ["c"], lease=False)
+            assert set(server.store._lru.keys()) == {"a", "c"}  # b, not a, was evicted
+
+
 async def test_make_stats_delta(client: MMCacheClient) -> None:
     item = image_item(1)
     await client.get_and_update([item], ["x"])
