@@ -94,3 +94,14 @@ def test_a_killed_engines_files_are_removed_by_the_next_one(tmp_path: Path) -> N
     finally:
         alive.kill()
         alive.wait()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_worker_on_a_gpu_loads_onto_its_device(tmp_path: Path) -> None:
+    staging = Staging(1 << 20, str(tmp_path))
+    output = torch.randn(12, 64, device="cuda").to(torch.bfloat16)
+    staged = staging.put("img", output)  # copied off the device to stage
+    assert staged is not None
+    loaded = load_staged(staged.path, staged.dtype, staged.shape, "cuda:0")
+    assert loaded.device.type == "cuda" and torch.equal(loaded, output)
+    staging.close()
