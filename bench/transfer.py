@@ -40,6 +40,8 @@ turn with `fetch`, over and over: with the default 256 MiB region (the set
 1.5x the region), and with a region that holds the whole set (every read
 then makes no call), beside torch's `copy_` of as many distinct buffers into
 one (a read's least work; "of copy_" is the median of per-round ratios).
+"server copies" are the server's copies of items per read
+(`mmcache_shm_item_copies_total`, docs/shm.md), over all the table's reads.
 
 The machine's speed drifts by tens of percent over seconds (shared cores),
 so the cells are not measured one after another: every round runs each of
@@ -57,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -351,21 +354,26 @@ async def hot_set(items: int, mib: int, regions: list[int], rounds: int, seconds
                     return
                 ops[f"{region} MiB"] = await reread_op(client, items, mib)
             ops["copy_"] = set_copy_op(items, mib * MIB)
-            rates = await measure(ops, {}, nbytes, rounds, seconds)
+            copies_before = {r: server_copies(m) for r, _, m in servers}
+            reads = {name: 0 for name in ops}
+            counted = {name: counting(op, reads, name) for name, op in ops.items()}
+            rates = await measure(counted, {}, nbytes, rounds, seconds)
             med = {name: statistics.median(r) for name, r in rates.items()}
             print(f"\nco-located re-reads: {items} items of {mib} MiB, each fetched in turn")
             print(
                 f"{'region':>8} | {'set/region':>10} | {'GB/s':>6} | {'min-max':>11} | "
-                f"{'ms/item':>7} | {'copy_':>6} | {'of copy_':>8}"
+                f"{'ms/item':>7} | {'copy_':>6} | {'of copy_':>8} | {'server copies':>13}"
             )
-            print("-" * 74)
-            for region, _, _ in servers:
+            print("-" * 90)
+            for region, _, metrics_port in servers:
                 name = f"{region} MiB"
+                copies = server_copies(metrics_port) - copies_before[region]
                 print(
                     f"{name:>8} | {items * mib / region:10.2f} | {med[name]:6.2f} | "
                     f"{min(rates[name]):5.2f}-{max(rates[name]):<5.2f} | "
                     f"{_ms(mib * MIB, med[name]):7.2f} | {med['copy_']:6.2f} | "
-                    f"{ratio_of(rates, name, 'copy_'):8.0%}"
+                    f"{ratio_of(rates, name, 'copy_'):8.0%} | "
+                    f"{copies / (reads[name] * items):13.2f}"
                 )
     finally:
         for _, proc, _ in servers:
@@ -406,6 +414,26 @@ def set_copy_op(items: int, nbytes: int) -> Op:
             dst.copy_(src)
 
     return copy
+
+
+def counting(op: Op, counts: dict[str, int], name: str) -> Op:
+    async def counted() -> None:
+        await op()
+        counts[name] += 1
+
+    return counted
+
+
+def server_copies(metrics_port: int) -> float:
+    """The server's copies of items into and out of its region, so far."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mmcache_shm_item_copies_total{")
+    )
 
 
 def main() -> None:
