@@ -23,7 +23,10 @@ The region holds three kinds of extent, from one allocator:
   ReadShm when the region has no room for it to move in, and freed when its
   reader's hold ends. Residents and write slots leave a reserve free for them
   (the largest item read so, at most half the region), so that reads of a hot
-  set larger than the region do not push residents out.
+  set larger than the region do not push residents out. Only an item read
+  again within TENURE_S takes the place of residents in for longer than that
+  (reads with no call are not seen: a resident's time counts from when it
+  came in, or was last read through ReadShm).
 
 An extent's generation word is zeroed when it is freed, before its memory
 can be used again: a reader checks the word before and after copying, and
@@ -40,13 +43,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import itertools
 import logging
 import mmap
 import os
 import secrets
 import time
 from bisect import insort
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
@@ -87,6 +92,12 @@ WRITE = "write"
 ITEM = "item"
 READ = "read"  # a transient extent: one read's copy of an item in the heap
 
+# How long a resident is safe from items read again (`read_again`): reads
+# change the region's content at most at that pace (a copy out, one in), so
+# a hot set larger than the region does not churn it.
+TENURE_S = 10.0
+MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
+
 
 @dataclass(slots=True)
 class Slot:
@@ -99,6 +110,7 @@ class Slot:
     length: int  # payload bytes
     expires: float
     key: str = ""  # an item's store key, once resident
+    since: float = 0.0  # when it came in, or was last read through ReadShm
 
     @property
     def offset(self) -> int:
@@ -173,6 +185,9 @@ class Region:
         # Kept free for transient extents by residents and write slots: the
         # largest extent a read of an item in the heap needed (`need_read`).
         self.reserve = 0
+        self.tenure_s = TENURE_S
+        # Items read from transient extents: store key -> when, oldest first.
+        self._rereads: OrderedDict[str, float] = OrderedDict()
         self.expired = 0  # slots and holds ended by expiry: clients that never said "done"
 
     @property
@@ -284,6 +299,7 @@ class Region:
         del self._slots[slot.lease]
         self._writes.pop(slot.lease, None)
         slot.kind, slot.lease, slot.expires, slot.key = ITEM, self._new_lease(), float("inf"), key
+        slot.since = self._clock()
         self._slots[slot.lease] = slot
         self._count(slot, 1)
         # The generation last: a reader that sees it sees the rest written.
@@ -298,13 +314,30 @@ class Region:
         slot = resident.slot
         if self._slots.get(slot.lease) is slot:
             self._slots[slot.lease] = self._slots.pop(slot.lease)
+            slot.since = self._clock()
         if slot.lease not in self._indexed:
             self._index(fingerprint(slot.key), slot)
 
-    def resident_keys(self, keep: Collection[str] = ()) -> list[str]:
+    def resident_keys(self, keep: Collection[str] = (), *, aged: bool = False) -> list[str]:
         """The store keys of the items resident here, first to leave first, but
-        none of `keep`."""
-        return [s.key for s in self._slots.values() if s.kind == ITEM and s.key not in keep]
+        none of `keep`; `aged`: only those in for longer than the tenure."""
+        residents: Iterable[Slot] = (s for s in self._slots.values() if s.kind == ITEM)
+        if aged:
+            cutoff = self._clock() - self.tenure_s
+            residents = itertools.takewhile(lambda s: s.since <= cutoff, residents)
+        return [s.key for s in residents if s.key not in keep]
+
+    def read_again(self, key: str) -> bool:
+        """Note a read of the item under `key` from a transient extent; whether
+        it had one within the tenure before."""
+        now = self._clock()
+        last = self._rereads.pop(key, None)
+        self._rereads[key] = now
+        while len(self._rereads) > MAX_REREADS or next(iter(self._rereads.values())) < (
+            now - self.tenure_s
+        ):
+            self._rereads.popitem(last=False)
+        return last is not None and last >= now - self.tenure_s
 
     def _index(self, fp: int, slot: Slot) -> None:
         mask = self._buckets - 1

@@ -216,15 +216,18 @@ class CacheServicer:
         trailer: int,
         incoming: int = 0,
         keep: Sequence[str] = (),
+        *,
+        aged: bool = False,
     ) -> Slot | None:
         """An extent of the region, made room for by taking the items that came
-        into it longest ago out of it (but none of `keep`); None when even that
-        fails."""
+        into it longest ago out of it (but none of `keep`; `aged`: only those
+        in for longer than its tenure); None when even that fails."""
         if not region.fits(length, trailer):
             return None
         slot = region.allocate(length, kind, trailer)
         if slot is None:
-            for moved in self._store.leave_region(region.resident_keys(keep), incoming):
+            residents = region.resident_keys(keep, aged=aged)
+            for moved in self._store.leave_region(residents, incoming):
                 if moved:
                     self._metrics.shm_copies.labels("out").inc()
                 slot = region.allocate(length, kind, trailer)
@@ -629,10 +632,11 @@ class CacheServicer:
         not, a read that holds its extents (`hold`) gets a copy in a transient
         extent, the item staying in the heap: a hot set larger than the region
         costs a copy per read, not a resident pushed out to the heap (a copy)
-        and the item moved in (another) on every read. Where even the reserve
-        is taken (other reads in flight) residents are moved out for the copy.
-        Without `hold` (a client that never says done) the item moves in, as
-        room is made."""
+        and the item moved in (another) on every read. An item read again
+        within the region's tenure takes the place of residents in for longer
+        (a hot set that moved on), and where even the reserve is taken (other
+        reads in flight) residents are moved out for the copy. Without `hold`
+        (a client that never says done) the item moves in, as room is made."""
         residents: list[Resident] = []
         for key, item in zip(keys, items, strict=True):
             if item.resident is not None:
@@ -644,6 +648,8 @@ class CacheServicer:
             if hold:
                 region.need_read(item.payload)
                 slot = region.allocate(item.payload, ITEM, trailer)
+                if slot is None and region.read_again(key):
+                    slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys, aged=True)
                 if slot is None:
                     slot = self._allocate(region, item.payload, READ, 0, keep=keys)
                     if slot is None:

@@ -50,6 +50,23 @@ def resident(server: MMCacheServer, hashes: list[str]) -> list[str]:
     return [h for h in hashes if getattr(server.store.peek(h), "resident", None) is not None]
 
 
+class Clock:
+    """The region's clock, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stopped_clock(server: MMCacheServer) -> Clock:
+    assert server.region is not None
+    clock = Clock()
+    server.region._clock = clock
+    return clock
+
+
 async def raw_read_shm(server: MMCacheServer, request: pb.FetchRequest) -> pb.FetchHeader:
     """One ReadShm from a caller that never says a hold done (no client library)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -72,6 +89,7 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
     ):
         region = server.region
         assert region is not None and local._region is not None
+        stopped_clock(server)  # no resident is in for longer than the tenure
         items, hashes = items_of(6)  # 24 MiB: 1.5x the region
         await remote.get_and_update(items, hashes, lease=False)  # kept in the heap
         for _ in range(3):
@@ -87,6 +105,37 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_shm_transient_bytes") == 0
         assert region.expired == 0  # said done, not expired
+
+
+async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
+    tmp_path: Path,
+) -> None:
+    async with (
+        MMCacheServer(shm_config(tmp_path)) as server,
+        client(server, shm=False) as remote,
+        client(server) as local,
+    ):
+        assert server.region is not None
+        clock = stopped_clock(server)
+        items, hashes = items_of(4)
+        await remote.get_and_update(items, hashes, lease=False)
+
+        async def read(i: int) -> None:
+            assert same((await local.fetch([hashes[i]]))[0], items[i])
+
+        await read(0)
+        await read(1)  # both moved in: the region is full but for its reserve
+        clock.now += 5
+        await read(2)  # a copy
+        await read(2)  # read again, but the residents are in for less than the tenure
+        clock.now += server.region.tenure_s - 2  # the residents' tenure is over, not the copy's
+        await read(3)  # a first read never takes a resident's place
+        assert resident(server, hashes) == hashes[:2]
+        await read(2)  # read again: it takes the place of the resident in longest
+        assert resident(server, hashes) == hashes[1:3]
+        assert await copies(server) == {"in": 3, "out": 1, "transient": 3}
+        for i in range(4):
+            await read(i)
 
 
 async def test_a_view_of_a_transient_copy_is_not_overwritten_by_other_reads(
