@@ -2,6 +2,7 @@
 gRPC path beside the raw gRPC ceiling.
 
     python -m bench.transfer [--sizes 1 8 64] [--rounds 12] [--burst 0.3] [--chunk-mib 1]
+                             [--hot 6] [--hot-mib 64] [--hot-regions 256 512]
 
 Put is measured in steady state: the cache (512 MiB) is filled first, so
 every put also evicts. Servers run in their own processes (one core each
@@ -32,6 +33,16 @@ the gRPC client another (uploaded over gRPC, so kept as chunk frames).
 "ms/call" is the time of one call (the item's bytes over its rate), beside
 the raw call's.
 
+The last table re-reads a hot set through the region ("co-located
+re-reads"): `--hot` items of `--hot-mib` MiB (6 of 64 by default), uploaded
+by a co-located client to a server of its own (2 GiB cache), each read in
+turn with `fetch`, over and over: with the default 256 MiB region (the set
+1.5x the region), and with a region that holds the whole set (every read
+then makes no call), beside torch's `copy_` of as many distinct buffers into
+one (a read's least work; "of copy_" is the median of per-round ratios).
+"server copies" are the server's copies of items per read
+(`mmcache_shm_item_copies_total`, docs/shm.md), over all the table's reads.
+
 The machine's speed drifts by tens of percent over seconds (shared cores),
 so the cells are not measured one after another: every round runs each of
 them for one short burst, in turn, and the table gives medians over rounds;
@@ -43,10 +54,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -322,17 +335,126 @@ def shm_table_rows(mib: int, rates: dict[str, list[float]], med: dict[str, float
     return rows
 
 
+async def hot_set(items: int, mib: int, regions: list[int], rounds: int, seconds: float) -> None:
+    """The re-read table: the same hot set read over and over from servers with
+    regions of `regions` MiB, the servers' bursts taking turns."""
+    nbytes = items * mib * MIB
+    ops: dict[str, Op] = {}
+    servers: list[tuple[int, subprocess.Popen[str], int]] = []
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            for region in regions:
+                proc, port, metrics_port = spawn_metered(
+                    ["--capacity-mib", "2048", "--shm-mib", str(region)]
+                )
+                servers.append((region, proc, metrics_port))
+                client = await stack.enter_async_context(MMCacheClient(f"127.0.0.1:{port}"))
+                if client._region is None:
+                    print("no shared-memory region (is /dev/shm there?): no re-read table")
+                    return
+                ops[f"{region} MiB"] = await reread_op(client, items, mib)
+            ops["copy_"] = set_copy_op(items, mib * MIB)
+            copies_before = {r: server_copies(m) for r, _, m in servers}
+            reads = {name: 0 for name in ops}
+            counted = {name: counting(op, reads, name) for name, op in ops.items()}
+            rates = await measure(counted, {}, nbytes, rounds, seconds)
+            med = {name: statistics.median(r) for name, r in rates.items()}
+            print(f"\nco-located re-reads: {items} items of {mib} MiB, each fetched in turn")
+            print(
+                f"{'region':>8} | {'set/region':>10} | {'GB/s':>6} | {'min-max':>11} | "
+                f"{'ms/item':>7} | {'copy_':>6} | {'of copy_':>8} | {'server copies':>13}"
+            )
+            print("-" * 90)
+            for region, _, metrics_port in servers:
+                name = f"{region} MiB"
+                copies = server_copies(metrics_port) - copies_before[region]
+                print(
+                    f"{name:>8} | {items * mib / region:10.2f} | {med[name]:6.2f} | "
+                    f"{min(rates[name]):5.2f}-{max(rates[name]):<5.2f} | "
+                    f"{_ms(mib * MIB, med[name]):7.2f} | {med['copy_']:6.2f} | "
+                    f"{ratio_of(rates, name, 'copy_'):8.0%} | "
+                    f"{copies / (reads[name] * items):13.2f}"
+                )
+    finally:
+        for _, proc, _ in servers:
+            proc.terminate()
+            proc.wait()
+
+
+def spawn_metered(args: list[str]) -> tuple[subprocess.Popen[str], int, int]:
+    """A cache server with `args`: the process, its port and its /metrics port."""
+    cmd = [sys.executable, "-m", "bench._cache_server", "--metrics", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    port, metrics_port = map(int, proc.stdout.readline().split())
+    return proc, port, metrics_port
+
+
+async def reread_op(client: MMCacheClient, items: int, mib: int) -> Op:
+    """One read of each item of a hot set, in turn (uploaded now, through the region)."""
+    hashes = [f"hot-{mib}-{i}" for i in range(items)]
+    for mm_hash in hashes:
+        await client.get_and_update([{"pixel_values": torch.randn(mib * MIB // 4)}], [mm_hash])
+
+    async def reread() -> None:
+        for mm_hash in hashes:
+            await client.fetch([mm_hash], release=False)
+
+    return reread
+
+
+def set_copy_op(items: int, nbytes: int) -> Op:
+    """torch's `copy_` of `items` distinct buffers of `nbytes` in turn into one
+    (a read's least work: one copy, into reused memory, of bytes not in cache)."""
+    sources = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8) for _ in range(items)]
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+
+    async def copy() -> None:
+        for src in sources:
+            dst.copy_(src)
+
+    return copy
+
+
+def counting(op: Op, counts: dict[str, int], name: str) -> Op:
+    async def counted() -> None:
+        await op()
+        counts[name] += 1
+
+    return counted
+
+
+def server_copies(metrics_port: int) -> float:
+    """The server's copies of items into and out of its region, so far."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("mmcache_shm_item_copies_total{")
+    )
+
+
 def main() -> None:
     # Both servers and this client process (which runs the ceiling's client
     # and ours) reuse freed memory, as `mmcache serve` does by default.
     keep_freed_memory()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 64], help="MiB")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[1, 8, 64], help="MiB")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--burst", type=float, default=0.3, help="seconds per op per round")
     parser.add_argument("--chunk-mib", type=int, default=1, choices=[1, 2, 3, 4])
+    parser.add_argument("--hot", type=int, default=6, help="items of the re-read set (0: none)")
+    parser.add_argument("--hot-mib", type=int, default=64)
+    parser.add_argument(
+        "--hot-regions", type=int, nargs="+", default=[256, 512], help="region sizes, MiB"
+    )
     args = parser.parse_args()
-    asyncio.run(run(args.sizes, args.rounds, args.burst, args.chunk_mib * MIB))
+    if args.sizes:
+        asyncio.run(run(args.sizes, args.rounds, args.burst, args.chunk_mib * MIB))
+    if args.hot:
+        asyncio.run(hot_set(args.hot, args.hot_mib, args.hot_regions, args.rounds, args.burst))
 
 
 if __name__ == "__main__":

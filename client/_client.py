@@ -640,8 +640,16 @@ class MMCacheClient:
         """The items through the region (copied out, or viewed into `views` under
         holds), in one unary call; None when the server had no room (or is
         another server now)."""
+        # Every extent under a hold, said done once copied (or viewed): an item
+        # the region has no room for then comes in a transient copy, freed by
+        # the done, instead of pushing another out. The holds done so far go
+        # with the call, so the server frees their extents before this read.
         request = pb.FetchRequest(
-            mm_hashes=mm_hashes, release=release, shm_token=region.token, shm_hold=views is not None
+            mm_hashes=mm_hashes,
+            release=release,
+            shm_token=region.token,
+            shm_hold=True,
+            shm_done=self._reports.done(region.token),
         )
         try:
             raw = await self._rpc.read_shm(request)
@@ -651,7 +659,17 @@ class MMCacheClient:
         header = _parse_header(raw)
         if not header.items and mm_hashes:
             return None
-        return await _decode_items(header, _no_frames(), len(mm_hashes), self._pool, region, views)
+        held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]
+        try:
+            items = await _decode_items(
+                header, _no_frames(), len(mm_hashes), self._pool, region, views
+            )
+        except BaseException:
+            self._reports.add(region.token, done=held)
+            raise
+        if views is None:  # copied out; a view's block says them done when it ends
+            self._reports.add(region.token, done=held)
+        return items
 
     @contextlib.asynccontextmanager
     async def view(

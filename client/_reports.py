@@ -2,8 +2,9 @@
 
 A read of an item resident in the shared-memory region makes no call, so
 what the server would have learnt from the call goes in a Release sent in
-the background: the leases the read gives back, the views' holds it is done
-with, and the bytes it read (for mmcache_shm_bytes_total). One such call is
+the background: the leases the read gives back, the holds it is done with
+(of views, and of ReadShm's copies), and the bytes it read (for
+mmcache_shm_bytes_total). One such call is
 in flight at a time, and everything that piles up meanwhile goes in the
 next. Best effort: a lease or a hold never given back ends by itself.
 """
@@ -39,6 +40,7 @@ class Reports:
         self._token = b""
         self._released: list[str] = []
         self._done: list[int] = []
+        self._sending: list[int] = []  # the holds done in the Release in flight
         self._read_bytes = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -63,13 +65,22 @@ class Reports:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
+    def done(self, token: bytes) -> list[int]:
+        """The holds done that the server may not have heard of yet (to send, or
+        in the Release in flight), for a ReadShm to carry as well: the server
+        ends them before serving it (ending one twice is harmless)."""
+        if token != self._token:
+            return []
+        return [*self._sending, *self._done][-MAX_HASHES_PER_CALL:]
+
     async def _run(self) -> None:
         while self._released or self._done or self._read_bytes:
+            self._sending = self._done[:MAX_HASHES_PER_CALL]
             request = pb.ReleaseRequest(
                 mm_hashes=self._released[:MAX_HASHES_PER_CALL],
                 shm_token=self._token,
                 shm_read_bytes=self._read_bytes,
-                shm_done=self._done[:MAX_HASHES_PER_CALL],
+                shm_done=self._sending,
             )
             del self._released[:MAX_HASHES_PER_CALL]
             del self._done[:MAX_HASHES_PER_CALL]
@@ -80,6 +91,8 @@ class Reports:
                 _LOGGER.debug("could not report to the server (leases end by themselves): %s", exc)
             else:
                 self._answered(reply.instance_id)
+            finally:
+                self._sending = []
 
     async def flush(self, timeout: float) -> None:
         """Wait (at most `timeout` seconds) until everything added has been sent."""

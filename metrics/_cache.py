@@ -63,6 +63,16 @@ class CacheMetrics:
         )
         for direction in ("read", "write"):  # exported from the start, as 0
             self.shm_bytes.labels(direction)
+        self.shm_copies = Counter(
+            "mmcache_shm_item_copies",
+            "Items the server copied between its heap and the shared-memory region, by "
+            "kind (in: moved into the region for a read, out: moved back to the heap to "
+            "make room, transient: copied into a transient extent for one read).",
+            ["kind"],
+            registry=registry,
+        )
+        for kind in ("in", "out", "transient"):
+            self.shm_copies.labels(kind)
         self.sent_bytes = Counter(
             "mmcache_sent_bytes", "Tensor payload bytes sent by Fetch.", registry=registry
         )
@@ -120,6 +130,7 @@ class StoreGauges(Collector):
         shm_leased_bytes: Callable[[], int],
         shm_resident_bytes: Callable[[], int],
         upload_sessions: Callable[[], int] = lambda: 0,
+        shm_transient_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -156,6 +167,12 @@ class StoreGauges(Collector):
                 "mmcache_shm_resident_bytes",
                 "Bytes of the shared-memory region holding items (within the capacity).",
                 shm_resident_bytes,
+            ),
+            (
+                "mmcache_shm_transient_bytes",
+                "Bytes of the shared-memory region in transient extents now (reads of items "
+                "in the heap, until their readers are done).",
+                shm_transient_bytes,
             ),
             (
                 "mmcache_upload_sessions",

@@ -8,7 +8,7 @@ that can read the header's token proves it maps the very same file (not
 another host's, not a stale one) by sending it with its calls; anything else
 uses gRPC.
 
-The region holds two kinds of extent, from one allocator:
+The region holds three kinds of extent, from one allocator:
 
 - items resident in it: an item whose bytes live here and not in the heap
   (charged once, in the store's capacity). The index lets a co-located
@@ -18,7 +18,15 @@ The region holds two kinds of extent, from one allocator:
   resident extent is freed when its item is gone from the store and no
   in-flight read holds it (`Resident` is that reference);
 - write slots: a client asks for them (ShmAllocate), writes payloads, and
-  names them in GetAndUpdate, under a lease that expires.
+  names them in GetAndUpdate, under a lease that expires;
+- transient extents: a copy of an item that stays in the heap, made for one
+  ReadShm when the region has no room for it to move in, and freed when its
+  reader's hold ends. Residents and write slots leave a reserve free for them
+  (the largest item read so, at most half the region), so that reads of a hot
+  set larger than the region do not push residents out. Only an item read
+  again within TENURE_S takes the place of residents in for longer than that
+  (reads with no call are not seen: a resident's time counts from when it
+  came in, or was last read through ReadShm).
 
 An extent's generation word is zeroed when it is freed, before its memory
 can be used again: a reader checks the word before and after copying, and
@@ -35,13 +43,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
+import itertools
 import logging
 import mmap
 import os
 import secrets
 import time
 from bisect import insort
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
@@ -62,6 +72,7 @@ from mmcache._shm_layout import (
 
 __all__ = [
     "ITEM",
+    "READ",
     "WRITE",
     "Region",
     "Resident",
@@ -79,6 +90,13 @@ _SUFFIX = ".shm"
 
 WRITE = "write"
 ITEM = "item"
+READ = "read"  # a transient extent: one read's copy of an item in the heap
+
+# How long a resident is safe from items read again (`read_again`): reads
+# change the region's content at most at that pace (a copy out, one in), so
+# a hot set larger than the region does not churn it.
+TENURE_S = 10.0
+MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
 
 
 @dataclass(slots=True)
@@ -86,12 +104,13 @@ class Slot:
     """An extent of the region: [offset, offset + length) holds the payload."""
 
     lease: int  # its generation word
-    kind: str  # WRITE or ITEM
+    kind: str  # WRITE, ITEM or READ
     start: int  # where its head begins
     span: int  # bytes taken, head, trailer and padding included
     length: int  # payload bytes
     expires: float
     key: str = ""  # an item's store key, once resident
+    since: float = 0.0  # when it came in, or was last read through ReadShm
 
     @property
     def offset(self) -> int:
@@ -100,7 +119,8 @@ class Slot:
 
 class Resident:
     """The reference that keeps a resident item's extent: the store's item holds
-    one, as does a read in flight; the extent is freed when the last goes."""
+    one, as does a read in flight; the extent is freed when the last goes. A
+    transient extent has one too, held only by its reader's hold."""
 
     __slots__ = ("_region", "slot")
 
@@ -161,6 +181,13 @@ class Region:
         self._holds: dict[int, tuple[Resident, float]] = {}
         self.leased_bytes = 0  # write slots
         self.resident_bytes = 0  # resident items' extents
+        self.transient_bytes = 0  # transient extents
+        # Kept free for transient extents by residents and write slots: the
+        # largest extent a read of an item in the heap needed (`need_read`).
+        self.reserve = 0
+        self.tenure_s = TENURE_S
+        # Items read from transient extents: store key -> when, oldest first.
+        self._rereads: OrderedDict[str, float] = OrderedDict()
         self.expired = 0  # slots and holds ended by expiry: clients that never said "done"
 
     @property
@@ -170,9 +197,11 @@ class Region:
 
     def allocate(self, length: int, kind: str, trailer: int = 0) -> Slot | None:
         """An extent for `length` payload bytes and `trailer` bytes after them, or
-        None when the region has no room."""
-        span = -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
-        index = next((i for i, (_, free) in enumerate(self._free) if free >= span), None)
+        None when the region has no room. Only a transient extent (READ) may
+        take the reserve, unless the region could never hold both."""
+        span = _span(length, trailer)
+        keep = self.reserve if kind != READ and span + self.reserve <= self._room else 0
+        index = self._first_fit(span, keep)
         if index is None:
             return None
         start, free = self._free[index]
@@ -188,9 +217,32 @@ class Region:
         self._count(slot, 1)
         return slot
 
+    def _first_fit(self, span: int, keep: int) -> int | None:
+        """The first free extent that holds `span` bytes and leaves one of `keep`
+        bytes free (in itself or elsewhere)."""
+        largest = second = 0  # the two largest free extents' sizes
+        for _, free in self._free:
+            largest, second = (free, largest) if free > largest else (largest, max(second, free))
+        for index, (_, free) in enumerate(self._free):
+            if free < span:
+                continue
+            elsewhere = second if free == largest else largest
+            if max(free - span, elsewhere) >= keep:
+                return index
+        return None
+
     def fits(self, length: int, trailer: int = 0) -> bool:
         """Whether an extent of that size could ever be had (the region is large enough)."""
-        return HEAD_BYTES + length + trailer <= self.size - self._data
+        return _span(length, trailer) <= self._room
+
+    @property
+    def _room(self) -> int:
+        return self.size - self._data
+
+    def need_read(self, length: int) -> None:
+        """A read needs a transient extent of `length` payload bytes: keep that much
+        free from now on, but never more than half the region."""
+        self.reserve = max(self.reserve, min(_span(length), self._room // 2 // PAGE * PAGE))
 
     def _new_lease(self) -> int:
         lease = secrets.randbits(63) | 1
@@ -201,6 +253,8 @@ class Region:
     def _count(self, slot: Slot, sign: int) -> None:
         if slot.kind == ITEM:
             self.resident_bytes += sign * slot.span
+        elif slot.kind == READ:
+            self.transient_bytes += sign * slot.span
         else:
             self.leased_bytes += sign * slot.span
 
@@ -245,6 +299,7 @@ class Region:
         del self._slots[slot.lease]
         self._writes.pop(slot.lease, None)
         slot.kind, slot.lease, slot.expires, slot.key = ITEM, self._new_lease(), float("inf"), key
+        slot.since = self._clock()
         self._slots[slot.lease] = slot
         self._count(slot, 1)
         # The generation last: a reader that sees it sees the rest written.
@@ -259,13 +314,30 @@ class Region:
         slot = resident.slot
         if self._slots.get(slot.lease) is slot:
             self._slots[slot.lease] = self._slots.pop(slot.lease)
+            slot.since = self._clock()
         if slot.lease not in self._indexed:
             self._index(fingerprint(slot.key), slot)
 
-    def resident_keys(self, keep: Collection[str] = ()) -> list[str]:
+    def resident_keys(self, keep: Collection[str] = (), *, aged: bool = False) -> list[str]:
         """The store keys of the items resident here, first to leave first, but
-        none of `keep`."""
-        return [s.key for s in self._slots.values() if s.kind == ITEM and s.key not in keep]
+        none of `keep`; `aged`: only those in for longer than the tenure."""
+        residents: Iterable[Slot] = (s for s in self._slots.values() if s.kind == ITEM)
+        if aged:
+            cutoff = self._clock() - self.tenure_s
+            residents = itertools.takewhile(lambda s: s.since <= cutoff, residents)
+        return [s.key for s in residents if s.key not in keep]
+
+    def read_again(self, key: str) -> bool:
+        """Note a read of the item under `key` from a transient extent; whether
+        it had one within the tenure before."""
+        now = self._clock()
+        last = self._rereads.pop(key, None)
+        self._rereads[key] = now
+        while len(self._rereads) > MAX_REREADS or next(iter(self._rereads.values())) < (
+            now - self.tenure_s
+        ):
+            self._rereads.popitem(last=False)
+        return last is not None and last >= now - self.tenure_s
 
     def _index(self, fp: int, slot: Slot) -> None:
         mask = self._buckets - 1
@@ -289,7 +361,8 @@ class Region:
             BUCKET.pack_into(self._map, HEADER_BYTES + bucket * BUCKET.size, 0, 0, 0, 0)
 
     def hold(self, resident: Resident) -> int:
-        """Keep a resident item's extent until `release` or the lease ends; the hold's id."""
+        """Keep a resident item's (or a transient) extent until `release` or the
+        lease ends; the hold's id."""
         hold = self._new_lease()
         self._holds[hold] = (resident, self._clock() + self._lease_s)
         return hold
@@ -318,7 +391,7 @@ class Region:
         return True
 
     def drop(self, slot: Slot) -> None:
-        """Free a resident item's extent (its last reference went)."""
+        """Free a resident item's or a transient extent (its last reference went)."""
         if not self._closed and self._slots.get(slot.lease) is slot:
             self._unindex(slot.lease)
             self._free_slot(slot)
@@ -376,6 +449,11 @@ class Region:
         if index > 0 and free[index - 1][0] + free[index - 1][1] == free[index][0]:
             free[index - 1] = (free[index - 1][0], free[index - 1][1] + free[index][1])
             del free[index]
+
+
+def _span(length: int, trailer: int = 0) -> int:
+    """The bytes an extent of `length` payload bytes and `trailer` takes: whole pages."""
+    return -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
 
 
 def copy_payload(frames: Sequence[bytes], into: memoryview) -> None:

@@ -39,6 +39,7 @@ from ._namespaces import Namespace, Namespaces
 from ._pending import PendingUploads
 from ._region import (
     ITEM,
+    READ,
     WRITE,
     Region,
     Resident,
@@ -215,15 +216,20 @@ class CacheServicer:
         trailer: int,
         incoming: int = 0,
         keep: Sequence[str] = (),
+        *,
+        aged: bool = False,
     ) -> Slot | None:
         """An extent of the region, made room for by taking the items that came
-        into it longest ago out of it (but none of `keep`); None when even that
-        fails."""
+        into it longest ago out of it (but none of `keep`; `aged`: only those
+        in for longer than its tenure); None when even that fails."""
         if not region.fits(length, trailer):
             return None
         slot = region.allocate(length, kind, trailer)
         if slot is None:
-            for _ in self._store.leave_region(region.resident_keys(keep), incoming):
+            residents = region.resident_keys(keep, aged=aged)
+            for moved in self._store.leave_region(residents, incoming):
+                if moved:
+                    self._metrics.shm_copies.labels("out").inc()
                 slot = region.allocate(length, kind, trailer)
                 if slot is not None:
                     break
@@ -577,9 +583,13 @@ class CacheServicer:
 
     async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
         region = self._region_of(request.shm_token)
+        check_count("shm_done", len(request.shm_done))
+        # The client's earlier reads first: their transient extents are free for this one.
+        for hold in request.shm_done:
+            region.release(hold)
         keys, items = await self._fetched(request, context)
         header = pb.FetchHeader(instance_id=self._instance_id)
-        residents = self._residents(region, keys, items)
+        residents = self._residents(region, keys, items, request.shm_hold)
         if residents is None:
             return header  # no room: the client calls Fetch
         for mm_hash, item, resident in zip(request.mm_hashes, items, residents, strict=True):
@@ -613,10 +623,20 @@ class CacheServicer:
             raise CacheMissError(namespace.hashes(exc.missing_hashes)) from None
 
     def _residents(
-        self, region: Region, keys: Sequence[str], items: Sequence[StoredItem]
+        self, region: Region, keys: Sequence[str], items: Sequence[StoredItem], hold: bool
     ) -> list[Resident] | None:
-        """The items' extents in the region, moving there those that are not yet
-        (their frames then dropped); None when the region has no room for all."""
+        """The items' extents in the region; None when it has no room for all.
+
+        An item in the heap moves into the region (one copy; its frames
+        dropped) where there is room, leaving the reserve free. Where there is
+        not, a read that holds its extents (`hold`) gets a copy in a transient
+        extent, the item staying in the heap: a hot set larger than the region
+        costs a copy per read, not a resident pushed out to the heap (a copy)
+        and the item moved in (another) on every read. An item read again
+        within the region's tenure takes the place of residents in for longer
+        (a hot set that moved on), and where even the reserve is taken (other
+        reads in flight) residents are moved out for the copy. Without `hold`
+        (a client that never says done) the item moves in, as room is made."""
         residents: list[Resident] = []
         for key, item in zip(keys, items, strict=True):
             if item.resident is not None:
@@ -625,10 +645,25 @@ class CacheServicer:
                 continue
             spec = item.spec.SerializeToString()
             trailer = len(key.encode()) + len(spec)
-            slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys)
-            if slot is None:
-                return None
+            if hold:
+                region.need_read(item.payload)
+                slot = region.allocate(item.payload, ITEM, trailer)
+                if slot is None and region.read_again(key):
+                    slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys, aged=True)
+                if slot is None:
+                    slot = self._allocate(region, item.payload, READ, 0, keep=keys)
+                    if slot is None:
+                        return None
+                    copy_payload(item.frames, region.payload(slot))
+                    self._metrics.shm_copies.labels("transient").inc()
+                    residents.append(Resident(region, slot))  # freed when its hold ends
+                    continue
+            else:
+                slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys)
+                if slot is None:
+                    return None
             copy_payload(item.frames, region.payload(slot))
+            self._metrics.shm_copies.labels("in").inc()
             resident = region.settle(slot, key, spec)
             assert resident is not None  # allocated with room for its trailer
             self._store.make_resident(key, item, resident)

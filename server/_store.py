@@ -236,24 +236,26 @@ class ItemStore:
         if self._lru.peek(key) is item:
             self._lru.replace_value(key, replace(item, frames=(), resident=resident))
 
-    def leave_region(self, keys: Iterable[str], incoming: int) -> Iterator[None]:
+    def leave_region(self, keys: Iterable[str], incoming: int) -> Iterator[bool]:
         """Take the items under `keys` (resident in the region, first to leave
         first) out of it, one a step: the caller stops once the region has the
         room it needs. While the store has room for the `incoming` bytes, an
         item moves back to the heap (still cached, leased, in its place in the
-        order); once it is full, and must evict to take them anyway, the item
-        is evicted (unless leased). Extents are freed once no read holds them."""
+        order: the step yields True, a copy); once it is full, and must evict
+        to take them anyway, the item is evicted (unless leased; False).
+        Extents are freed once no read holds them."""
         for key in keys:
             item = self._lru.peek(key)
             if item is None or item.resident is None:
                 continue
-            if self.used + incoming > self.capacity and not self._lru.is_pinned(key):
-                self._lru.evict(key)
-            else:
+            moved = self.used + incoming <= self.capacity or self._lru.is_pinned(key)
+            if moved:
                 frames = tuple(region_frames(item.resident.payload()))
                 self._lru.replace_value(key, replace(item, frames=frames, resident=None))
+            else:
+                self._lru.evict(key)
             del item  # the last reference to the extent, unless a read holds it
-            yield
+            yield moved
 
     def release(self, mm_hashes: Iterable[str]) -> int:
         """Give back one lease of each hash; how many were leased."""

@@ -739,6 +739,7 @@ class FetchRequest(_message.Message):
     RELEASE_FIELD_NUMBER: _builtins.int
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
     SHM_HOLD_FIELD_NUMBER: _builtins.int
+    SHM_DONE_FIELD_NUMBER: _builtins.int
     release: _builtins.bool
     """Once every item has been sent, release one lease of each hash read (the
     engine's read of what its frontend leased). Unleased hashes are ignored.
@@ -748,9 +749,19 @@ class FetchRequest(_message.Message):
     region, so the items come in slots of it rather than in chunk frames).
     """
     shm_hold: _builtins.bool
-    """ReadShm only: hold each item's extent until Release says it done (a view)."""
+    """ReadShm only: hold each item's extent until the client says it done
+    (`shm_done` of a Release or of a later ReadShm), or the lease ends. Then
+    an item in the heap that has no room in the region may come in a
+    transient extent, a copy freed once done, instead of moving in.
+    """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """ReadShm only: holds (`ShmSlot.hold`) the client is done with, ended
+        before this read is served, so earlier reads' extents make room for it.
+        """
+
     def __init__(
         self,
         *,
@@ -758,10 +769,11 @@ class FetchRequest(_message.Message):
         release: _builtins.bool = ...,
         shm_token: _builtins.bytes = ...,
         shm_hold: _builtins.bool = ...,
+        shm_done: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release", "shm_hold", b"shm_hold", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "release", b"release", "shm_done", b"shm_done", "shm_hold", b"shm_hold", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -782,7 +794,8 @@ class FetchedItem(_message.Message):
     @_builtins.property
     def shm(self) -> Global___ShmSlot:
         """In ReadShm replies, instead of chunk frames: the payload is in this
-        extent of the region (the item is resident there).
+        extent of the region (the item is resident there, or in a transient
+        extent under the reply's hold).
         """
 
     def __init__(
@@ -1166,7 +1179,7 @@ class ReleaseRequest(_message.Message):
 
     @_builtins.property
     def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Holds of views (`ShmSlot.hold`) the client is done with."""
+        """Holds (`ShmSlot.hold`) the client is done with: its views, its copies."""
 
     def __init__(
         self,
