@@ -41,6 +41,7 @@ Transport-free; one event loop uses it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import glob
 import itertools
@@ -52,6 +53,7 @@ import time
 from bisect import insort
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
@@ -457,13 +459,48 @@ def _span(length: int, trailer: int = 0) -> int:
 
 
 def copy_payload(frames: Sequence[bytes], into: memoryview) -> None:
-    """Copy the payloads of an item's chunk frames, in order, into a slot."""
+    """Copy the payloads of an item's chunk frames, in order, into a slot.
+
+    A large item is copied by two threads (ctypes' memmove lets go of the
+    GIL): one core's memcpy is well below what memory moves, and a reader of
+    the region waits for this copy (docs/shm.md, re-reads)."""
+    pieces: list[tuple[int, bytes, int, int]] = []  # (to, frame, from, length)
     pos = 0
     for frame in frames:
         start = chunk_payload_offset(frame)
-        end = pos + len(frame) - start
-        into[pos:end] = memoryview(frame)[start:]
-        pos = end
+        pieces.append((pos, frame, start, len(frame) - start))
+        pos += len(frame) - start
+    if pos < _PARALLEL_COPY_BYTES or into.readonly or not all(type(f) is bytes for f in frames):
+        for to, frame, start, length in pieces:
+            into[to : to + length] = memoryview(frame)[start:]
+        return
+    target = ctypes.c_char.from_buffer(into)  # the slot's address (an export, dropped below)
+    base = ctypes.addressof(target)
+    half = len(pieces) // 2
+
+    def copy(part: list[tuple[int, bytes, int, int]]) -> None:
+        for to, frame, start, length in part:
+            source = ctypes.cast(ctypes.c_char_p(frame), ctypes.c_void_p).value
+            assert source is not None
+            ctypes.memmove(base + to, source + start, length)
+
+    other = _copier().submit(copy, pieces[half:])
+    try:
+        copy(pieces[:half])
+    finally:
+        other.result()
+        del target
+
+
+_PARALLEL_COPY_BYTES = 8 << 20  # below this, a second thread costs more than it saves
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _copier() -> ThreadPoolExecutor:
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="mmcache-copy")
+    return _copy_pool
 
 
 def region_frames(payload: memoryview) -> Iterator[bytes]:

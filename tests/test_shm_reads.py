@@ -5,15 +5,18 @@ residents out (docs/shm.md). Real servers, region files and clients."""
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig
-from mmcache.server._region import ITEM, READ, WRITE, open_region
+from mmcache.server._region import ITEM, READ, WRITE, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape, server_config
@@ -292,3 +295,17 @@ async def test_concurrent_reads_of_a_hot_set_larger_than_the_region_are_all_righ
         await asyncio.gather(*(reader(offset) for offset in range(3)))
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
         assert len(server.store) == 6  # nothing evicted: the cache has room
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray])
+def test_a_large_item_copied_in_by_two_threads_lands_whole(kind: type) -> None:
+    # 24 MiB in 4 MiB frames: over the two-thread threshold (bytes frames),
+    # and the one-thread path for frames of another type.
+    payloads = [os.urandom(4 << 20) for _ in range(6)]
+    frames = [kind(chunk_prefix(len(p)) + p) for p in payloads]
+    with mmap.mmap(-1, (24 << 20) + 8192) as memory:
+        view = memoryview(memory)
+        copy_payload(frames, view[4096 : 4096 + (24 << 20)])
+        assert view[4096 : 4096 + (24 << 20)] == b"".join(payloads)
+        assert view[:4096] == bytes(4096) and view[4096 + (24 << 20) :] == bytes(4096)
+        view.release()
