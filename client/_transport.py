@@ -284,7 +284,12 @@ class CacheTransport:
             except asyncio.InvalidStateError:
                 # The server answered early (an error): awaiting the call raises it.
                 await end_writes(call)
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                if _broken_write(exc):
+                    raise UnavailableError(f"the upload stream broke: {exc.details()}") from exc
+                raise
+            except asyncio.CancelledError:
                 call.cancel()
                 raise
             except Exception as exc:
@@ -309,3 +314,12 @@ class CacheTransport:
                     yield frame
         finally:
             call.cancel()
+
+
+def _broken_write(exc: grpc.aio.AioRpcError) -> bool:
+    """A write that grpc's core failed because the link went (it reports
+    INTERNAL, "Internal error from Core", for a send on a broken pipe): the
+    batch may be sent again, as for UNAVAILABLE."""
+    return exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (
+        exc.debug_error_string() or ""
+    )

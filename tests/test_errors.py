@@ -10,6 +10,7 @@ import pytest
 
 from mmcache import _errors as errors
 from mmcache.client._status import error_from_status
+from mmcache.client._transport import _broken_write
 from mmcache.server._status import failure_code, status_code_of
 
 
@@ -48,3 +49,21 @@ def test_a_per_request_stream_counts_a_failure_as_guard_answers_it() -> None:
     assert failure_code(context, asyncio.CancelledError()) == grpc.StatusCode.CANCELLED
     # A bug is INTERNAL (what guard answers), never UNKNOWN.
     assert failure_code(context, KeyError("x")) == grpc.StatusCode.INTERNAL
+
+
+def test_a_write_grpc_core_failed_on_a_broken_link_counts_as_unavailable() -> None:
+    # What grpc raises from `call.write` when the link breaks under it (seen in
+    # CI): INTERNAL, though the call itself ends UNAVAILABLE. The client sends
+    # such a batch again, as for UNAVAILABLE; any other INTERNAL stays one.
+    metadata = grpc.aio.Metadata()
+    broken = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL,
+        metadata,
+        metadata,
+        "Internal error from Core",
+        'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation>,)',
+    )
+    other = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, metadata, metadata, "boom", "a server's own INTERNAL"
+    )
+    assert _broken_write(broken) and not _broken_write(other)
