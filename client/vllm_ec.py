@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -164,12 +164,12 @@ class _Counts:
         self._counts: dict[str, int] = {}
 
     def add(self, name: str, value: int = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + value
+        self.merge({name: value})
 
     def merge(self, counts: dict[str, int]) -> None:
-        for name, value in counts.items():
-            self.add(name, value)
+        with self._lock:
+            for name, value in counts.items():
+                self._counts[name] = self._counts.get(name, 0) + value
 
     def take(self) -> dict[str, int]:
         with self._lock:
@@ -483,7 +483,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             tensor = load_staged(load.path, load.dtype, load.shape, device)
             encoder_cache[load.identifier] = tensor
             self._counts.add("loaded")
-            self._counts.add("loaded_bytes", tensor.numel() * tensor.element_size())
+            self._counts.add("loaded_bytes", tensor.nbytes)
 
     def save_caches(
         self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any
@@ -505,15 +505,14 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         data = encoder_cache[mm_hash].detach().to("cpu", copy=True)
         item = MMItem.from_elems([FieldElem(MODALITY, FIELD, data, BatchedField())])
         future = self._sync.submit(client.get_and_update([item], [key], lease=False))
-        nbytes = data.numel() * data.element_size()
-        future.add_done_callback(lambda done: self._uploaded(done, nbytes))
+        future.add_done_callback(lambda done: self._uploaded(done, data.nbytes))
 
     def _uploaded(self, future: Future[Any], nbytes: int) -> None:
         with self._uploads_lock:
             self._uploads -= 1
         try:
-            held = not future.cancelled() and future.exception() is None and future.result().held[0]
-        except Exception:
+            held = bool(future.result().held[0])
+        except (CancelledError, Exception):  # the upload failed or was cancelled
             held = False
         if held:
             self._counts.add("saved")

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
+from mmcache._lockfiles import unlocked
 from mmcache._shm_layout import (
     BUCKET,
     EXTENT_HEAD,
@@ -517,18 +518,7 @@ def frame_count(payload: int) -> int:
 
 def _stale(directory: str) -> Iterator[str]:
     """Region files whose server is gone (nobody holds their lock)."""
-    for path in glob.glob(os.path.join(directory, f"{_PREFIX}*{_SUFFIX}")):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live server's
-        finally:
-            os.close(fd)
-        yield path
+    return unlocked(glob.glob(os.path.join(directory, f"{_PREFIX}*{_SUFFIX}")))
 
 
 def open_region(directory: str, size: int, *, lease_s: float, group: int | None = None) -> Region:

@@ -5,8 +5,10 @@ residents out (docs/shm.md). Real servers, region files and clients."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,7 +18,7 @@ import torch
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig
-from mmcache.server._region import ITEM, READ, WRITE, copy_payload, open_region
+from mmcache.server._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape, server_config
@@ -39,6 +41,22 @@ def items_of(count: int) -> tuple[list[dict[str, torch.Tensor]], list[str]]:
     return [{"x": tensor(torch.float32, ITEM_ELEMENTS, i)} for i in range(count)], [
         f"h{i}" for i in range(count)
     ]
+
+
+@contextlib.asynccontextmanager
+async def in_the_heap(
+    directory: Path, count: int, **overrides: object
+) -> AsyncIterator[tuple[MMCacheServer, Region, list[dict[str, torch.Tensor]], list[str]]]:
+    """A server with the small region, and `count` 4 MiB items uploaded over
+    gRPC (so kept in the heap): the server, its region, the items, their hashes."""
+    async with (
+        MMCacheServer(shm_config(directory, **overrides)) as server,
+        client(server, shm=False) as remote,
+    ):
+        assert server.region is not None
+        items, hashes = items_of(count)
+        await remote.get_and_update(items, hashes, lease=False)
+        yield server, server.region, items, hashes
 
 
 async def copies(server: MMCacheServer) -> dict[str, float]:
@@ -85,16 +103,10 @@ async def raw_read_shm(server: MMCacheServer, request: pb.FetchRequest) -> pb.Fe
 async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_residents_out(
     tmp_path: Path,
 ) -> None:
-    async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
-        client(server, shm=False) as remote,
-        client(server) as local,
-    ):
-        region = server.region
-        assert region is not None and local._region is not None
+    # 24 MiB: 1.5x the region, kept in the heap
+    async with in_the_heap(tmp_path, 6) as (server, region, items, hashes), client(server) as local:
+        assert local._region is not None
         stopped_clock(server)  # no resident is in for longer than the tenure
-        items, hashes = items_of(6)  # 24 MiB: 1.5x the region
-        await remote.get_and_update(items, hashes, lease=False)  # kept in the heap
         for _ in range(3):
             for mm_hash, item in zip(hashes, items, strict=True):
                 assert same((await local.fetch([mm_hash]))[0], item)
@@ -113,15 +125,8 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
 async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
     tmp_path: Path,
 ) -> None:
-    async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
-        client(server, shm=False) as remote,
-        client(server) as local,
-    ):
-        assert server.region is not None
+    async with in_the_heap(tmp_path, 4) as (server, _, items, hashes), client(server) as local:
         clock = stopped_clock(server)
-        items, hashes = items_of(4)
-        await remote.get_and_update(items, hashes, lease=False)
 
         async def read(i: int) -> None:
             assert same((await local.fetch([hashes[i]]))[0], items[i])
@@ -144,15 +149,7 @@ async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
 async def test_a_view_of_a_transient_copy_is_not_overwritten_by_other_reads(
     tmp_path: Path,
 ) -> None:
-    async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
-        client(server, shm=False) as remote,
-        client(server) as local,
-    ):
-        region = server.region
-        assert region is not None
-        items, hashes = items_of(5)
-        await remote.get_and_update(items, hashes, lease=False)
+    async with in_the_heap(tmp_path, 5) as (server, region, items, hashes), client(server) as local:
         for mm_hash in hashes[:2]:
             await local.fetch([mm_hash])  # moved in: the region is full but for its reserve
         async with local.view([hashes[2]]) as viewed:
@@ -171,14 +168,9 @@ async def test_a_reader_that_never_says_done_has_its_transient_copy_freed_by_exp
     tmp_path: Path,
 ) -> None:
     async with (
-        MMCacheServer(shm_config(tmp_path, lease_s=0.5)) as server,
-        client(server, shm=False) as remote,
+        in_the_heap(tmp_path, 4, lease_s=0.5) as (server, region, items, hashes),
         client(server) as local,
     ):
-        region = server.region
-        assert region is not None
-        items, hashes = items_of(4)
-        await remote.get_and_update(items, hashes, lease=False)
         for mm_hash in hashes[:3]:
             header = await raw_read_shm(
                 server, pb.FetchRequest(mm_hashes=[mm_hash], shm_token=region.token, shm_hold=True)
@@ -197,11 +189,7 @@ async def test_a_reader_that_never_says_done_has_its_transient_copy_freed_by_exp
 async def test_a_read_that_asks_for_no_hold_moves_the_item_in_as_before(
     tmp_path: Path,
 ) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server, shm=False) as remote:
-        region = server.region
-        assert region is not None
-        items, hashes = items_of(4)
-        await remote.get_and_update(items, hashes, lease=False)
+    async with in_the_heap(tmp_path, 4) as (server, region, _, hashes):
         for mm_hash in hashes:
             request = pb.FetchRequest(mm_hashes=[mm_hash], shm_token=region.token)
             header = await raw_read_shm(server, request)
@@ -213,11 +201,7 @@ async def test_a_read_that_asks_for_no_hold_moves_the_item_in_as_before(
 
 
 async def test_a_readshm_says_earlier_holds_done_before_it_is_served(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server, shm=False) as remote:
-        region = server.region
-        assert region is not None
-        items, hashes = items_of(4)
-        await remote.get_and_update(items, hashes, lease=False)
+    async with in_the_heap(tmp_path, 4) as (server, region, _, hashes):
         holds = []
         for mm_hash in hashes:
             request = pb.FetchRequest(
@@ -277,15 +261,7 @@ def test_an_item_too_large_to_sit_beside_the_reserve_still_gets_an_extent(
 async def test_concurrent_reads_of_a_hot_set_larger_than_the_region_are_all_right(
     tmp_path: Path,
 ) -> None:
-    async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
-        client(server, shm=False) as remote,
-        client(server) as local,
-    ):
-        region = server.region
-        assert region is not None
-        items, hashes = items_of(6)
-        await remote.get_and_update(items, hashes, lease=False)
+    async with in_the_heap(tmp_path, 6) as (server, region, items, hashes), client(server) as local:
 
         async def reader(offset: int) -> None:
             for step in range(12):

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmcache._lockfiles import unlocked
+
 __all__ = ["Staged", "Staging", "load_staged"]
 
 _PREFIX = "mmcache-ec-"
 _LOCK = ".lock"
-_YOUNG_S = 60.0  # a directory younger than this is never taken for abandoned
 _tokens = itertools.count(1)
 
 
@@ -65,13 +66,18 @@ class Staging:
 
     def __init__(self, budget_bytes: int, parent: str | None = None) -> None:
         self.budget_bytes = budget_bytes
-        parent = parent or _default_parent()
-        _remove_abandoned(parent)
+        parent = parent or _default_parent() or tempfile.gettempdir()
+        for lock in unlocked(glob.glob(os.path.join(parent, _PREFIX + "*", _LOCK))):
+            shutil.rmtree(os.path.dirname(lock), ignore_errors=True)  # a killed engine's
         # A directory of this scheduler's own: two engines on one host (data
         # parallelism) stage the same identifier without touching each other.
-        self.directory = tempfile.mkdtemp(prefix=_PREFIX, dir=parent)
-        self._lock = os.open(os.path.join(self.directory, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
+        # Made under a name the scan above does not match, and renamed once
+        # locked: a neighbour starting meanwhile never takes it for abandoned.
+        making = tempfile.mkdtemp(prefix="." + _PREFIX, dir=parent)
+        self._lock = os.open(os.path.join(making, _LOCK), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self.directory = os.path.join(parent, os.path.basename(making)[1:])
+        os.rename(making, self.directory)
         self._items: dict[str, Staged] = {}
         self._bytes = 0
 
@@ -92,7 +98,7 @@ class Staging:
         """Write `tensor` for `identifier`; None when it would pass the budget.
         OSError (a full file system) leaves nothing behind."""
         data = tensor.detach().to("cpu").contiguous()
-        nbytes = data.numel() * data.element_size()
+        nbytes = data.nbytes
         if identifier in self._items:
             return self._items[identifier]
         if self._bytes + nbytes > self.budget_bytes:
@@ -132,31 +138,11 @@ class Staging:
 def load_staged(path: str, dtype: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
     """The staged tensor, as a tensor of the worker's own on `device`."""
     torch_dtype = getattr(torch, dtype)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=torch_dtype).element_size()
+    nbytes = torch.Size(shape).numel() * torch_dtype.itemsize
     raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
     tensor = raw.view(torch_dtype).reshape(shape)
     # Owned memory: the scheduler removes the file once the request ends.
     return tensor.clone() if device == "cpu" else tensor.to(device)
-
-
-def _remove_abandoned(parent: str | None) -> None:
-    """Remove the staging directories of schedulers that are gone: their lock
-    is free (a live one holds it, also from another PID namespace)."""
-    for directory in glob.glob(os.path.join(parent or tempfile.gettempdir(), _PREFIX + "*")):
-        path = os.path.join(directory, _LOCK)
-        try:
-            if time.time() - os.stat(path).st_mtime < _YOUNG_S:
-                continue  # perhaps made but not yet locked
-            lock = os.open(path, os.O_RDWR)
-        except OSError:
-            continue  # being made right now, or not ours
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # alive
-        finally:
-            os.close(lock)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _default_parent() -> str | None:
