@@ -63,23 +63,21 @@ def test_a_killed_engines_files_are_removed_by_the_next_one(tmp_path: Path) -> N
         "s = Staging(1 << 20, sys.argv[1]); s.put('x', torch.ones(8)); "
         "print(s.directory, flush=True); time.sleep(60)"
     )
+    dying = code.replace("time.sleep(60)", "os._exit(9)").replace("import sys", "import os, sys")
     alive = subprocess.Popen(
         [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
-    killed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            code.replace("time.sleep(60)", "os._exit(9)").replace("import sys", "import os, sys"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
     try:
         assert alive.stdout is not None
+        # The live one must have made its directory (and swept) before the other dies,
+        # or its own start-up sweep removes the dead one's directory first.
         live_dir = Path(alive.stdout.readline().strip())
+        killed = subprocess.run(
+            [sys.executable, "-c", dying, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         dead_dir = Path(killed.stdout.strip())
         assert dead_dir.exists() and live_dir.exists()
         fresh = Staging(1 << 20, str(tmp_path))
