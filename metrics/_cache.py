@@ -131,6 +131,7 @@ class StoreGauges(Collector):
         shm_resident_bytes: Callable[[], int],
         upload_sessions: Callable[[], int] = lambda: 0,
         shm_transient_bytes: Callable[[], int] = lambda: 0,
+        shm_reserve_bytes: Callable[[], int] = lambda: 0,
     ) -> None:
         self._reads = (
             ("mmcache_items", "Items held.", items),
@@ -173,6 +174,12 @@ class StoreGauges(Collector):
                 "Bytes of the shared-memory region in transient extents now (reads of items "
                 "in the heap, until their readers are done).",
                 shm_transient_bytes,
+            ),
+            (
+                "mmcache_shm_reserve_bytes",
+                "Bytes of the shared-memory region that residents and write slots leave free "
+                "for reads' transient copies (the largest read of the last 5 minutes).",
+                shm_reserve_bytes,
             ),
             (
                 "mmcache_upload_sessions",

@@ -134,6 +134,7 @@ class MMCacheServer:
                 shm_resident_bytes=lambda: 0 if self.region is None else self.region.resident_bytes,
                 upload_sessions=lambda: self.sessions.live,
                 shm_transient_bytes=lambda: self.region.transient_bytes if self.region else 0,
+                shm_reserve_bytes=lambda: self.region.reserve if self.region else 0,
             )
         )
         self.books = EncoderBooks()

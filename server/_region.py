@@ -22,8 +22,8 @@ The region holds three kinds of extent, from one allocator:
 - transient extents: a copy of an item that stays in the heap, made for one
   ReadShm when the region has no room for it to move in, and freed when its
   reader's hold ends. Residents and write slots leave a reserve free for them
-  (the largest item read so, at most half the region), so that reads of a hot
-  set larger than the region do not push residents out. Only an item read
+  (the largest item read so in the last RESERVE_S, at most half the region),
+  so that reads of a hot set larger than the region do not push residents out. Only an item read
   again within TENURE_S takes the place of residents in for longer than that
   (reads with no call are not seen: a resident's time counts from when it
   came in, or was last read through ReadShm).
@@ -51,7 +51,7 @@ import os
 import secrets
 import time
 from bisect import insort
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,6 +100,9 @@ READ = "read"  # a transient extent: one read's copy of an item in the heap
 # a hot set larger than the region does not churn it.
 TENURE_S = 10.0
 MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
+# How long the read reserve keeps room for an item of a size no read has
+# needed since: one large item read once does not hold half the region for good.
+RESERVE_S = 300.0
 
 
 @dataclass(slots=True)
@@ -186,8 +189,10 @@ class Region:
         self.resident_bytes = 0  # resident items' extents
         self.transient_bytes = 0  # transient extents
         # Kept free for transient extents by residents and write slots: the
-        # largest extent a read of an item in the heap needed (`need_read`).
-        self.reserve = 0
+        # largest extent a read of an item in the heap needed (`need_read`)
+        # in the last `reserve_s`. (when, span), spans falling: the window's max.
+        self._needs: deque[tuple[float, int]] = deque()
+        self.reserve_s = RESERVE_S
         self.tenure_s = TENURE_S
         # Items read from transient extents: store key -> when, oldest first.
         self._rereads: OrderedDict[str, float] = OrderedDict()
@@ -203,7 +208,8 @@ class Region:
         None when the region has no room. Only a transient extent (READ) may
         take the reserve, unless the region could never hold both."""
         span = _span(length, trailer)
-        keep = self.reserve if kind != READ and span + self.reserve <= self._room else 0
+        reserve = self.reserve if kind != READ else 0
+        keep = reserve if span + reserve <= self._room else 0
         index = self._first_fit(span, keep)
         if index is None:
             return None
@@ -242,10 +248,21 @@ class Region:
     def _room(self) -> int:
         return self.size - self._data
 
+    @property
+    def reserve(self) -> int:
+        """The bytes residents and write slots leave free for reads' copies."""
+        cutoff = self._clock() - self.reserve_s
+        while self._needs and self._needs[0][0] < cutoff:
+            self._needs.popleft()
+        return self._needs[0][1] if self._needs else 0
+
     def need_read(self, length: int) -> None:
         """A read needs a transient extent of `length` payload bytes: keep that much
-        free from now on, but never more than half the region."""
-        self.reserve = max(self.reserve, min(_span(length), self._room // 2 // PAGE * PAGE))
+        free for the next `reserve_s`, but never more than half the region."""
+        span = min(_span(length), self._room // 2 // PAGE * PAGE)
+        while self._needs and self._needs[-1][1] <= span:
+            self._needs.pop()  # smaller and older: never the window's max again
+        self._needs.append((self._clock(), span))
 
     def _new_lease(self) -> int:
         lease = secrets.randbits(63) | 1

@@ -119,6 +119,7 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_shm_transient_bytes") == 0
+        assert sample(samples, "mmcache_shm_reserve_bytes") == region.reserve > 4 * MIB
         assert region.expired == 0  # said done, not expired
 
 
@@ -243,6 +244,28 @@ def test_residents_and_write_slots_leave_the_reserve_to_transient_extents(
         # The reserve is never more than half the region.
         region.need_read(15 * MIB)
         assert reserve < region.reserve <= REGION // 2
+    finally:
+        region.close()
+
+
+def test_the_reserve_gives_its_room_back_when_no_read_needs_it(tmp_path: Path) -> None:
+    region = open_region(str(tmp_path), REGION, lease_s=30)
+    clock = region._clock = Clock()
+    try:
+        region.need_read(4 * MIB)
+        large = region.reserve
+        clock.now += region.reserve_s / 2
+        region.need_read(1 * MIB)  # smaller: the large one is still the window's max
+        assert region.reserve == large
+        assert region.allocate(4 * MIB, ITEM) and region.allocate(4 * MIB, ITEM)
+        assert region.allocate(4 * MIB, ITEM) is None  # the reserve is kept
+        clock.now += region.reserve_s / 2 + 1  # no 4 MiB read for longer than reserve_s
+        assert MIB < region.reserve < 2 * MIB
+        assert region.allocate(4 * MIB, ITEM) is not None  # its room is the residents' again
+        region.need_read(4 * MIB)  # a large read again: kept at once
+        assert region.reserve == large
+        clock.now += region.reserve_s + 1
+        assert region.reserve == 0
     finally:
         region.close()
 
