@@ -33,6 +33,8 @@ import grpc
 
 from mmcache._frames import header_frame
 
+from ._status import broken_write
+
 __all__ = ["FULL_BACKOFF_S", "MAX_SESSIONS", "SessionPool", "end_writes"]
 
 MAX_SESSIONS = 4  # per client: concurrent batches beyond this make calls of their own
@@ -125,7 +127,10 @@ class SessionPool:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._limit = 0  # a server from before sessions: calls from now on
-            elif exc.code() not in _SEND_AGAIN:
+            elif exc.code() not in _SEND_AGAIN and not broken_write(exc):
+                # (A write grpc's core failed under a session the server had
+                # just ended, a refusal among them, ends the call INTERNAL and
+                # hides the server's status: a call tells it.)
                 raise
         finally:
             self._give_back(call, kept=isinstance(reply, bytes))

@@ -11,7 +11,7 @@ from google.rpc import status_pb2
 from mmcache import _errors as errors
 from mmcache.v1 import cache_pb2 as pb
 
-__all__ = ["error_from_rpc", "error_from_status", "translate_errors"]
+__all__ = ["broken_write", "error_from_rpc", "error_from_status", "translate_errors"]
 
 _DETAILS_KEY = "grpc-status-details-bin"
 
@@ -57,3 +57,12 @@ def translate_errors() -> Iterator[None]:
         yield
     except grpc.aio.AioRpcError as exc:
         raise error_from_rpc(exc) from exc
+
+
+def broken_write(exc: grpc.aio.AioRpcError) -> bool:
+    """A write that grpc's core failed because the link went (it reports
+    INTERNAL, "Internal error from Core", for a send on a broken pipe): the
+    batch may be sent again, as for UNAVAILABLE."""
+    return exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (
+        exc.debug_error_string() or ""
+    )

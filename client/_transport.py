@@ -36,7 +36,7 @@ from mmcache._frames import (
 from mmcache.v1 import cache_pb2 as pb
 
 from ._sessions import SessionPool, end_writes
-from ._status import translate_errors
+from ._status import broken_write, translate_errors
 
 __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
 
@@ -286,7 +286,7 @@ class CacheTransport:
                 await end_writes(call)
             except grpc.aio.AioRpcError as exc:
                 call.cancel()
-                if _broken_write(exc):
+                if broken_write(exc):
                     raise UnavailableError(f"the upload stream broke: {exc.details()}") from exc
                 raise
             except asyncio.CancelledError:
@@ -314,12 +314,3 @@ class CacheTransport:
                     yield frame
         finally:
             call.cancel()
-
-
-def _broken_write(exc: grpc.aio.AioRpcError) -> bool:
-    """A write that grpc's core failed because the link went (it reports
-    INTERNAL, "Internal error from Core", for a send on a broken pipe): the
-    batch may be sent again, as for UNAVAILABLE."""
-    return exc.code() == grpc.StatusCode.INTERNAL and "execute_batch" in (
-        exc.debug_error_string() or ""
-    )

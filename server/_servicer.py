@@ -49,7 +49,7 @@ from ._region import (
     region_frames,
 )
 from ._replays import Replays, batch_key
-from ._sessions import Sessions
+from ._sessions import Sessions, skip_batch
 from ._status import failure_code, guard, protobuf_method, write
 from ._store import BatchResult, ItemStore, StoredItem
 from ._tier import L2Tier
@@ -58,6 +58,7 @@ from ._upload import (
     TruncatedUploadError,
     build_reply,
     check_no_surplus,
+    chunks_declared,
     data_hashes,
     frames_of,
     header_metadata,
@@ -328,12 +329,19 @@ class CacheServicer:
             t0 = self._batch_metrics.start()
             code = grpc.StatusCode.UNKNOWN
             try:
-                refusal = self._authorize(context.invocation_metadata())
-                if refusal is not None:  # its token was revoked since the last batch
-                    raise refusal
-                # Each batch: a namespace forgotten since (no items, no
-                # subscribers) comes back only within --max-namespaces.
-                namespace = self._namespace(context)
+                try:
+                    # Its token may have been revoked since the last batch; a
+                    # namespace forgotten since (no items, no subscribers)
+                    # comes back only within --max-namespaces.
+                    refusal = self._authorize(context.invocation_metadata())
+                    if refusal is not None:
+                        raise refusal
+                    namespace = self._namespace(context)
+                except MMCacheError:
+                    # Read to its end, so that the client reads the refusal
+                    # (server._sessions).
+                    await skip_batch(stream, chunks_declared(first))
+                    raise
                 request = request_of_frame(first, "the first frame of a session's batch")
                 reply = await self._update(context, namespace, request, stream, False, last=False)
                 await write(context, reply)

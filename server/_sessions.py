@@ -6,7 +6,10 @@ server stops (the sessions waiting then end at once, so a stopping server
 does not wait out its grace for streams that carry nothing). A batch whose
 header a session never read is the client's to send again. Its token is
 checked again with each batch (the servicer), so a revoked token stops
-working at its next batch, as it would on its next call.
+working at its next batch, as it would on its next call. A batch refused at
+its header is read to its end first (`skip_batch`): refused while its client
+still writes, grpc's core fails those writes and ends the call INTERNAL on
+the client's side, hiding the refusal.
 
 Transport-free: it sees the stream only as an async iterator of frames.
 """
@@ -14,12 +17,28 @@ Transport-free: it sees the stream only as an async iterator of frames.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 
 from mmcache._errors import ResourceExhaustedError
 
-__all__ = ["Sessions"]
+__all__ = ["SKIP_S", "Sessions", "skip_batch"]
+
+SKIP_S = 5.0  # a refused batch's frames are read for at most this long
+
+
+async def skip_batch(frames: AsyncIterator[bytes], count: int) -> None:
+    """Read and drop the `count` frames after a refused batch's header (for at
+    most SKIP_S, whatever the stream does meanwhile)."""
+
+    async def skip() -> None:
+        for _ in range(count):
+            if await anext(frames, None) is None:
+                return
+
+    with contextlib.suppress(Exception):  # the refusal is the answer either way
+        await asyncio.wait_for(skip(), SKIP_S)
 
 
 class Sessions:

@@ -36,6 +36,7 @@ __all__ = [
     "build_reply",
     "check_frames",
     "check_no_surplus",
+    "chunks_declared",
     "data_hashes",
     "frames_of",
     "header_metadata",
@@ -112,6 +113,15 @@ def request_of_frame(frame: bytes, what: str) -> pb.UpdateRequest:
         return pb.UpdateRequest.FromString(header_frame_body(frame, what))
     except DecodeError as exc:
         raise InvalidArgumentError(f"the header does not parse: {exc}") from None
+
+
+def chunks_declared(frame: bytes) -> int:
+    """The chunk frames a header frame says follow it; 0 if it does not parse."""
+    try:
+        request = request_of_frame(frame, "a header")
+    except InvalidArgumentError:
+        return 0
+    return sum(entry.num_chunks for entry in request.entries)
 
 
 def parse_header(

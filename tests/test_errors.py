@@ -9,8 +9,7 @@ import grpc
 import pytest
 
 from mmcache import _errors as errors
-from mmcache.client._status import error_from_status
-from mmcache.client._transport import _broken_write
+from mmcache.client._status import broken_write, error_from_status
 from mmcache.server._status import failure_code, status_code_of
 
 
@@ -66,4 +65,4 @@ def test_a_write_grpc_core_failed_on_a_broken_link_counts_as_unavailable() -> No
     other = grpc.aio.AioRpcError(
         grpc.StatusCode.INTERNAL, metadata, metadata, "boom", "a server's own INTERNAL"
     )
-    assert _broken_write(broken) and not _broken_write(other)
+    assert broken_write(broken) and not broken_write(other)

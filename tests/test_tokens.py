@@ -155,10 +155,12 @@ async def test_tokens_rotate_without_a_restart(secured: tuple[MMCacheServer, Pat
         staged.write_text(tokens.read_text().replace(f"write {WRITE}\n", ""))
         os.replace(staged, tokens)
         await asyncio.sleep(1.1)
+        large = image_item(6, numel=4 << 20)  # 16 MiB: the client writes frames after the header
         with pytest.raises(UnauthenticatedError):
-            await old.get_and_update([image_item(6)], ["p"])
-        await client.get_and_update([image_item(6)], ["p"])
-    # Refused at its next batch over the session kept open, and not sent again as a call.
+            await old.get_and_update([large], ["p"])
+        await client.get_and_update([large], ["p"])
+    # Refused at its next batch over the session kept open, and not sent again as a call:
+    # the server read the batch to its end, so its refusal reached the client whole.
     samples = await scrape(server.metrics_port)
     assert handled(samples, "UpdateSession", "Unauthenticated") == 1
     assert handled(samples, "GetAndUpdate", "Unauthenticated") == 0
