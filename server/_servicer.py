@@ -82,9 +82,11 @@ SESSION_METHOD = f"/{SERVICE_NAME}/UpdateSession"  # its metrics count batches
 # enough for items up to tens of MiB on loopback; a longer upload, or a
 # stalled one, costs the waiter a re-send, never a hang.
 UPLOAD_WAIT_S = 0.5
-TRUNCATION_GRACE_S = 0.05
-# What a call keeps of its time, past the L2 tier's reads, to answer.
-L2_MARGIN_S = 0.05
+# How long a stream that ended mid-upload is given to show its client's cancel.
+TRUNCATION_GRACE_S = 0.5
+# What a call keeps of its time, past waits for uploads and the L2 tier's
+# reads, to answer.
+ANSWER_MARGIN_S = 0.05
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -285,7 +287,7 @@ class CacheServicer:
         if request.check_l2 and self._l2 is not None:
             absent = [i for i, tier in enumerate(tiers) if tier == pb.TIER_NONE]
             remaining = context.time_remaining()
-            budget = None if remaining is None else remaining - L2_MARGIN_S
+            budget = None if remaining is None else remaining - ANSWER_MARGIN_S
             found = await self._l2.holds([keys[i] for i in absent], budget)
             for i, held in zip(absent, found, strict=True):
                 if held:
@@ -453,7 +455,9 @@ class CacheServicer:
             remaining = said if remaining is None else min(remaining, said)
         loop = asyncio.get_running_loop()
         deadline = None if remaining is None else loop.time() + remaining
-        wait_s = UPLOAD_WAIT_S if remaining is None else min(UPLOAD_WAIT_S, remaining - 0.05)
+        wait_s = UPLOAD_WAIT_S
+        if remaining is not None:
+            wait_s = min(wait_s, remaining - ANSWER_MARGIN_S)
         alone = [e.key for e in entries if e.spec is None]
         waited = await self._pending.wait(alone, max(0.0, wait_s))
         if waited:
@@ -494,7 +498,10 @@ class CacheServicer:
             # A client's cancel can end its stream here before grpc marks the
             # call cancelled: give it a moment to, so a cancel is counted as
             # one, and only a stream its client really closed early is refused.
-            await asyncio.sleep(TRUNCATION_GRACE_S)
+            # (grpc's context has nothing to await for a cancel: it is polled.)
+            grace_ends = loop.time() + TRUNCATION_GRACE_S
+            while not context.cancelled() and loop.time() < grace_ends:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
             raise
         finally:
             self._pending.settle(marked)
@@ -507,7 +514,7 @@ class CacheServicer:
         if self._l2 is None or not keys:
             return []
         absent = [key for key in dict.fromkeys(keys) if key not in self._store]
-        budget = None if remaining is None else remaining - L2_MARGIN_S
+        budget = None if remaining is None else remaining - ANSWER_MARGIN_S
         return await self._l2.pull(absent, budget, flight=flight) if absent else []
 
     def _write_behind(self, entries: Sequence[EntryHeader], outcomes: Sequence[Outcome]) -> None:

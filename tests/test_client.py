@@ -27,7 +27,7 @@ from mmcache.client import (
 from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer
 
-from .conftest import MIB, Samples, sample, scrape, server_config
+from .conftest import MIB, Samples, eventually, sample, scrape, server_config
 from .items import image_item
 from .oracle import oracle_batch
 
@@ -184,7 +184,7 @@ async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
     capacity = 3 * size_of(items["h0"]) + 10
     async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
         target = f"127.0.0.1:{server.port}"
-        async with MMCacheClient(target) as a, MMCacheClient(target) as b:
+        async with MMCacheClient(target) as a, MMCacheClient(target, follow=False) as b:
             # No leases, and b does not follow the feed: a's uploads evict h0
             # and nothing tells b's mirror.
             await b.get_and_update([items["h0"]], ["h0"], lease=False)
@@ -386,8 +386,7 @@ async def test_fetch_calls_end_without_the_garbage_collector(client: MMCacheClie
         for _ in range(5):
             (item,) = await client.fetch(["big"])
             assert item["x"].numel() == MIB // 4
-        await asyncio.sleep(0.05)  # let grpc finish its callbacks
-        assert open_calls() == before
+        await eventually(lambda: open_calls() == before)  # once grpc's callbacks ran
     finally:
         gc.enable()
 

@@ -129,11 +129,11 @@ async def test_64_requests_in_flight_over_a_small_cache_never_fail_at_the_read()
 
 async def test_a_lease_nobody_reads_expires_and_the_item_becomes_evictable() -> None:
     item_bytes = size_of(0, 2000)
-    async with serving(capacity_bytes=2 * item_bytes + 50, lease_s=0.2) as server:
+    async with serving(capacity_bytes=2 * item_bytes + 50, lease_s=2) as server:
         async with connected(server) as client:
             await client.get_and_update([image_item(0, 2000)], ["dropped"])
             assert server.store.leases == 1
-            await eventually(lambda: server.store.leases == 0)
+            await eventually(lambda: server.store.leases == 0, timeout=10)
             for i in (1, 2):
                 await client.get_and_update([image_item(i, 2000)], [f"new-{i}"], lease=False)
             assert "dropped" not in server.store
@@ -231,7 +231,7 @@ async def test_a_call_that_fails_for_want_of_data_gives_its_leases_back(
 
 
 async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
-    async with serving(lease_s=0.5) as server:
+    async with serving(lease_s=3) as server:  # outlives the frontend's start on a slow machine
         target = f"127.0.0.1:{server.port}"
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -250,7 +250,7 @@ async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        await eventually(lambda: server.store.leases == 0, timeout=5)
+        await eventually(lambda: server.store.leases == 0, timeout=15)
         assert server.store.leased_bytes == 0 and len(server.store) == 2
 
 
@@ -576,7 +576,10 @@ async def test_metadata_over_the_limit_is_refused_with_the_limit(
 # ---------------------------------------------------------------- one hash, two uploads
 
 
-async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight() -> None:
+async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)  # room for a slow machine
     item = image_item(9, numel=MIB // 4)  # 1 MiB of pixels
     encoded = encode_item(item)
     async with serving() as server:

@@ -148,7 +148,19 @@ def test_sigterm_goes_not_serving_lets_calls_finish_and_exits_zero(
         yield chunk(b"1234")
 
     future = upload.future(frames(), timeout=20)
-    time.sleep(0.3)
+
+    def uploads_started() -> float:
+        samples = parse_samples(scrape_text(ports[1]))
+        return sum(
+            value
+            for (name, labels), value in samples.items()
+            if name == "grpc_server_started_total" and ("grpc_method", "GetAndUpdate") in labels
+        )
+
+    deadline = time.monotonic() + 15
+    while uploads_started() < 1:  # the call is in before the signal
+        assert time.monotonic() < deadline, "the upload never reached the server"
+        time.sleep(0.02)
     proc_env.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     assert proc_env.poll() is None  # still draining

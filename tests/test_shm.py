@@ -645,7 +645,8 @@ asyncio.run(main())
 
 
 async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path, lease_s=0.5)) as server, client(server) as c:
+    # Leases long enough to outlive the reader's start on a slow machine.
+    async with MMCacheServer(shm_config(tmp_path, lease_s=3)) as server, client(server) as c:
         assert server.region is not None
         await c.get_and_update([image_item(9)], ["held"], lease=False)
         reader = await asyncio.create_subprocess_exec(
@@ -657,11 +658,9 @@ async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path:
         assert server.region.slots == 1
         reader.kill()
         await reader.wait()
-        for _ in range(100):  # the server's own sweep frees it
-            if server.region.slots == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert server.region.slots == 0 and server.region.expired == 1
+        region = server.region
+        await eventually(lambda: region.slots == 0, timeout=15)  # the server's own sweep
+        assert region.expired == 1
         assert (await c.fetch(["held"]))[0] == image_item(9)
 
 
