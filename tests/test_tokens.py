@@ -20,9 +20,11 @@ from mmcache.client import (
 from mmcache.server import MMCacheServer
 from mmcache.server._auth import parse_tokens
 from mmcache.server._config import ConfigError
+from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import Samples, sample, scrape, server_config
 from .items import image_item
+from .raw import SERVICE, chunk, data_entry, header, tensor_spec
 
 WRITE = "w" * 8 + "-write-token-0001"
 READ = "r" * 8 + "-read-token-00001"
@@ -288,3 +290,33 @@ async def test_a_refused_call_leaves_no_stray_task_or_traceback(
         gc.collect()
     reported = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert not reported, [r.getMessage() for r in reported]
+
+
+async def test_a_refused_batch_that_never_ends_is_refused_within_the_skip_time(
+    secured: tuple[MMCacheServer, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch refused at its header is read to its end before the refusal
+    # (so its client reads it); one whose frames never come costs SKIP_S.
+    monkeypatch.setattr("mmcache.server._sessions.SKIP_S", 0.5)
+    server, tokens = secured
+    spec = tensor_spec("float32", [4])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.stream_stream(f"{SERVICE}/UpdateSession")(
+            metadata=(("authorization", f"Bearer {WRITE}"),)
+        )
+        await call.write(header(data_entry("a", spec, 1)))
+        await call.write(chunk(bytes(16)))
+        assert pb.UpdateReply.FromString(await call.read()).outcomes == [pb.OUTCOME_STORED]
+        staged = tokens.with_suffix(".new")
+        staged.write_text(tokens.read_text().replace(f"write {WRITE}\n", ""))
+        os.replace(staged, tokens)
+        await asyncio.sleep(1.1)  # the file is looked at once a second
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await call.write(header(data_entry("b", spec, 3)))  # three chunks said, one sent
+        await call.write(chunk(bytes(16)))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call.read()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert 0.4 < loop.time() - started < 3.0  # waited for the rest, then no longer
+    assert "b" not in server.store
