@@ -23,10 +23,10 @@ The region holds three kinds of extent, from one allocator:
   ReadShm when the region has no room for it to move in, and freed when its
   reader's hold ends. Residents and write slots leave a reserve free for them
   (the largest item read so in the last RESERVE_S, at most half the region),
-  so that reads of a hot set larger than the region do not push residents out. Only an item read
-  again within TENURE_S takes the place of residents in for longer than that
-  (reads with no call are not seen: a resident's time counts from when it
-  came in, or was last read through ReadShm).
+  so that reads of a hot set larger than the region do not push residents
+  out. Only an item read again within TENURE_S takes the place of residents
+  in for longer than that (reads with no call are not seen: a resident's
+  time counts from when it came in, or was last read through ReadShm).
 
 An extent's generation word is zeroed when it is freed, before its memory
 can be used again: a reader checks the word before and after copying, and

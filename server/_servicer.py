@@ -331,19 +331,7 @@ class CacheServicer:
             t0 = self._batch_metrics.start()
             code = grpc.StatusCode.UNKNOWN
             try:
-                try:
-                    # Its token may have been revoked since the last batch; a
-                    # namespace forgotten since (no items, no subscribers)
-                    # comes back only within --max-namespaces.
-                    refusal = self._authorize(context.invocation_metadata())
-                    if refusal is not None:
-                        raise refusal
-                    namespace = self._namespace(context)
-                except MMCacheError:
-                    # Read to its end, so that the client reads the refusal
-                    # (server._sessions).
-                    await skip_batch(stream, chunks_declared(first))
-                    raise
+                namespace = await self._admit_batch(context, stream, first)
                 request = request_of_frame(first, "the first frame of a session's batch")
                 reply = await self._update(context, namespace, request, stream, False, last=False)
                 await write(context, reply)
@@ -353,6 +341,23 @@ class CacheServicer:
                 raise
             finally:
                 self._batch_metrics.end(t0, code)
+
+    async def _admit_batch(
+        self, context: Context, stream: AsyncIterator[bytes], first: bytes
+    ) -> Namespace:
+        """The namespace of a session's next batch (`first`: its header). Its
+        token may have been revoked since the last batch, and a namespace
+        forgotten since (no items, no subscribers) comes back only within
+        --max-namespaces; a batch refused is read to its end first, so that
+        its client reads the refusal (server._sessions)."""
+        try:
+            refusal = self._authorize(context.invocation_metadata())
+            if refusal is not None:
+                raise refusal
+            return self._namespace(context)
+        except MMCacheError:
+            await skip_batch(stream, chunks_declared(first))
+            raise
 
     async def _update(
         self,
@@ -640,18 +645,8 @@ class CacheServicer:
     def _residents(
         self, region: Region, keys: Sequence[str], items: Sequence[StoredItem], hold: bool
     ) -> list[Resident] | None:
-        """The items' extents in the region; None when it has no room for all.
-
-        An item in the heap moves into the region (one copy; its frames
-        dropped) where there is room, leaving the reserve free. Where there is
-        not, a read that holds its extents (`hold`) gets a copy in a transient
-        extent, the item staying in the heap: a hot set larger than the region
-        costs a copy per read, not a resident pushed out to the heap (a copy)
-        and the item moved in (another) on every read. An item read again
-        within the region's tenure takes the place of residents in for longer
-        (a hot set that moved on), and where even the reserve is taken (other
-        reads in flight) residents are moved out for the copy. Without `hold`
-        (a client that never says done) the item moves in, as room is made."""
+        """The items' extents in the region (those in the heap copied there:
+        `_extent_for`); None when it has no room for all."""
         residents: list[Resident] = []
         for key, item in zip(keys, items, strict=True):
             if item.resident is not None:
@@ -660,30 +655,52 @@ class CacheServicer:
                 continue
             spec = item.spec.SerializeToString()
             trailer = len(key.encode()) + len(spec)
-            if hold:
-                region.need_read(item.payload)
-                slot = region.allocate(item.payload, ITEM, trailer)
-                if slot is None and region.read_again(key):
-                    slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys, aged=True)
-                if slot is None:
-                    slot = self._allocate(region, item.payload, READ, 0, keep=keys)
-                    if slot is None:
-                        return None
-                    copy_payload(item.frames, region.payload(slot))
-                    self._metrics.shm_copies.labels("transient").inc()
-                    residents.append(Resident(region, slot))  # freed when its hold ends
-                    continue
-            else:
-                slot = self._allocate(region, item.payload, ITEM, trailer, keep=keys)
-                if slot is None:
-                    return None
+            slot = self._extent_for(region, key, item.payload, trailer, keys, hold)
+            if slot is None:
+                return None
             copy_payload(item.frames, region.payload(slot))
+            if slot.kind == READ:
+                self._metrics.shm_copies.labels("transient").inc()
+                residents.append(Resident(region, slot))  # freed when its hold ends
+                continue
             self._metrics.shm_copies.labels("in").inc()
             resident = region.settle(slot, key, spec)
             assert resident is not None  # allocated with room for its trailer
             self._store.make_resident(key, item, resident)
             residents.append(resident)
         return residents
+
+    def _extent_for(
+        self,
+        region: Region,
+        key: str,
+        payload: int,
+        trailer: int,
+        keys: Sequence[str],
+        hold: bool,
+    ) -> Slot | None:
+        """Where a read copies an item in the heap: an extent it moves into
+        (ITEM; its frames then dropped), or a transient one (READ), the item
+        staying in the heap; None when the region has no room.
+
+        It moves in where there is room beside the reserve. Where there is
+        not, a read that holds its extents (`hold`) gets a transient copy: a
+        hot set larger than the region costs a copy per read, not a resident
+        pushed out to the heap (a copy) and the item moved in (another) on
+        every read. An item read again within the region's tenure takes the
+        place of residents in for longer (a hot set that moved on), and where
+        even the reserve is taken (other reads in flight) residents are moved
+        out for the copy. Without `hold` (a client that never says done) the
+        item moves in, as room is made."""
+        if not hold:
+            return self._allocate(region, payload, ITEM, trailer, keep=keys)
+        region.need_read(payload)
+        slot = region.allocate(payload, ITEM, trailer)
+        if slot is None and region.read_again(key):
+            slot = self._allocate(region, payload, ITEM, trailer, keep=keys, aged=True)
+        if slot is None:
+            slot = self._allocate(region, payload, READ, 0, keep=keys)
+        return slot
 
     def _modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""

@@ -97,12 +97,12 @@ class Staging:
     def put(self, identifier: str, tensor: torch.Tensor) -> Staged | None:
         """Write `tensor` for `identifier`; None when it would pass the budget.
         OSError (a full file system) leaves nothing behind."""
-        data = tensor.detach().to("cpu").contiguous()
-        nbytes = data.nbytes
         if identifier in self._items:
             return self._items[identifier]
+        nbytes = tensor.nbytes
         if self._bytes + nbytes > self.budget_bytes:
             return None
+        data = tensor.detach().to("cpu").contiguous()
         name = hashlib.blake2b(identifier.encode(), digest_size=16).hexdigest()
         path = os.path.join(self.directory, name)
         partial = path + ".partial"
