@@ -73,3 +73,15 @@ class L2Metrics:
             "Items waiting to be written to L2 (write-behind queue).",
             registry=registry,
         )
+        self.up = Gauge(
+            "mmcache_l2_up",
+            "1 while L2 is connected and every Redis master serving slots answers; 0 when "
+            "it is down in part or whole (its items miss), or not configured.",
+            registry=registry,
+        )
+        self.nodes_down = Gauge(
+            "mmcache_l2_nodes_down",
+            "Redis masters skipped (their items miss at once) until a probe finds them "
+            "answering again.",
+            registry=registry,
+        )

@@ -2,8 +2,8 @@
 
 Lifecycle, as grpc's own aio examples do it: health turns SERVING once every
 service is registered and the port is bound; on SIGTERM or SIGINT it turns
-NOT_SERVING, the server stops taking calls, calls in flight get `grace_s` to
-finish, and the process exits 0.
+NOT_SERVING, feed subscriptions end, the server stops taking calls, calls in
+flight get `grace_s` to finish, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -265,6 +265,10 @@ class MMCacheServer:
         if self._server is not None:
             await self.health.enter_graceful_shutdown()
             self.sessions.stop()  # those waiting for a batch end now, the others after theirs
+            # Feed streams never end on their own: end them now, or every
+            # follower would hold the stop for the whole grace and then be
+            # cancelled (which grpc logs as an error).
+            self.namespaces.close()
             await self._server.stop(self.config.grace_s if grace is None else grace)
             self._server = None
         if self._health_server is not None:
@@ -335,6 +339,8 @@ def _l2_tier(
         on_written=(lambda key, size: None) if events is None else events.written_to_l2,
     )
     metrics.queued.set_function(lambda: tier.queued)
+    metrics.up.set_function(lambda: float(backend.up))
+    metrics.nodes_down.set_function(lambda: backend.nodes_down)
     _LOGGER.info(
         "L2 tier: %s, keys under %r, admit on %s sighting",
         backend.where,

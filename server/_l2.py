@@ -78,6 +78,21 @@ class L2Backend(Protocol):
         """The store, for logs (no credentials)."""
         ...
 
+    @property
+    def up(self) -> bool:
+        """Connected, and every part of the store answers (`mmcache_l2_up`)."""
+        ...
+
+    @property
+    def nodes_down(self) -> int:
+        """Parts of the store (Redis masters) skipped until they answer again."""
+        ...
+
+    async def connect(self) -> None:
+        """Connect now, at start; a failure is logged at ERROR with its reason
+        (and tried again later), never raised."""
+        ...
+
     async def read(self, key: str) -> L2Record | None:
         """The whole record under `key`, or None."""
         ...

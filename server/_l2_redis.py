@@ -9,35 +9,31 @@ chunks, then the manifest, then the TTL), atomic on its master: a reader
 sees a whole item or none, also while another sidecar writes the same hash.
 
 Every call is bounded by the timeout (sockets and an outer wait), makes no
-retries of its own, and raises L2Error only: a dead or slow master costs a
-call at most the timeout, and its slots simply miss.
+retries of its own, and raises L2Error only. Calls are routed to masters by
+server/_redis_nodes.py, which keeps a failure with its node: a dead or hung
+master costs one timeout, then its slots miss at once until a probe finds it
+answering again.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 from urllib.parse import unquote, urlsplit
 
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisClusterException, RedisError
 
-from ._l2 import L2Error, L2Record, Poll, Sighting
+from ._l2 import L2Record, Poll, Sighting
+from ._redis_nodes import RedisNodes
 
 __all__ = ["RedisClusterL2", "parse_l2_url", "redis_key"]
-
-T = TypeVar("T")
 
 _MANIFEST = b"m"
 
 # Scripts run atomically on the slot's master: a reader never sees part of a
-# write. (redis-py 8's asyncio cluster pipelines run a MULTI's commands each
-# in a thread of its own, with an event loop of its own: no use here.)
+# write, in one round trip.
 # ARGV: the TTL in ms (0: none), the manifest, then the chunks.
 _WRITE = """
 redis.call('DEL', KEYS[1])
@@ -114,8 +110,9 @@ def parse_l2_url(url: str) -> tuple[list[tuple[str, int]], str | None, str | Non
 
 
 class RedisClusterL2:
-    """An `L2Backend` on a Redis Cluster; connects on first use (and again
-    after a failure), so a sidecar starts while its cluster is down."""
+    """An `L2Backend` on a Redis Cluster, routed by `RedisNodes`: it connects at
+    start (`connect`) and on first use, and again after a failure, so a sidecar
+    starts while its cluster is down and heals when it comes back."""
 
     def __init__(
         self,
@@ -125,46 +122,49 @@ class RedisClusterL2:
         timeout_s: float = 1.0,
         max_connections: int = 64,
     ) -> None:
-        nodes, user, password, tls = parse_l2_url(url)
+        seeds, user, password, tls = parse_l2_url(url)
         self._prefix = prefix
-        self._timeout_s = timeout_s
-        self._where = f"redis cluster {','.join(f'{h}:{p}' for h, p in nodes)}"
-        self._client = RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-            username=user,
-            password=password,
-            ssl=tls,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            # The caller falls back to L1 at once: a retry would only spend its time.
-            retry=Retry(NoBackoff(), 0),
-            # Above the tier's own bound on operations at once (L2Settings).
-            max_connections=max_connections,
-            require_full_coverage=False,
-            decode_responses=False,
-        )
-        self._ready = False
+        self._where = f"redis cluster {','.join(f'{h}:{p}' for h, p in seeds)}"
+
+        def connect(host: str, port: int) -> Redis:
+            return Redis(
+                host=host,
+                port=port,
+                username=user,
+                password=password,
+                ssl=tls,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                # The caller falls back to L1 at once: a retry would only spend its time.
+                retry=Retry(NoBackoff(), 0),
+                # Above the tier's own bound on operations at once (L2Settings).
+                max_connections=max_connections,
+                decode_responses=False,
+            )
+
+        self._nodes = RedisNodes(seeds, connect, timeout_s=timeout_s, where=self._where)
 
     @property
     def where(self) -> str:
         return self._where
 
+    @property
+    def up(self) -> bool:
+        return self._nodes.up
+
+    @property
+    def nodes_down(self) -> int:
+        return self._nodes.nodes_down
+
+    async def connect(self) -> None:
+        await self._nodes.connect()
+
     def _key(self, key: str) -> str:
         return redis_key(self._prefix, key)
 
-    async def _run(self, call: Callable[[], Awaitable[T]]) -> T:
-        try:
-            if not self._ready:
-                await asyncio.wait_for(self._client.initialize(), self._timeout_s)
-                self._ready = True
-            return await asyncio.wait_for(call(), self._timeout_s)
-        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-            raise L2Error(f"{self._where}: {type(exc).__name__}: {exc}") from None
-        except Exception as exc:  # redis-py's surprises (a slot map mid-change) too
-            raise L2Error(f"{self._where}: unexpected {type(exc).__name__}: {exc}") from None
-
     async def read(self, key: str) -> L2Record | None:
-        raw = await self._run(lambda: self._client.hgetall(self._key(key)))
+        name = self._key(key)
+        raw = await self._nodes.call(name, lambda r: r.hgetall(name))
         # Bytes, as decode_responses=False gives them (the types allow str too).
         fields = {k: v for k, v in raw.items() if isinstance(k, bytes) and isinstance(v, bytes)}
         manifest = fields.pop(_MANIFEST, None)
@@ -176,41 +176,42 @@ class RedisClusterL2:
         return L2Record(manifest, tuple(c for c in chunks if c is not None))
 
     async def holds(self, key: str) -> bool:
-        found: int = await self._run(lambda: self._client.hexists(self._key(key), _MANIFEST))
+        name = self._key(key)
+        found = await self._nodes.call(name, lambda r: r.hexists(name, _MANIFEST))
         return bool(found)
 
     async def write(self, key: str, record: L2Record, ttl_s: float) -> None:
-        ttl_ms = int(ttl_s * 1000)
-        await self._run(
-            lambda: self._client.eval(
-                _WRITE, 1, self._key(key), ttl_ms, record.manifest, *record.chunks
-            )
+        name, ttl_ms = self._key(key), int(ttl_s * 1000)
+        await self._nodes.call(
+            name, lambda r: r.eval(_WRITE, 1, name, ttl_ms, record.manifest, *record.chunks)
         )
 
     async def sight(self, key: str, window_s: float, node: str) -> Sighting:
-        window_ms = max(1, int(window_s * 1000))
-        found = await self._run(
-            lambda: self._client.eval(_SIGHT, 1, self._key(key) + ":f", window_ms, node)
-        )
+        name, window_ms = self._key(key) + ":f", max(1, int(window_s * 1000))
+        found = await self._nodes.call(name, lambda r: r.eval(_SIGHT, 1, name, window_ms, node))
         return Sighting(int(found))
 
     async def unclaim(self, key: str, node: str) -> None:
-        await self._run(lambda: self._client.eval(_UNCLAIM, 1, self._key(key) + ":f", node))
+        name = self._key(key) + ":f"
+        await self._nodes.call(name, lambda r: r.eval(_UNCLAIM, 1, name, node))
 
     async def poll(self, key: str) -> Poll:
         name = self._key(key)
-        found = await self._run(lambda: self._client.eval(_POLL, 2, name, name + ":f"))
+        found = await self._nodes.call(name, lambda r: r.eval(_POLL, 2, name, name + ":f"))
         return Poll(int(found))
 
     async def wanted(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hget(self._key(key) + ":f", "n")
-        values = await self._run(pipe.execute)
+
+        async def counts(client: Redis, names: list[str]) -> list[object]:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.hget(name, "n")
+            return list(await pipe.execute())
+
+        values = await self._nodes.call_grouped([self._key(k) + ":f" for k in keys], counts)
         return [isinstance(v, bytes) and v.isdigit() and int(v) > 0 for v in values]
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
-            await self._client.aclose()
+        await self._nodes.close()

@@ -116,6 +116,7 @@ class L2Tier:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._connecting: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_check = 0.0
 
@@ -130,8 +131,14 @@ class L2Tier:
     def start(self) -> None:
         self._stopping = False
         self._writer = asyncio.create_task(self._write_behind())
+        # At start, not on first use: a wrong --l2 is logged now, at ERROR.
+        self._connecting = asyncio.create_task(self._backend.connect())
 
     async def stop(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+            self._connecting = None
         if self._writer is not None:
             # The flag too: a cancel that meets an operation just finishing can
             # be swallowed by asyncio.wait_for (Python < 3.12).
