@@ -82,6 +82,7 @@ class Feed:
         self._snapshot: _Snapshot | None = None
         self._building: asyncio.Lock = asyncio.Lock()
         self._subscribers: set[Subscriber] = set()
+        self._closed = False
 
     @property
     def seq(self) -> int:
@@ -146,6 +147,17 @@ class Feed:
         subscriber = Subscriber(self)
         self._subscribers.add(subscriber)
         return subscriber
+
+    def close(self) -> None:
+        """End every subscriber's messages, and those of any that comes later.
+
+        For a stopping server: the Subscribe calls return normally at once,
+        so a server stopping with followers has no call to wait out its
+        grace for (the followers subscribe again, to the next instance).
+        """
+        self._closed = True
+        for subscriber in self._subscribers:
+            subscriber.wake()
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
@@ -229,15 +241,16 @@ class Subscriber:
         self._event.set()
 
     async def messages(self) -> AsyncIterator[bytes]:
-        """Serialised FeedMessages, until the call ends."""
+        """Serialised FeedMessages, until the call ends or the feed closes."""
         feed = self._feed
         reason = "subscribe"
-        while True:
+        while not feed._closed:
             for part in await feed.snapshot_for(self, reason):
                 yield part
             yield pb.FeedMessage(instance_id=feed._instance_id, seq=feed.seq).SerializeToString()
             reason = "lag"
-            while self.cursor >= feed._base:  # else the ring dropped what it needs
+            # Else the ring dropped what it needs (a snapshot again), or the feed closed.
+            while self.cursor >= feed._base and not feed._closed:
                 if self.cursor < feed._end():
                     _, _, message = feed._ring[self.cursor - feed._base]
                     self.cursor += 1

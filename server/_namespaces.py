@@ -98,6 +98,7 @@ class Namespaces:
         self._clock = clock
         self._next_scan = 0.0
         self._all: dict[str, Namespace] = {}
+        self._closed = False
         self.default = self._make("")
 
     def __len__(self) -> int:
@@ -149,6 +150,12 @@ class Namespaces:
         for namespace in self._all.values():
             namespace.feed.flush()
 
+    def close(self) -> None:
+        """Close every feed, and each made from now on (see `Feed.close`)."""
+        self._closed = True
+        for namespace in self._all.values():
+            namespace.feed.close()
+
     def _make(self, name: str) -> Namespace:
         feed = Feed(
             self._instance_id,
@@ -157,6 +164,8 @@ class Namespaces:
             on_snapshot=self._on_snapshot,
             start_seq=self._changes,
         )
+        if self._closed:
+            feed.close()
         namespace = Namespace(name, feed)
         self._all[name] = namespace
         return namespace

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import pytest
+
 from mmcache.server._feed import Feed, FeedState
 from mmcache.v1 import cache_pb2 as pb
 
@@ -118,3 +120,17 @@ async def test_a_snapshot_outrun_by_the_ring_while_it_is_built_is_built_again() 
     # Whatever snapshot it got, the ring holds every change after it.
     assert feed._index_after(parts[-1].seq) is not None
     feed.unsubscribe(subscriber)
+
+
+async def test_close_ends_every_subscribers_messages_and_any_later_ones() -> None:
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.001)
+    stream = feed.subscribe().messages()
+    await take(stream, 2)
+    waiting = asyncio.ensure_future(anext(stream))  # waits for a change
+    await asyncio.sleep(0.01)
+    feed.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(waiting, 2)
+    later = feed.subscribe().messages()
+    assert [m async for m in later] == []
