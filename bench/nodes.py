@@ -22,12 +22,18 @@ A second table times a lookup that L2 answers (the item read from L2 into
 the sidecar, then answered held) beside one L1 answers, for 1 and 8 MiB items,
 `--reps` times each: p50/p99 ms from the frontend, and the mean of the
 server's own L2 reads (the Redis HGETALL, checks included).
+
+A third times lookups (4 held items, 4 cold) with every master up and with
+one master stopped (SIGSTOP), `--reps` x 4 each (`--only-hung`: this table
+alone).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,8 +41,12 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bench.fleet import Trace, emit, image_hash, make_trace, process, read_record
+
+if TYPE_CHECKING:
+    from tests.redis_cluster import RedisCluster
 
 MIB = 1 << 20
 
@@ -266,6 +276,51 @@ async def latency(args: argparse.Namespace, l2: str) -> None:
             proc.wait(timeout=20)
 
 
+async def hung(args: argparse.Namespace, cluster: RedisCluster) -> None:
+    """Lookups while a master hangs (SIGSTOP): each names 4 images the sidecar
+    holds and 4 cold ones (read from L2, then claimed), a third of them on the
+    stopped master's slots. Without a breaker per master every such lookup
+    waits the L2 timeout (1 s); with one, only those in the first second do."""
+    from mmcache.client import MMCacheClient
+
+    port, metrics_port = free_port(), free_port()
+    proc = sidecar(port, metrics_port, 1024, cluster.url)
+    print("\n| masters | lookups | lookup p50 / p99 ms | slowest ms | L2 errors |")
+    print("|---|---|---|---|---|")
+    try:
+        async with MMCacheClient(f"127.0.0.1:{port}", timeout=60) as client:
+            held = [f"held-{i}" for i in range(4)]
+            await client.get_and_update([process(i, 64 << 10) for i in range(4)], held)
+            for state in ("all up", "one stopped"):
+                pid = cluster.procs[cluster.ports[1]].pid
+                if state == "one stopped":
+                    os.kill(pid, signal.SIGSTOP)
+                try:
+                    before = scrape(metrics_port)
+                    times: list[float] = []
+                    for rep in range(args.reps * 4):
+                        cold = [f"cold-{state}-{rep}-{i}" for i in range(4)]
+                        start = time.perf_counter()
+                        await client.lookup([*held, *cold], lease=False)
+                        times.append(time.perf_counter() - start)
+                    after = scrape(metrics_port)
+                finally:
+                    if state == "one stopped":
+                        os.kill(pid, signal.SIGCONT)
+                errors = sum(
+                    after.get(key, 0.0) - before.get(key, 0.0)
+                    for key in after
+                    if key[0] == "mmcache_l2_errors_total"
+                )
+                print(
+                    f"| {state} | {len(times)} | {_ms(times)} | {max(times) * 1e3:.0f} "
+                    f"| {errors:.0f} |"
+                )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
 def _ms(values: Sequence[float]) -> str:
     cuts = statistics.quantiles(values, n=100, method="inclusive")
     return f"{cuts[49] * 1e3:.1f} / {cuts[98] * 1e3:.1f}"
@@ -284,6 +339,9 @@ async def drive(args: argparse.Namespace) -> None:
     )
     rows: list[Row] = []
     with redis_cluster(maxmemory_mb=256) as cluster:
+        if args.only_hung:
+            await hung(args, cluster)
+            return
         for nodes in args.nodes:
             for l2 in (cluster.url, None):
                 cluster.flushall()
@@ -291,6 +349,8 @@ async def drive(args: argparse.Namespace) -> None:
         print_rows(trace, rows)
         cluster.flushall()
         await latency(args, cluster.url)
+        cluster.flushall()
+        await hung(args, cluster)
 
 
 def main() -> None:
@@ -302,6 +362,7 @@ def main() -> None:
     parser.add_argument("--capacity-mib", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--only-hung", action="store_true", help="only the hung-master table")
     parser.add_argument("--target")
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args()

@@ -235,6 +235,35 @@ async def test_a_stopped_master_costs_calls_at_most_the_l2_timeout() -> None:
             assert elapsed < 3.5
 
 
+async def test_a_hung_master_costs_one_timeout_not_one_per_call() -> None:
+    """A breaker per master: after the first timeout the stopped master's
+    items miss at once, and a probe finds it again once it answers."""
+    with redis_cluster() as frozen:
+        async with writer_and_reader(frozen, 0.5) as (a, ca, b, cb):
+            hashes = [f"s{i}" for i in range(12)]
+            await ca.get_and_update([image_item(i) for i in range(12)], hashes)
+            await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 12)
+            await cb.lookup(["warm"], lease=False)
+            pid = frozen.procs[frozen.ports[2]].pid
+            os.kill(pid, signal.SIGSTOP)
+            loop = asyncio.get_running_loop()
+            try:
+                found = await cb.lookup(hashes, lease=False)  # the one timeout
+                assert 0 < sum(found.held) < 12
+                assert value(b, "mmcache_l2_nodes_down") == 1
+                assert value(b, "mmcache_l2_up") == 0
+                started = loop.time()
+                for n in range(10):  # 4 cold hashes each: all but surely one on it
+                    await cb.lookup([f"cold{n}-{i}" for i in range(4)], lease=False)
+                # One timeout each would be 5 s at least.
+                assert loop.time() - started < 1.5
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            missed = [h for h, ok in zip(hashes, found.held, strict=True) if not ok]
+            await eventually(lambda: value(b, "mmcache_l2_up") == 1, timeout=10)
+            assert (await cb.lookup(missed, lease=False)).held == [True] * len(missed)
+
+
 def test_a_bad_l2_url_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="host:port"):
         server_config(l2="redis://nohost")
