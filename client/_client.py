@@ -934,6 +934,9 @@ class MMCacheClient:
         held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
         if drifted:
             _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
+            # A later batch, which may evict what this one answered held: over
+            # gRPC, so that all it evicts is named in its reply (room made in
+            # the region is not), and `held` says what the call left held.
             again = await self._send(
                 [
                     self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
@@ -941,7 +944,10 @@ class MMCacheClient:
                 ],
                 [],
                 mode,
+                shm=False,
             )
+            gone = set(again.evicted)
+            held = [kept and h not in gone for h, kept in zip(mm_hashes, held, strict=True)]
             for i, outcome in zip(drifted, again.outcomes, strict=True):
                 held[i] = outcome == Outcome.STORED
         no_data = [
@@ -964,7 +970,10 @@ class MMCacheClient:
             )
         returned = reply.metadata or [b""] * len(outcomes)
         return UpdateResult(
-            [None if o == Outcome.HIT else item for item, o in zip(items, outcomes, strict=True)],
+            [
+                None if o == Outcome.HIT and kept else item
+                for item, o, kept in zip(items, outcomes, held, strict=True)
+            ],
             held,
             [
                 blob if o == Outcome.HIT and want_metadata and blob else None
@@ -999,10 +1008,17 @@ class MMCacheClient:
                 _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
 
     async def _send(
-        self, entries: Sequence[Entry], touches: Sequence[str], lease: pb.LeaseMode.ValueType
+        self,
+        entries: Sequence[Entry],
+        touches: Sequence[str],
+        lease: pb.LeaseMode.ValueType,
+        *,
+        shm: bool = True,
     ) -> Reply:
-        """One round trip: the batch out, the reply applied to the mirror."""
-        slots, spares = await self._shm_slots(entries) if self._region is not None else ({}, [])
+        """One round trip: the batch out (`shm`: larger payloads through the
+        region, where there is one), the reply applied to the mirror."""
+        use_shm = shm and self._region is not None
+        slots, spares = await self._shm_slots(entries) if use_shm else ({}, [])
         if slots:
             try:
                 return await self._send_batch(entries, touches, lease, slots, spares)

@@ -187,15 +187,18 @@ class CacheServicer:
         reply.slots.extend(slot_message(s) for s in self._write_slots(region, sizes))
         return reply
 
-    def _write_slots(self, region: Region, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+    def _write_slots(
+        self, region: Region, sizes: Sequence[tuple[int, int]], keep: Sequence[str] = ()
+    ) -> list[Slot]:
         """Write slots of these (payload, trailer) sizes: all, or none when the
-        region has no room for all (the client then uploads over gRPC)."""
+        region has no room for all (the client then uploads over gRPC); room is
+        made without taking out the items under `keep`."""
         region.expire()
         slots: list[Slot] = []
         # What the store takes in if all are uploaded: past its capacity, it evicts.
         incoming = sum(length for length, _ in sizes)
         for length, trailer in sizes:
-            slot = self._allocate(region, length, WRITE, trailer, incoming)
+            slot = self._allocate(region, length, WRITE, trailer, incoming, keep)
             if slot is None:
                 for given in slots:
                     region.free(given.lease)
@@ -203,13 +206,17 @@ class CacheServicer:
             slots.append(slot)
         return slots
 
-    def _spares(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+    def _spares(
+        self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]
+    ) -> list[Slot]:
         """The spare write slots an upload asked for with its reply; none when
-        its token is not the region's (asking never fails an upload)."""
+        its token is not the region's (asking never fails an upload). Their
+        room never takes out the batch's own items: what the reply answers
+        held stays readable (in a full cache, taking one out evicts it)."""
         region = self._region()
         if not sizes or region is None or not region.matches(token):
             return []
-        return self._write_slots(region, sizes)
+        return self._write_slots(region, sizes, batch)
 
     def _allocate(
         self,
@@ -428,7 +435,7 @@ class CacheServicer:
         result = replace(result, evicted=namespace.hashes(result.evicted))
         seq = self._namespaces.seq_of(namespace)
         # After `seq`: what the spares push out of the cache comes by the feed.
-        spares = self._spares(request.shm_token, spare_sizes)
+        spares = self._spares(request.shm_token, spare_sizes, [e.key for e in entries])
         return build_reply(
             self._instance_id,
             self._store.capacity,
