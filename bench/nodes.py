@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -54,10 +55,36 @@ MIB = 1 << 20
 # ---------------------------------------------------------------- a node's frontend
 
 
-async def frontend(args: argparse.Namespace) -> None:
-    from mmcache.client import MMCacheClient
+def paced_trace(args: argparse.Namespace) -> tuple[Trace, list[float]]:
+    """Chats whose users think between turns: each turn adds an image (the
+    same Zipf-like pool) and re-sends the chat's earlier ones, 30-120 s after
+    the last; chats start over the first 120 s. Times scaled by `--think`
+    (1/40: 0.75-3 s between turns). Requests in time order, with their times."""
+    pool = make_trace(args.seed, args.pool, 0).sizes
+    rng = random.Random(args.seed + 1)
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(pool))]
+    order = list(range(len(pool)))
+    rng.shuffle(order)
+    timed: list[tuple[float, list[int]]] = []
+    for _ in range(args.conversations):
+        at, images = rng.uniform(0, 120), []
+        for _ in range(rng.randint(2, 5)):
+            new = order[rng.choices(range(len(pool)), weights)[0]]
+            if new not in images:
+                images.append(new)
+            timed.append((at * args.think, list(images)))
+            at += rng.uniform(30, 120)
+    timed.sort(key=lambda pair: pair[0])
+    return Trace(pool, [images for _, images in timed]), [at for at, _ in timed]
 
-    trace = make_trace(args.seed, args.pool, args.conversations)
+
+async def frontend(args: argparse.Namespace) -> None:
+    from mmcache.client import CacheMissError, MMCacheClient
+
+    if args.think:
+        trace, times = paced_trace(args)
+    else:
+        trace, times = make_trace(args.seed, args.pool, args.conversations), []
     mine = [i for i in range(len(trace.requests)) if i % args.nodes == args.index]
     runs = 0
     failures = 0
@@ -65,7 +92,12 @@ async def frontend(args: argparse.Namespace) -> None:
         await client.wait_following()
         emit({"kind": "ready"})
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # "go"
-        for index in mine:
+        started = time.monotonic()
+
+        async def request(index: int) -> None:
+            nonlocal runs, failures
+            if times:  # at its time, beside the chats in flight
+                await asyncio.sleep(max(0.0, started + times[index] - time.monotonic()))
             images = trace.requests[index]
             hashes = [image_hash(i) for i in images]
             cached = client.is_cached(hashes, pending=True)
@@ -86,19 +118,39 @@ async def frontend(args: argparse.Namespace) -> None:
                     items.append(process(image, trace.sizes[image]))
                     resend.append(h in asked)
                     runs += 1
-            sent = await client.get_and_update(
-                items,  # type: ignore[arg-type]
-                hashes,
-                modality="image",
-                resend=resend,
-                lease="hits" if found is not None else True,
-            )
+            try:
+                sent = await client.get_and_update(
+                    items,  # type: ignore[arg-type]
+                    hashes,
+                    modality="image",
+                    resend=resend,
+                    lease="hits" if found is not None else True,
+                )
+            except CacheMissError as exc:  # gone since the mirror said cached: as vLLM's P0
+                for position, h in enumerate(hashes):
+                    if h in exc.missing_hashes:
+                        items[position] = process(images[position], trace.sizes[images[position]])
+                        resend[position] = True
+                        runs += 1
+                sent = await client.get_and_update(
+                    items,  # type: ignore[arg-type]
+                    hashes,
+                    modality="image",
+                    resend=resend,
+                    lease="hits" if found is not None else True,
+                )
             fetch = [h for h, held in zip(hashes, sent.held, strict=True) if held]
             if fetch:
                 try:
                     await client.fetch(fetch)  # its engine's read
                 except Exception:
                     failures += 1
+
+        if times:
+            await asyncio.gather(*(request(index) for index in mine))
+        else:
+            for index in mine:
+                await request(index)
     emit({"kind": "done", "runs": runs, "failures": failures})
 
 
@@ -132,7 +184,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def sidecar(
-    port: int, metrics_port: int, capacity_mib: int, l2: str | None
+    port: int, metrics_port: int, capacity_mib: int, l2: str | None, *extra: str
 ) -> subprocess.Popen[str]:
     from tests.conftest import MMCACHE
 
@@ -148,7 +200,7 @@ def sidecar(
     ]
     if l2 is not None:
         argv.append(f"--l2={l2}")
-    proc = subprocess.Popen(argv, text=True)
+    proc = subprocess.Popen([*argv, *extra], text=True)
     from tests.test_process import wait_serving
 
     wait_serving(port, proc)  # type: ignore[arg-type]
@@ -166,6 +218,7 @@ async def spawn_frontend(
         f"--seed={args.seed}",
         f"--pool={args.pool}",
         f"--conversations={args.conversations}",
+        f"--think={args.think}",
         f"--target={target}",
         f"--nodes={nodes}",
         f"--index={index}",
@@ -177,7 +230,9 @@ async def spawn_frontend(
 async def run_once(args: argparse.Namespace, nodes: int, l2: str | None) -> Row:
     row = Row("L2" if l2 else "no L2", nodes)
     ports = [(free_port(), free_port()) for _ in range(nodes)]
-    procs = [sidecar(p, m, args.capacity_mib, l2) for p, m in ports]
+    # Think times scaled: the claim's window (10 s) too, so the two keep their ratio.
+    extra = [f"--l2-window-s={10 * args.think:g}"] if args.think else []
+    procs = [sidecar(p, m, args.capacity_mib, l2, *extra) for p, m in ports]
     try:
         fronts = [
             await spawn_frontend(args, f"127.0.0.1:{p}", nodes, i) for i, (p, _) in enumerate(ports)
@@ -342,6 +397,9 @@ async def drive(args: argparse.Namespace) -> None:
         if args.only_hung:
             await hung(args, cluster)
             return
+        if args.only_think:
+            await thinking(args, cluster)
+            return
         for nodes in args.nodes:
             for l2 in (cluster.url, None):
                 cluster.flushall()
@@ -351,6 +409,24 @@ async def drive(args: argparse.Namespace) -> None:
         await latency(args, cluster.url)
         cluster.flushall()
         await hung(args, cluster)
+        await thinking(args, cluster)
+
+
+async def thinking(args: argparse.Namespace, cluster: RedisCluster) -> None:
+    """The chats of `paced_trace`: users who think 30-120 s between turns,
+    far past the claim's 10 s window, each turn on the next node."""
+    paced = argparse.Namespace(**{**vars(args), "think": args.think_scale})
+    trace, times = paced_trace(paced)
+    print(
+        f"\nthink times of 30-120 s between turns (scaled by {args.think_scale:g}: the "
+        f"--l2-window-s too): {len(trace.requests)} requests over "
+        f"{times[-1] / args.think_scale:.0f} s, {len(trace.unique)} unique images"
+    )
+    rows = []
+    for nodes in sorted({1, *args.nodes}):
+        cluster.flushall()
+        rows.append(await run_once(paced, nodes, cluster.url))
+    print_rows(trace, rows)
 
 
 def main() -> None:
@@ -363,6 +439,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only-hung", action="store_true", help="only the hung-master table")
+    parser.add_argument("--only-think", action="store_true", help="only the think-time table")
+    parser.add_argument("--think-scale", type=float, default=1 / 40)
+    parser.add_argument("--think", type=float, default=0.0)  # a frontend's: its trace paced
     parser.add_argument("--target")
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args()

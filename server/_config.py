@@ -496,8 +496,8 @@ SETTINGS: tuple[Setting, ...] = (
         "--l2-window-s",
         "MMCACHE_L2_WINDOW_S",
         _lease_seconds,
-        "how long a sidecar's claim to process a cold item lasts, and two sightings count "
-        "as one item's",
+        "how long a sidecar's claim to process a cold item lasts (once stored, its claim "
+        "lasts as long as its cache holds the item)",
     ),
     Setting(
         "l2_ttl_s",

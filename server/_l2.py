@@ -14,7 +14,6 @@ is shared, so its bytes are input like any client's.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +32,7 @@ __all__ = [
     "L2Record",
     "Poll",
     "Sighting",
+    "Want",
     "item_of_record",
     "record_of_item",
 ]
@@ -61,6 +61,11 @@ class Sighting(enum.IntEnum):
     FIRST = 0  # this node claims the cold item: its frontend processes it
     MINE = 1  # this node claimed it earlier in the window
     OTHERS = 2  # another node claimed it: it is being processed there
+
+
+class Want(enum.IntEnum):
+    ASKED = 0  # the holder will write it
+    OWNER_GONE = 1  # the holder is not alive: nobody will write it
 
 
 class Poll(enum.IntEnum):
@@ -105,10 +110,33 @@ class L2Backend(Protocol):
         """Store `record` under `key`, replacing any, all or nothing (`ttl_s` 0: no TTL)."""
         ...
 
-    async def sight(self, key: str, window_s: float, node: str) -> Sighting:
+    async def sight(self, key: str, window_s: float, node: str) -> tuple[Sighting, str]:
         """`node` asks for `key`, which neither tier holds. The first to ask
-        within `window_s` claims it (FIRST); a later ask by the claimer is MINE;
-        one by any other node is OTHERS (and counts as wanting it)."""
+        claims it (FIRST) for `window_s` (its processing); a later ask by the
+        claimer is MINE; one by any other node is OTHERS (and counts as wanting
+        it). With the claimer."""
+        ...
+
+    async def hold(self, key: str, node: str, hold_s: float) -> tuple[Sighting, int]:
+        """`node` stored `key` in its cache: its claim (made now, FIRST, if
+        none) lasts `hold_s`, so a node asking later knows whom to ask; OTHERS
+        when another node claims it. With how many other nodes asked."""
+        ...
+
+    async def want(self, owner: str, key: str) -> Want:
+        """Ask the node `owner`, which claims `key`, to write it (its want list)."""
+        ...
+
+    async def take_over(self, key: str, dead: str, node: str, window_s: float) -> bool:
+        """The claim of `dead` (not alive) on `key` passes to `node`, for `window_s`."""
+        ...
+
+    async def beat(self, node: str, alive_s: float, most: int) -> list[str]:
+        """`node` is alive for `alive_s`; takes (at most `most`) keys others want of it."""
+        ...
+
+    async def leave(self, node: str) -> None:
+        """`node` stops: its claims pass to the next node that asks."""
         ...
 
     async def unclaim(self, key: str, node: str) -> None:
@@ -118,10 +146,6 @@ class L2Backend(Protocol):
 
     async def poll(self, key: str) -> Poll:
         """Whether the item is in L2 now (HELD), still claimed (CLAIMED), or neither."""
-        ...
-
-    async def wanted(self, keys: Sequence[str]) -> list[bool]:
-        """Whether a node other than its claimer asked for each key in its window."""
         ...
 
     async def close(self) -> None: ...

@@ -18,14 +18,13 @@ answering again.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._l2 import L2Record, Poll, Sighting
+from ._l2 import L2Record, Poll, Sighting, Want
 from ._redis_nodes import RedisNodes
 
 __all__ = ["RedisClusterL2", "parse_l2_url", "redis_key"]
@@ -48,19 +47,62 @@ return 1
 """
 # A claim: the claimer's node (`o`) and how many others asked (`n`), for the
 # window (ARGV[1], ms) from the claim. ARGV[2]: the asking node. Returns a
-# Sighting: 0 claimed now, 1 the asker's own claim, 2 another node's.
+# Sighting (0 claimed now, 1 the asker's own claim, 2 another node's) and the
+# claimer.
 _SIGHT = """
 local owner = redis.call('HGET', KEYS[1], 'o')
 if not owner then
     redis.call('HSET', KEYS[1], 'o', ARGV[2], 'n', 0)
     redis.call('PEXPIRE', KEYS[1], ARGV[1])
-    return 0
+    return {0, ARGV[2]}
 end
 if owner == ARGV[2] then
-    return 1
+    return {1, owner}
 end
 redis.call('HINCRBY', KEYS[1], 'n', 1)
-return 2
+return {2, owner}
+"""
+# A node holds the item in its cache (ARGV[2]), for ARGV[1] ms at most: its
+# claim lasts that long (or is made now). Returns a Sighting and how many
+# other nodes asked.
+_HOLD = """
+local owner = redis.call('HGET', KEYS[1], 'o')
+if not owner then
+    redis.call('HSET', KEYS[1], 'o', ARGV[2], 'n', 0)
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+    return {0, 0}
+end
+if owner == ARGV[2] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[1])
+    return {1, tonumber(redis.call('HGET', KEYS[1], 'n') or '0')}
+end
+return {2, tonumber(redis.call('HINCRBY', KEYS[1], 'n', 1))}
+"""
+# KEYS: a node's heartbeat and its want list (one slot). ARGV: the wanted key,
+# the list's TTL (ms). 0 when the node is not alive (nobody would read it).
+_WANT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return 0
+end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('LTRIM', KEYS[2], -4096, -1)
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+# KEYS: this node's heartbeat and want list. ARGV: the heartbeat's TTL (ms),
+# how many wants to take. Returns the wants taken.
+_BEAT = """
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+return redis.call('LPOP', KEYS[2], ARGV[2]) or {}
+"""
+# The claim of a node found dead (ARGV[1]) passes to ARGV[2] for ARGV[3] ms.
+_TAKE_OVER = """
+if redis.call('HGET', KEYS[1], 'o') == ARGV[1] then
+    redis.call('HSET', KEYS[1], 'o', ARGV[2], 'n', 0)
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+    return 1
+end
+return 0
 """
 # ARGV: the node whose claim ends (another node's stays).
 _UNCLAIM = """
@@ -186,10 +228,48 @@ class RedisClusterL2:
             name, lambda r: r.eval(_WRITE, 1, name, ttl_ms, record.manifest, *record.chunks)
         )
 
-    async def sight(self, key: str, window_s: float, node: str) -> Sighting:
+    async def sight(self, key: str, window_s: float, node: str) -> tuple[Sighting, str]:
         name, window_ms = self._key(key) + ":f", max(1, int(window_s * 1000))
-        found = await self._nodes.call(name, lambda r: r.eval(_SIGHT, 1, name, window_ms, node))
-        return Sighting(int(found))
+        found, owner = await self._nodes.call(
+            name, lambda r: r.eval(_SIGHT, 1, name, window_ms, node)
+        )
+        return Sighting(int(found)), owner.decode() if isinstance(owner, bytes) else str(owner)
+
+    async def hold(self, key: str, node: str, hold_s: float) -> tuple[Sighting, int]:
+        name, hold_ms = self._key(key) + ":f", max(1, int(hold_s * 1000))
+        found, asked = await self._nodes.call(name, lambda r: r.eval(_HOLD, 1, name, hold_ms, node))
+        return Sighting(int(found)), int(asked)
+
+    async def want(self, owner: str, key: str) -> Want:
+        alive, wants = self._node_keys(owner)
+        ttl_ms = 60_000  # a node that stopped reading its list leaves no garbage
+        found = await self._nodes.call(alive, lambda r: r.eval(_WANT, 2, alive, wants, key, ttl_ms))
+        return Want.ASKED if int(found) else Want.OWNER_GONE
+
+    async def take_over(self, key: str, dead: str, node: str, window_s: float) -> bool:
+        name, window_ms = self._key(key) + ":f", max(1, int(window_s * 1000))
+        found = await self._nodes.call(
+            name, lambda r: r.eval(_TAKE_OVER, 1, name, dead, node, window_ms)
+        )
+        return bool(int(found))
+
+    async def beat(self, node: str, alive_s: float, most: int) -> list[str]:
+        alive, wants = self._node_keys(node)
+        alive_ms = max(1, int(alive_s * 1000))
+        taken = await self._nodes.call(
+            alive, lambda r: r.eval(_BEAT, 2, alive, wants, alive_ms, most)
+        )
+        return [k.decode() for k in taken if isinstance(k, bytes)]
+
+    async def leave(self, node: str) -> None:
+        alive, wants = self._node_keys(node)
+        await self._nodes.call(alive, lambda r: r.delete(alive, wants))
+
+    def _node_keys(self, node: str) -> tuple[str, str]:
+        """A node's heartbeat and want list: one slot (a hash tag of its digest)."""
+        tag = hashlib.blake2b(node.encode(), digest_size=8).hexdigest()
+        base = f"{self._prefix}node:{{{tag}}}"
+        return base + ":alive", base + ":wants"
 
     async def unclaim(self, key: str, node: str) -> None:
         name = self._key(key) + ":f"
@@ -199,19 +279,6 @@ class RedisClusterL2:
         name = self._key(key)
         found = await self._nodes.call(name, lambda r: r.eval(_POLL, 2, name, name + ":f"))
         return Poll(int(found))
-
-    async def wanted(self, keys: Sequence[str]) -> list[bool]:
-        if not keys:
-            return []
-
-        async def counts(client: Redis, names: list[str]) -> list[object]:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.hget(name, "n")
-            return list(await pipe.execute())
-
-        values = await self._nodes.call_grouped([self._key(k) + ":f" for k in keys], counts)
-        return [isinstance(v, bytes) and v.isdigit() and int(v) > 0 for v in values]
 
     async def close(self) -> None:
         await self._nodes.close()

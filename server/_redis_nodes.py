@@ -134,34 +134,6 @@ class RedisNodes:
             except MovedError as again:
                 raise L2Error(f"{target.name}: {_describe(again)}") from None
 
-    async def call_grouped(
-        self,
-        names: Sequence[str],
-        command: Callable[[Redis, list[str]], Awaitable[list[T]]],
-    ) -> list[T | None]:
-        """`command` once per master, on the keys of `names` it serves, all
-        masters at once; None for the keys of a master that failed."""
-        await self._ensure_map()
-        groups: dict[str, list[int]] = {}
-        for index, name in enumerate(names):
-            groups.setdefault(self._slots[key_slot(name.encode())] or "", []).append(index)
-        found: list[T | None] = [None] * len(names)
-
-        async def one(node_name: str, indexes: list[int]) -> None:
-            if not node_name:
-                return
-            keys = [names[i] for i in indexes]
-            try:
-                values = await self._on(self._nodes[node_name], lambda c: command(c, keys))
-            except (L2Error, MovedError):
-                self._refresh_soon()
-                return
-            for index, value in zip(indexes, values, strict=False):
-                found[index] = value
-
-        await asyncio.gather(*(one(n, i) for n, i in groups.items()))
-        return found
-
     async def close(self) -> None:
         self._closed = True
         for task in [*self._tasks, *(n.probe for n in self._nodes.values() if n.probe)]:

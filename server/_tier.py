@@ -12,16 +12,22 @@ the call's time) for that item to reach L2 or its own L1, then answers from
 it; past the wait it answers MISSING and its frontend processes the image
 itself. The claimer asking again waits only while its own frontend is still
 processing the item (a second local request); once it stored the item, a
-later miss means its L1 evicted it, and it answers MISSING at once. A claim
-ends early when its item leaves L1 unwritten or could not be stored there
-(nobody is left to write it), and an item uploaded without asking first is
-claimed by the writer, so that other sidecars wait for it too.
+later miss means its L1 evicted it, and it answers MISSING at once.
+
+Holding: once stored, the claim lasts as long as the item stays in this L1
+(`hold_s` at most), so a sidecar asking for it any time later knows whom to
+ask: it puts the key on the holder's want list and waits as above; the holder
+takes its wants every `recheck_s` and writes them first. A claim ends when
+its item leaves L1 or could not be stored there (nobody is left to write
+it); an item uploaded without asking first is claimed by the writer. Each
+sidecar keeps a heartbeat in L2 (`alive_s`): the claims of one that stopped
+beating pass to the next sidecar that asks, which processes the image.
 
 Write-behind, with admission so that one-off images do not flood L2: an item
 is written once it is seen a second time, here (a hit in L1) or anywhere in
-the fleet (another sidecar asked for it within the claim's window).
-`admit="first"` writes every new item. Writes go through a bounded queue of
-keys; an item evicted before its turn is not written.
+the fleet (another sidecar asked for it while any sidecar held it, however
+long after). `admit="first"` writes every new item. Writes go through a
+bounded queue of keys; an item evicted before its turn is not written.
 
 Every L2 failure degrades to a miss or an unwritten item, counted in
 `mmcache_l2_*`: L2 is optional, health does not depend on it. At most
@@ -44,7 +50,16 @@ from typing import TypeVar
 from mmcache._errors import InvalidArgumentError
 from mmcache.metrics import L2Metrics
 
-from ._l2 import L2Backend, L2Error, L2Record, Poll, Sighting, item_of_record, record_of_item
+from ._l2 import (
+    L2Backend,
+    L2Error,
+    L2Record,
+    Poll,
+    Sighting,
+    Want,
+    item_of_record,
+    record_of_item,
+)
 from ._store import ItemStore, StoredItem
 
 __all__ = ["L2Settings", "L2Tier"]
@@ -60,11 +75,13 @@ class L2Settings:
     timeout_s: float = 1.0  # one L2 operation, at most (and never past a call's time)
     ttl_s: float = 0.0  # an item's TTL in L2 (0: none; maxmemory + allkeys-lru evict)
     window_s: float = 10.0  # how long a claim lasts (a processor run and an upload)
+    hold_s: float = 86400.0  # how long a claim of an item stored here lasts, at most
+    alive_s: float = 3.0  # a sidecar silent for this long is gone: its claims pass on
     wait_s: float = 1.0  # how long a call waits for an item another sidecar processes
     queue_items: int = 4096  # write-behind queue, in items
     poll_s: float = 0.01  # how often a waiting call looks for the item
-    recheck_s: float = 0.05  # how often items stored here first are checked for wanters
-    max_candidates: int = 1024  # such items watched at once
+    recheck_s: float = 0.05  # how often a sidecar holding claims takes its wants
+    beat_s: float = 1.0  # how often an idle sidecar beats
     known_items: int = 65536  # items this sidecar knows L2 holds (not written again)
     concurrency: int = 32  # L2 operations under way at once (a call's reads, polls, writes)
 
@@ -101,24 +118,26 @@ class L2Tier:
         self._queued: set[str] = set()
         # Keys whose claim this sidecar ends (it evicted or could not store them).
         self._unclaims: deque[str] = deque(maxlen=1024)
-        # Items stored here without a claim of this sidecar's: claimed (or
-        # found wanted) by the writer, so that other sidecars wait for them.
-        self._to_claim: deque[str] = deque(maxlen=1024)
-        # Items stored here on a first sighting, watched until their claim's
-        # window ends for another sidecar asking: key -> its end.
-        self._candidates: OrderedDict[str, float] = OrderedDict()
+        # Items stored here, L2 lacking them: their claims to make or extend.
+        self._to_hold: deque[str] = deque(maxlen=4096)
+        # Keys whose claim this sidecar holds with the item in L1.
+        self._held: OrderedDict[str, None] = OrderedDict()
+        # Wants taken for items still being processed here: key -> until when.
+        self._early_wants: OrderedDict[str, float] = OrderedDict()
         # Cold keys this sidecar claimed and its frontend has not stored yet:
         # key -> when, within the window.
         self._claims: OrderedDict[str, float] = OrderedDict()
         # Claims being asked for now, so that two local calls ask once.
         self._sighting: dict[str, asyncio.Future[Sighting | None]] = {}
+        # The claimer of a key just found OTHERS, for the call that asks it.
+        self._owners: dict[str, str] = {}
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._stopping = False
-        self._next_check = 0.0
+        self._next_beat = 0.0
 
     @property
     def backend(self) -> L2Backend:
@@ -147,6 +166,8 @@ class L2Tier:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
+            # Other sidecars take this one's claims over at once, not after alive_s.
+            await self._quietly("claim", partial(self._backend.leave, self._node))
         await self._backend.close()
 
     # -- read-through --
@@ -183,6 +204,8 @@ class L2Tier:
             room.left -= record.nbytes
             return self._read_in(key, record)
         sighting = await self._sight(key, deadline) if flight else None
+        if sighting == Sighting.OTHERS:
+            sighting = await self._ask_holder(key, deadline)
         if sighting is None or sighting == Sighting.FIRST:
             # An engine's read; an L2 failure; or this sidecar's frontend
             # processes it now.
@@ -205,19 +228,47 @@ class L2Tier:
         self._sighting[key] = future
         found = None
         try:
-            found = await self._op(
+            found, owner = await self._op(
                 "claim",
                 lambda: self._backend.sight(key, self._settings.window_s, self._node),
                 deadline,
             )
             if found == Sighting.FIRST:
                 self._claim(key)
+            elif found == Sighting.OTHERS:
+                if len(self._owners) > 4096:  # calls cancelled before they asked
+                    self._owners.clear()
+                self._owners[key] = owner
         except L2Error:
             pass
         finally:
             del self._sighting[key]
             future.set_result(found)
         return found
+
+    async def _ask_holder(self, key: str, deadline: float) -> Sighting | None:
+        """Another sidecar claims `key`: put it on that sidecar's want list
+        (OTHERS: wait for it), or, when that sidecar is gone, take its claim
+        over (FIRST: process it here)."""
+        owner = self._owners.pop(key, None)
+        if owner is None:  # another local call asked: it put the want
+            return Sighting.OTHERS
+        try:
+            if await self._op("claim", lambda: self._backend.want(owner, key), deadline) == (
+                Want.ASKED
+            ):
+                return Sighting.OTHERS
+            taken = await self._op(
+                "claim",
+                lambda: self._backend.take_over(key, owner, self._node, self._settings.window_s),
+                deadline,
+            )
+        except L2Error:
+            return Sighting.OTHERS  # the wait decides
+        if taken:
+            self._claim(key)
+            return Sighting.FIRST
+        return Sighting.OTHERS  # a third sidecar took it over first: it processes
 
     def _claim(self, key: str) -> None:
         now = self._clock()
@@ -287,16 +338,19 @@ class L2Tier:
     def stored(self, key: str, *, replaced: bool) -> None:
         """A client's data was stored in L1 under `key`; `replaced`: over data
         held (sent data wins, in L2 too, and it is a second sighting anyway)."""
-        claimed = self._claims.pop(key, None) is not None
-        if replaced or self._settings.admit == "first":
+        self._claims.pop(key, None)
+        if self._early_wants.pop(key, None) is not None:  # another sidecar waits for it
+            self._enqueue(key, urgent=True)
+        elif replaced or self._settings.admit == "first":
             self._enqueue(key)
         elif key not in self._known:
-            self._candidates[key] = self._clock() + self._settings.window_s
-            self._candidates.move_to_end(key)
-            while len(self._candidates) > self._settings.max_candidates:
-                self._candidates.popitem(last=False)
-            if not claimed:  # uploaded without asking first: claim it now
-                self._to_claim.append(key)
+            # Claimed from now (the claim made or extended in the background),
+            # so that a later asker, anywhere, asks this sidecar.
+            self._held[key] = None
+            self._held.move_to_end(key)
+            while len(self._held) > self._settings.known_items:
+                self._held.popitem(last=False)  # its claim ends by hold_s
+            self._to_hold.append(key)
             self._wake.set()
 
     def not_stored(self, key: str) -> None:
@@ -307,9 +361,10 @@ class L2Tier:
             self._wake.set()
 
     def removed(self, key: str) -> None:
-        """L1 no longer holds `key`. Its claim, if this sidecar stored it on a
-        first sighting and has not written it, ends: nobody waits for it."""
-        if self._candidates.pop(key, None) is not None:
+        """L1 no longer holds `key`. Its claim, if this sidecar holds one, ends:
+        nobody waits for it, and the next sidecar to ask claims it."""
+        if key in self._held:
+            del self._held[key]
             self._unclaims.append(key)
             self._wake.set()
 
@@ -320,7 +375,6 @@ class L2Tier:
 
     def _enqueue(self, key: str, *, urgent: bool = False) -> None:
         """Queue a write: `urgent` (another sidecar waits for it) at the head."""
-        self._candidates.pop(key, None)
         if key in self._queued:
             return
         if len(self._queue) >= self._settings.queue_items:
@@ -343,9 +397,9 @@ class L2Tier:
 
     async def _write_behind(self) -> None:
         while not self._stopping:
-            if not (self._queue or self._unclaims or self._to_claim):
+            if not (self._queue or self._unclaims or self._to_hold):
                 self._wake.clear()
-                timeout = self._settings.recheck_s if self._candidates else None
+                timeout = max(0.0, self._next_beat - self._clock())
                 woken = asyncio.ensure_future(self._wake.wait())
                 try:
                     await asyncio.wait({woken}, timeout=timeout)
@@ -360,20 +414,30 @@ class L2Tier:
         while self._unclaims and not self._stopping:
             key = self._unclaims.popleft()
             await self._quietly("claim", partial(self._backend.unclaim, key, self._node))
-        while self._to_claim and not self._stopping:
-            key = self._to_claim.popleft()
-            window = self._settings.window_s
-            found = await self._quietly(
-                "claim", partial(self._backend.sight, key, window, self._node)
-            )
-            if found == Sighting.OTHERS:  # another sidecar waits for it, or will
-                self._enqueue(key, urgent=True)
-        await self._check_candidates()
+        while self._to_hold and not self._stopping:
+            await self._hold(self._to_hold.popleft())
+        await self._beat()
         while self._queue and not self._stopping:
             key = self._queue.popleft()
             self._queued.discard(key)
             await self._write(key)
-            await self._check_candidates()  # a waiter's item goes next, not last
+            await self._beat()  # a waiter's item goes next, not last
+
+    async def _hold(self, key: str) -> None:
+        """Claim (or extend the claim of) an item stored here, for as long as
+        L1 keeps it; written at once when another sidecar asked or claims it."""
+        if key not in self._held:  # evicted meanwhile: nothing to claim
+            return
+        found = await self._quietly(
+            "claim", partial(self._backend.hold, key, self._node, self._settings.hold_s)
+        )
+        if found is None:
+            return
+        sighting, asked = found
+        if sighting == Sighting.OTHERS:  # another sidecar claims it: not this one's
+            self._held.pop(key, None)
+        if sighting == Sighting.OTHERS or asked:  # a second sighting in the fleet
+            self._enqueue(key, urgent=True)
 
     async def _quietly(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
         """A background operation: its failure is counted, and skipped."""
@@ -382,23 +446,25 @@ class L2Tier:
         except L2Error:
             return None
 
-    async def _check_candidates(self) -> None:
-        """Every `recheck_s`: enqueue, first, the items stored here first that
-        another sidecar has asked for since; forget those whose window ended."""
+    async def _beat(self) -> None:
+        """Every `recheck_s` while this sidecar holds claims (else `beat_s`):
+        say it is alive, and write first what other sidecars asked it for."""
         now = self._clock()
-        if not self._candidates or now < self._next_check or self._stopping:
+        if now < self._next_beat or self._stopping:
             return
-        self._next_check = now + self._settings.recheck_s
-        while self._candidates:
-            key, end = next(iter(self._candidates.items()))
-            if end > now:
-                break
-            del self._candidates[key]
-        keys = list(self._candidates)
-        wanted = await self._quietly("check", lambda: self._backend.wanted(keys)) if keys else None
-        for key, elsewhere in zip(keys, wanted or (), strict=False):
-            if elsewhere:
+        busy = self._held or self._claims
+        self._next_beat = now + (self._settings.recheck_s if busy else self._settings.beat_s)
+        wants = await self._quietly(
+            "check", partial(self._backend.beat, self._node, self._settings.alive_s, 256)
+        )
+        for key in wants or ():
+            if key in self._store:
+                self._known.pop(key, None)  # asked for: L2 lacks it now
                 self._enqueue(key, urgent=True)
+            elif key in self._claims:  # still being processed here: written once stored
+                self._early_wants[key] = now + self._settings.window_s
+                while self._early_wants and next(iter(self._early_wants.values())) < now:
+                    self._early_wants.popitem(last=False)
 
     async def _write(self, key: str) -> None:
         item = self._store.peek(key)

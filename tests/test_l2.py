@@ -338,7 +338,9 @@ async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
             assert (await ca.lookup(["mine"])).held == [False]  # claimed: ca processes it
             # A second request for it on the same node waits for that upload.
             waiting = asyncio.create_task(other_frontend.lookup(["mine"]))
-            await asyncio.sleep(0.1)
+            # Its claim was asked (MINE), so it waits (not an upload that came first).
+            await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 2)
+            await asyncio.sleep(0.05)
             assert not waiting.done()
             await ca.get_and_update([image_item(9)], ["mine"], resend=[True], lease=False)
             assert (await waiting).held == [True]
@@ -370,6 +372,37 @@ async def test_a_claim_ends_when_its_sidecar_evicts_the_item_unwritten(
         assert (await cb.lookup(["brief"])).held == [False]  # B claims it, no wait
         assert asyncio.get_running_loop().time() - started < 1.0
         assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 0
+
+
+async def test_an_image_asked_for_elsewhere_long_after_its_window_is_shared(
+    fresh: RedisCluster,
+) -> None:
+    """Seen once on A, asked for on B well past the claim's window: B asks A
+    (its holder) for it, A writes it, and B answers held: processed once."""
+    async with sidecars(fresh, 2, l2_window_s=0.2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+        assert (await ca.lookup(["chat"])).held == [False]  # A claims and processes it
+        await ca.get_and_update([image_item(21)], ["chat"], resend=[True], lease=False)
+        await asyncio.sleep(1.0)  # the user thinks; the window ends
+        assert value(a, "mmcache_l2_writes_total", result="written") == 0  # seen once
+        assert (await cb.lookup(["chat"], lease=False)).held == [True]
+        assert (await cb.fetch(["chat"], release=False)) == [image_item(21)]
+        assert value(a, "mmcache_l2_writes_total", result="written") == 1
+        assert value(b, "mmcache_l2_flight_waits_total", result="arrived") == 1
+
+
+async def test_the_claims_of_a_stopped_sidecar_pass_to_the_next_that_asks(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 1, l2_wait_s=3.0) as [(b, cb)]:
+        async with sidecars(fresh, 1) as [(a, ca)]:
+            assert (await ca.lookup(["left"])).held == [False]
+            await ca.get_and_update([image_item(22)], ["left"], resend=[True], lease=False)
+            await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 2)
+        started = asyncio.get_running_loop().time()
+        assert (await cb.lookup(["left"])).held == [False]  # B takes it over: no wait
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 0
+        await cb.get_and_update([image_item(22)], ["left"], resend=[True], lease=False)
 
 
 async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> None:
