@@ -84,7 +84,8 @@ async def test_a_fetch_past_its_deadline_is_deadline_exceeded(timeout: float) ->
     async with MMCacheServer(server_config()) as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target, follow=False) as writer:
-            await writer.get_and_update([{"x": torch.randn(4 << 20)}], ["big"], lease=False)
+            # 128 MiB: a co-located read copies at GB/s, and must outlast 10 ms.
+            await writer.get_and_update([{"x": torch.randn(32 << 20)}], ["big"], lease=False)
         async with MMCacheClient(target, timeout=timeout, follow=False) as reader:
 
             async def read_often() -> None:

@@ -138,7 +138,8 @@ async def test_a_put_cancelled_mid_session_leaves_nothing_and_the_next_one_works
     await client.get_and_update([image_item(1)], ["warm"])  # the session opens
     big = image_item(2, numel=16 * MIB)  # 64 MiB: many chunk frames
     task = asyncio.create_task(client.get_and_update([big], ["big"]))
-    await asyncio.sleep(0.05)
+    # Cancelled once the server is reading it (a fixed sleep lets a fast machine finish).
+    await eventually(lambda: server.inflight.used > 0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -77,6 +77,8 @@ CONTRACT_METRICS: Mapping[str, frozenset[str]] = {
         "mmcache_l2_flight_waits_total": {"result"},
         "mmcache_l2_latency_seconds": {"op"},
         "mmcache_l2_queued_items": set(),
+        "mmcache_l2_up": set(),
+        "mmcache_l2_nodes_down": set(),
         "mmcache_build_info": {"version", "python", "grpcio"},
         "grpc_server_started_total": {"grpc_method", "grpc_service", "grpc_type"},
         "grpc_server_handled_total": {"grpc_code", "grpc_method", "grpc_service", "grpc_type"},
