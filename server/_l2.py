@@ -94,8 +94,9 @@ class L2Backend(Protocol):
         ...
 
     async def connect(self) -> None:
-        """Connect now, at start; a failure is logged at ERROR with its reason
-        (and tried again later), never raised."""
+        """Connect now, at start, then watch the store until `close` (a task
+        of the tier's); a failure is logged at ERROR with its reason (and
+        tried again later), never raised."""
         ...
 
     async def read(self, key: str) -> L2Record | None:

@@ -1,9 +1,11 @@
-"""The L2 tier on Redis Cluster (redis-py's asyncio `RedisCluster`).
+"""The L2 tier on Redis Cluster: the commands, as Lua scripts and plain
+redis-py calls, routed to masters by server/_redis_nodes.py.
 
 One Redis hash per item, `{prefix}{<tag>}<store key>` (the tag a digest of
 the key: a Redis Cluster hash tag): field `m` the manifest,
 `c0`, `c1`, … the chunk frames. The braces are a hash tag, so an item's
-fields and its claim (`…:f`, single flight) live on one slot of one master, and
+fields and its claim (`…:f`, single flight, then held) live on one slot of
+one master; a sidecar's heartbeat and want list share a tag of its own. And
 `allkeys-lru` evicts an item whole. A write is one Lua script (DEL, the
 chunks, then the manifest, then the TTL), atomic on its master: a reader
 sees a whole item or none, also while another sidecar writes the same hash.

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
@@ -78,9 +79,11 @@ class RedisNodes:
         where: str,
         first_backoff_s: float = 0.25,
         most_backoff_s: float = 2.0,
+        watch_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._connect = connect
+        self._watch_s = watch_s
         self._timeout_s = timeout_s
         self._where = where
         self._first_backoff_s = first_backoff_s
@@ -94,6 +97,7 @@ class RedisNodes:
         # The slot map's own breaker: loads that all failed, and when to try again.
         self._map = Breaker(first_backoff_s, most_backoff_s, clock)
         self._map_retry_at = 0.0
+        self._map_logged = False  # an ERROR said L2 is unusable: say when it is back
         self._loading: asyncio.Task[None] | None = None
         self._refresh_at = 0.0
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -114,9 +118,21 @@ class RedisNodes:
 
     async def connect(self) -> None:
         """Load the slot map now (at start); a failure is logged at ERROR
-        with its reason, and loads are tried again at a backoff."""
+        with its reason, and loads are tried again at a backoff. Then PING
+        every master each `watch_s`, so that a master lost while this sidecar
+        is idle shows (`up`) before a call pays a timeout for it."""
         with contextlib.suppress(L2Error):
             await self._ensure_map()
+        while not self._closed:
+            await asyncio.sleep(self._watch_s)
+            if not self._mapped:
+                with contextlib.suppress(L2Error):
+                    await self._ensure_map()
+                continue
+            watched = [self._nodes[n] for n in self._serving if not self._nodes[n].breaker.is_open]
+            await asyncio.gather(
+                *(self._on(node, lambda c: c.ping()) for node in watched), return_exceptions=True
+            )
 
     async def call(self, name: str, command: Callable[[Redis], Awaitable[T]]) -> T:
         """`command` on the master serving the key `name`, within the timeout."""
@@ -163,21 +179,32 @@ class RedisNodes:
         return self._nodes[node_name]
 
     async def _on(self, node: _Node, command: Callable[[Redis], Awaitable[T]]) -> T:
-        """One command on `node`; MovedError passes through, for the caller."""
+        """One command on `node`; MovedError passes through, for the caller.
+
+        The command runs in a task of its own, bounded by the timeout, and the
+        node is judged by how that task ends: a caller with less time left
+        gives up sooner, but a hung node still trips its breaker."""
         if node.breaker.is_open:
             raise L2Error(f"{node.name}: skipped, down since a failure: {node.breaker.reason}")
+        task = asyncio.ensure_future(asyncio.wait_for(command(node.client), self._timeout_s))
+        task.add_done_callback(partial(self._judge, node))
         try:
-            return await asyncio.wait_for(command(node.client), self._timeout_s)
+            return await asyncio.shield(task)
         except MovedError:
             raise
-        except ClusterDownError as exc:  # it answers, but the cluster moves: follow it
+        except Exception as exc:  # judged by _judge; the caller goes on without L2
+            raise L2Error(f"{node.name}: {_describe(exc)}") from None
+
+    def _judge(self, node: _Node, task: asyncio.Future[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None or isinstance(exc, MovedError):
+            return
+        if isinstance(exc, ClusterDownError):  # it answers, but the cluster moves: follow it
             self._refresh_soon()
-            raise L2Error(f"{node.name}: {_describe(exc)}") from None
-        except ResponseError as exc:  # it answered: a miss, the node is well
-            raise L2Error(f"{node.name}: {_describe(exc)}") from None
-        except Exception as exc:  # connection errors, timeouts, redis-py's surprises
+        elif not isinstance(exc, ResponseError):  # not an answer: connection, timeout, …
             self._failed(node, _describe(exc))
-            raise L2Error(f"{node.name}: {_describe(exc)}") from None
 
     def _failed(self, node: _Node, reason: str) -> None:
         # Its connections may be half-closed (redis-py #4287): none is reused.
@@ -253,8 +280,9 @@ class RedisNodes:
         if task.cancelled():
             return
         if task.exception() is None:
-            if self._map.is_open:
-                down_s = self._map.reset()
+            down_s = self._map.reset()
+            if self._map_logged:
+                self._map_logged = False
                 _LOGGER.info(
                     "L2 connected to %s after %.1fs: %d masters",
                     self._where,
@@ -266,6 +294,7 @@ class RedisNodes:
         if not self._map.trip(reason):
             self._map.probe_failed(reason)
         elif not self._mapped:
+            self._map_logged = True
             _LOGGER.error(
                 "L2 %s is unusable: %s%s; serving from this sidecar's cache alone, "
                 "connecting again every %.1fs at most",
@@ -303,7 +332,8 @@ class RedisNodes:
         for entry in reply:
             try:
                 start, end, (host, port, *_rest), *_replicas = entry
-                host_text = host.decode() if isinstance(host, bytes) else str(host)
+                # No host (an "unknown endpoint"): the node that answered.
+                host_text = host.decode() if isinstance(host, bytes) else str(host or "")
                 node = self._node(host_text if host_text not in ("", "?") else asked.host, port)
                 slots[int(start) : int(end) + 1] = [node.name] * (int(end) - int(start) + 1)
             except (TypeError, ValueError) as exc:
@@ -311,3 +341,9 @@ class RedisNodes:
         self._slots = slots
         self._serving = {name for name in slots if name is not None}
         self._mapped = True
+        # Nodes gone from the map (replaced pods, failed-over masters) keep no pool.
+        for name in [n for n in self._nodes if n not in self._serving and n not in self._seeds]:
+            gone = self._nodes.pop(name)
+            if gone.probe is not None:
+                gone.probe.cancel()
+            self._spawn(gone.client.aclose())

@@ -117,7 +117,8 @@ class L2Tier:
         self._queue: deque[str] = deque()
         self._queued: set[str] = set()
         # Keys whose claim this sidecar ends (it evicted or could not store them).
-        self._unclaims: deque[str] = deque(maxlen=1024)
+        # Deduplicated; bounded by the claims this sidecar holds (known_items each).
+        self._unclaims: OrderedDict[str, None] = OrderedDict()
         # Items stored here, L2 lacking them: their claims to make or extend.
         self._to_hold: deque[str] = deque(maxlen=4096)
         # Keys whose claim this sidecar holds with the item in L1.
@@ -203,6 +204,7 @@ class L2Tier:
         if record is not None:
             room.left -= record.nbytes
             return self._read_in(key, record)
+        self._known.pop(key, None)  # L2 evicted it: write it again when seen again
         sighting = await self._sight(key, deadline) if flight else None
         if sighting == Sighting.OTHERS:
             sighting = await self._ask_holder(key, deadline)
@@ -349,7 +351,7 @@ class L2Tier:
             self._held[key] = None
             self._held.move_to_end(key)
             while len(self._held) > self._settings.known_items:
-                self._held.popitem(last=False)  # its claim ends by hold_s
+                self._unclaims[self._held.popitem(last=False)[0]] = None  # no longer tracked
             self._to_hold.append(key)
             self._wake.set()
 
@@ -357,7 +359,7 @@ class L2Tier:
         """A client's data for `key` could not be stored (UNCACHED, withheld):
         this sidecar's claim on it, if any, ends: nobody waits for it."""
         if self._claims.pop(key, None) is not None:
-            self._unclaims.append(key)
+            self._unclaims[key] = None
             self._wake.set()
 
     def removed(self, key: str) -> None:
@@ -365,7 +367,7 @@ class L2Tier:
         nobody waits for it, and the next sidecar to ask claims it."""
         if key in self._held:
             del self._held[key]
-            self._unclaims.append(key)
+            self._unclaims[key] = None
             self._wake.set()
 
     def hit(self, key: str) -> None:
@@ -376,10 +378,15 @@ class L2Tier:
     def _enqueue(self, key: str, *, urgent: bool = False) -> None:
         """Queue a write: `urgent` (another sidecar waits for it) at the head."""
         if key in self._queued:
+            if urgent and self._queue[0] != key:  # a waiter's item: to the head
+                self._queue.remove(key)
+                self._queue.appendleft(key)
             return
         if len(self._queue) >= self._settings.queue_items:
             self._metrics.writes.labels("dropped").inc()
-            return
+            if not urgent:
+                return
+            self._queued.discard(self._queue.pop())  # a waiter's item over the newest plain one
         if urgent:
             self._queue.appendleft(key)
         else:
@@ -412,10 +419,14 @@ class L2Tier:
 
     async def _write_round(self) -> None:
         while self._unclaims and not self._stopping:
-            key = self._unclaims.popleft()
+            key, _ = self._unclaims.popitem(last=False)
+            await self._beat()  # long rounds keep the heartbeat (and take wants)
+            if key in self._held:  # stored here again since: the claim is live
+                continue
             await self._quietly("claim", partial(self._backend.unclaim, key, self._node))
         while self._to_hold and not self._stopping:
             await self._hold(self._to_hold.popleft())
+            await self._beat()
         await self._beat()
         while self._queue and not self._stopping:
             key = self._queue.popleft()
@@ -465,6 +476,8 @@ class L2Tier:
                 self._early_wants[key] = now + self._settings.window_s
                 while self._early_wants and next(iter(self._early_wants.values())) < now:
                     self._early_wants.popitem(last=False)
+            else:  # a claim left behind (an unclaim that failed): end it
+                self._unclaims[key] = None
 
     async def _write(self, key: str) -> None:
         item = self._store.peek(key)

@@ -264,6 +264,28 @@ async def test_a_hung_master_costs_one_timeout_not_one_per_call() -> None:
             assert (await cb.lookup(missed, lease=False)).held == [True] * len(missed)
 
 
+async def test_an_idle_sidecar_sees_a_master_hang_and_locate_skips_it() -> None:
+    """Masters are watched (PING each second): an idle sidecar's gauge shows a
+    hung master, and a Locate, whose time is one L2 timeout, skips it at once."""
+    with redis_cluster() as frozen:
+        async with sidecars(frozen, 1, l2_timeout_s=0.5) as [(b, cb)]:
+            await eventually(lambda: value(b, "mmcache_l2_up") == 1)
+            pid = frozen.procs[frozen.ports[0]].pid
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                await eventually(lambda: value(b, "mmcache_l2_nodes_down") == 1, timeout=5)
+                assert value(b, "mmcache_l2_up") == 0
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                for n in range(5):
+                    where = await cb.locate([f"where{n}-{i}" for i in range(6)], check_l2=True)
+                    assert [w.tier for w in where] == [None] * 6
+                assert loop.time() - started < 1.0  # one timeout each would be 2.5 s
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await eventually(lambda: value(b, "mmcache_l2_up") == 1, timeout=10)
+
+
 def test_a_bad_l2_url_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="host:port"):
         server_config(l2="redis://nohost")
