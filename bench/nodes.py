@@ -25,7 +25,9 @@ server's own L2 reads (the Redis HGETALL, checks included).
 
 A third times lookups (4 held items, 4 cold) with every master up and with
 one master stopped (SIGSTOP), `--reps` x 4 each (`--only-hung`: this table
-alone).
+alone). A fourth replays chats whose users think 30-120 s between turns
+(`--only-think`), and a fifth counts the L2 operations that fail around a
+master killed and restarted under load (`--only-heal`).
 """
 
 from __future__ import annotations
@@ -376,6 +378,61 @@ async def hung(args: argparse.Namespace, cluster: RedisCluster) -> None:
         proc.wait(timeout=20)
 
 
+async def heal(args: argparse.Namespace, cluster: RedisCluster) -> None:
+    """One sidecar's L2 backend under 32 operations at once (2 reads to 1
+    write of 200 KB records), a master SIGKILLed and restarted empty 3 s
+    later: how many operations fail, before, during and after, by the time
+    since the cluster was whole again."""
+    from mmcache.server._l2 import L2Record
+    from mmcache.server._l2_redis import RedisClusterL2
+
+    backend = RedisClusterL2(cluster.url, timeout_s=1.0)
+    record = L2Record(b"m" * 16, (b"x" * 200_000,))
+    for i in range(60):
+        await backend.write(f"heal{i}", record, 0)
+    marks: list[tuple[float, bool]] = []
+    stop = False
+
+    async def worker(lane: int) -> None:
+        n = 0
+        while not stop:
+            try:
+                if n % 3 == 0:
+                    await backend.write(f"w{lane}-{n}", record, 0)
+                else:
+                    await backend.read(f"heal{(n * 7 + lane) % 60}")
+                marks.append((time.monotonic(), True))
+            except Exception:
+                marks.append((time.monotonic(), False))
+            n += 1
+
+    workers = [asyncio.create_task(worker(lane)) for lane in range(32)]
+    await asyncio.sleep(2.0)
+    killed = time.monotonic()
+    cluster.kill(cluster.ports[1])
+    await asyncio.sleep(3.0)
+    await asyncio.to_thread(cluster.restart, cluster.ports[1])
+    whole = time.monotonic()
+    await asyncio.sleep(20.0)
+    stop = True
+    await asyncio.gather(*workers)
+    await backend.close()
+    phases = [
+        ("before the kill", 0.0, killed),
+        ("master down", killed, whole),
+        ("0-1 s after whole", whole, whole + 1),
+        ("1-5 s after whole", whole + 1, whole + 5),
+        ("5-20 s after whole", whole + 5, whole + 20),
+    ]
+    print("\n| phase | operations | failed |")
+    print("|---|---|---|")
+    for name, start, end in phases:
+        inside = [ok for at, ok in marks if start <= at < end]
+        failed = inside.count(False)
+        share = f"{failed / len(inside):.0%}" if inside else "-"
+        print(f"| {name} | {len(inside)} | {failed} ({share}) |")
+
+
 def _ms(values: Sequence[float]) -> str:
     cuts = statistics.quantiles(values, n=100, method="inclusive")
     return f"{cuts[49] * 1e3:.1f} / {cuts[98] * 1e3:.1f}"
@@ -400,6 +457,9 @@ async def drive(args: argparse.Namespace) -> None:
         if args.only_think:
             await thinking(args, cluster)
             return
+        if args.only_heal:
+            await heal(args, cluster)
+            return
         for nodes in args.nodes:
             for l2 in (cluster.url, None):
                 cluster.flushall()
@@ -410,6 +470,7 @@ async def drive(args: argparse.Namespace) -> None:
         cluster.flushall()
         await hung(args, cluster)
         await thinking(args, cluster)
+        await heal(args, cluster)
 
 
 async def thinking(args: argparse.Namespace, cluster: RedisCluster) -> None:
@@ -440,6 +501,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only-hung", action="store_true", help="only the hung-master table")
     parser.add_argument("--only-think", action="store_true", help="only the think-time table")
+    parser.add_argument("--only-heal", action="store_true", help="only the master-restart table")
     parser.add_argument("--think-scale", type=float, default=1 / 40)
     parser.add_argument("--think", type=float, default=0.0)  # a frontend's: its trace paced
     parser.add_argument("--target")
