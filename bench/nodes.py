@@ -44,6 +44,7 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from bench.fleet import Trace, emit, image_hash, make_trace, process, read_record
@@ -120,27 +121,17 @@ async def frontend(args: argparse.Namespace) -> None:
                     items.append(process(image, trace.sizes[image]))
                     resend.append(h in asked)
                     runs += 1
+            lease: bool | str = "hits" if found is not None else True
+            send = partial(client.get_and_update, mm_hashes=hashes, modality="image", lease=lease)
             try:
-                sent = await client.get_and_update(
-                    items,  # type: ignore[arg-type]
-                    hashes,
-                    modality="image",
-                    resend=resend,
-                    lease="hits" if found is not None else True,
-                )
+                sent = await send(items, resend=resend)  # type: ignore[arg-type]
             except CacheMissError as exc:  # gone since the mirror said cached: as vLLM's P0
                 for position, h in enumerate(hashes):
                     if h in exc.missing_hashes:
                         items[position] = process(images[position], trace.sizes[images[position]])
                         resend[position] = True
                         runs += 1
-                sent = await client.get_and_update(
-                    items,  # type: ignore[arg-type]
-                    hashes,
-                    modality="image",
-                    resend=resend,
-                    lease="hits" if found is not None else True,
-                )
+                sent = await send(items, resend=resend)  # type: ignore[arg-type]
             fetch = [h for h, held in zip(hashes, sent.held, strict=True) if held]
             if fetch:
                 try:
