@@ -278,14 +278,28 @@ def print_rows(trace: Trace, rows: Sequence[Row]) -> None:
         )
 
 
+# Qwen2-VL's uint8 pixel_values at its real pixel limits (vLLM 0.32): a
+# 1024x1024 image is 74x74 patches of 1176 bytes, a 1920x1080 one 78x138.
+ITEM_SIZES = {"1 MiB": MIB, "1024x1024": 74 * 74 * 1176, "1920x1080": 78 * 138 * 1176}
+
+
 async def latency(args: argparse.Namespace, l2: str) -> None:
-    """Lookups answered through L2 beside lookups L1 answers, per item size."""
+    """Lookups answered through L2 beside lookups L1 answers, per item size,
+    and a bare redis-py read (HGETALL, the parser redis-py picks: hiredis
+    where installed) of the same record from the same cluster."""
+    from redis.asyncio.cluster import RedisCluster as BareCluster
+
     from mmcache.client import MMCacheClient
+    from mmcache.server._l2_redis import redis_key
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     procs = [sidecar(p, m, 1024, l2) for p, m in ports]
-    print("\n| item | lookup, L2 hit p50 / p99 ms | lookup, L1 hit p50 / p99 ms | L2 read ms |")
-    print("|---|---|---|---|")
+    bare = BareCluster.from_url(l2)
+    print(
+        "\n| item | lookup, L2 hit p50 / p99 ms | lookup, L1 hit p50 / p99 ms | L2 read ms "
+        "| bare redis-py read p50 ms | L2 hit / bare read, throughput |"
+    )
+    print("|---|---|---|---|---|---|")
     try:
         async with (
             MMCacheClient(f"127.0.0.1:{ports[0][0]}", timeout=60) as writer,
@@ -293,13 +307,14 @@ async def latency(args: argparse.Namespace, l2: str) -> None:
         ):
             read = ("mmcache_l2_latency_seconds_sum", (("op", "read"),))
             reads = ("mmcache_l2_latency_seconds_count", (("op", "read"),))
-            for size_mib in (1, 8):
+            for label, size in ITEM_SIZES.items():
                 before = scrape(ports[1][1])
                 l2_times: list[float] = []
                 l1_times: list[float] = []
+                bare_times: list[float] = []
                 for rep in range(args.reps):
-                    h = f"lat-{size_mib}-{rep}-{time.monotonic_ns()}"
-                    await writer.get_and_update([process(rep, size_mib * MIB)], [h], lease=False)
+                    h = f"lat-{label}-{rep}-{time.monotonic_ns()}"
+                    await writer.get_and_update([process(rep, size)], [h], lease=False)
                     await writer.lookup([h], lease=False)  # a second sighting: to L2
                     for _ in range(500):
                         where = await reader.locate([h], check_l2=True)
@@ -312,12 +327,20 @@ async def latency(args: argparse.Namespace, l2: str) -> None:
                     start = time.perf_counter()
                     assert (await reader.lookup([h], lease=False)).held == [True]
                     l1_times.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    assert await bare.hgetall(redis_key("mmcache:", h))  # type: ignore[misc]
+                    bare_times.append(time.perf_counter() - start)
                 after = scrape(ports[1][1])
                 seconds = after.get(read, 0.0) - before.get(read, 0.0)
                 count = after.get(reads, 0.0) - before.get(reads, 0.0)
                 mean = f"{seconds / count * 1e3:.1f}" if count else "-"
-                print(f"| {size_mib} MiB | {_ms(l2_times)} | {_ms(l1_times)} | {mean} |")
+                ratio = statistics.median(bare_times) / statistics.median(l2_times)
+                print(
+                    f"| {label} ({size / 1e6:.2f} MB) | {_ms(l2_times)} | {_ms(l1_times)} "
+                    f"| {mean} | {statistics.median(bare_times) * 1e3:.1f} | {ratio:.2f}x |"
+                )
     finally:
+        await bare.aclose()
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -451,6 +474,9 @@ async def drive(args: argparse.Namespace) -> None:
         if args.only_heal:
             await heal(args, cluster)
             return
+        if args.only_latency:
+            await latency(args, cluster.url)
+            return
         for nodes in args.nodes:
             for l2 in (cluster.url, None):
                 cluster.flushall()
@@ -493,6 +519,7 @@ def main() -> None:
     parser.add_argument("--only-hung", action="store_true", help="only the hung-master table")
     parser.add_argument("--only-think", action="store_true", help="only the think-time table")
     parser.add_argument("--only-heal", action="store_true", help="only the master-restart table")
+    parser.add_argument("--only-latency", action="store_true", help="only the L2-hit table")
     parser.add_argument("--think-scale", type=float, default=1 / 40)
     parser.add_argument("--think", type=float, default=0.0)  # a frontend's: its trace paced
     parser.add_argument("--target")

@@ -93,10 +93,10 @@ class L2Backend(Protocol):
         """Parts of the store (Redis masters) skipped until they answer again."""
         ...
 
-    async def connect(self) -> None:
-        """Connect now, at start, then watch the store until `close` (a task
-        of the tier's); a failure is logged at ERROR with its reason (and
-        tried again later), never raised."""
+    async def watch(self) -> None:
+        """Connect now, at start, then watch the store until `close` (it
+        returns only then: the tier runs it as a task); a failure is logged at
+        ERROR with its reason (and tried again later), never raised."""
         ...
 
     async def read(self, key: str) -> L2Record | None:

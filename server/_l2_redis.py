@@ -200,8 +200,8 @@ class RedisClusterL2:
     def nodes_down(self) -> int:
         return self._nodes.nodes_down
 
-    async def connect(self) -> None:
-        await self._nodes.connect()
+    async def watch(self) -> None:
+        await self._nodes.watch()
 
     def _key(self, key: str) -> str:
         return redis_key(self._prefix, key)

@@ -116,8 +116,8 @@ class RedisNodes:
 
     # -- calls --
 
-    async def connect(self) -> None:
-        """Load the slot map now (at start); a failure is logged at ERROR
+    async def watch(self) -> None:
+        """Until `close`: load the slot map now (at start); a failure is logged at ERROR
         with its reason, and loads are tried again at a backoff. Then PING
         every master each `watch_s`, so that a master lost while this sidecar
         is idle shows (`up`) before a call pays a timeout for it."""

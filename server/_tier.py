@@ -136,7 +136,7 @@ class L2Tier:
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
-        self._connecting: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_beat = 0.0
 
@@ -152,13 +152,13 @@ class L2Tier:
         self._stopping = False
         self._writer = asyncio.create_task(self._write_behind())
         # At start, not on first use: a wrong --l2 is logged now, at ERROR.
-        self._connecting = asyncio.create_task(self._backend.connect())
+        self._watching = asyncio.create_task(self._backend.watch())
 
     async def stop(self) -> None:
-        if self._connecting is not None:
-            self._connecting.cancel()
-            await asyncio.gather(self._connecting, return_exceptions=True)
-            self._connecting = None
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
         if self._writer is not None:
             # The flag too: a cancel that meets an operation just finishing can
             # be swallowed by asyncio.wait_for (Python < 3.12).
