@@ -86,13 +86,15 @@ def build_batch(
     chunk_bytes: int,
     shm: tuple[bytes, Mapping[int, pb.ShmSlot]] = (b"", {}),
     spares: Sequence[tuple[int, int]] = (),
+    wait_ms: int = 0,
 ) -> Batch:
     """The header and the items whose chunk frames follow it.
 
     `shm`: the region's token, and the slots (by entry index) already
     holding entries' payloads: those entries name their slot instead.
     `spares`: the (payload, trailer) sizes of write slots to ask for with
-    the reply, for the next uploads.
+    the reply, for the next uploads. `wait_ms`: how long hash-only entries
+    may wait for an upload of theirs in flight elsewhere (0: the server's).
     """
     check_count("entries", len(entries))
     token, slots = shm
@@ -102,6 +104,7 @@ def build_batch(
         shm_token=token if slots or spares else b"",
         shm_spare_lengths=[length for length, _ in spares],
         shm_spare_trailers=[trailer for _, trailer in spares],
+        wait_ms=wait_ms,
     )
     sending: list[EncodedItem] = []
     for index, entry in enumerate(entries):

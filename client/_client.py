@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from math import ceil
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -72,6 +73,15 @@ def _check_hashes(mm_hashes: Sequence[str]) -> None:
         check_name("mm_hash", h)
 
 
+def _wait_ms(wait_s: float | None) -> int:
+    """The wire's wait_ms: 0 leaves the server's bounds; any wait asked is 1 ms at least."""
+    if wait_s is None:
+        return 0
+    if wait_s < 0:
+        raise InvalidArgumentError(f"wait_s is {wait_s}: give seconds, 0 or more")
+    return max(1, min(ceil(wait_s * 1000), (1 << 32) - 1))
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     """What one get_and_update (or lookup, or inject) asks for."""
@@ -84,6 +94,7 @@ class _Call:
     lease: Lease = True
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
+    wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
 
 
 class Location(NamedTuple):
@@ -487,6 +498,7 @@ class MMCacheClient:
         modality: str | None = None,
         want_metadata: bool = False,
         lease: Lease = "hits",
+        wait_s: float | None = None,
     ) -> UpdateResult:
         """Ask the server which hashes it holds, sending no data.
 
@@ -498,6 +510,11 @@ class MMCacheClient:
 
             found = await client.lookup(hashes, want_metadata=True)
             for h, held, meta in zip(hashes, found.held, found.metadata): ...
+
+        A hash whose upload is in flight elsewhere (another frontend, or
+        another sidecar's through L2) is waited for, `wait_s` at most (the
+        server's bounds when None: 0.5 s, `--l2-wait-ms`): a frontend gives
+        its processing time, past which processing the item itself is as quick.
         """
         return await self._update_or_fail_open(
             _Call(
@@ -508,6 +525,7 @@ class MMCacheClient:
                 want_metadata=want_metadata,
                 lease=lease,
                 missing_ok=True,
+                wait_s=wait_s,
             )
         )
 
@@ -922,6 +940,7 @@ class MMCacheClient:
             ],
             self._mirror.take_touches(),
             mode,
+            wait_ms=_wait_ms(call.wait_s),
         )
         outcomes = reply.outcomes
         hits = sum(o in _HELD for o in outcomes)
@@ -1014,6 +1033,7 @@ class MMCacheClient:
         lease: pb.LeaseMode.ValueType,
         *,
         shm: bool = True,
+        wait_ms: int = 0,
     ) -> Reply:
         """One round trip: the batch out (`shm`: larger payloads through the
         region, where there is one), the reply applied to the mirror."""
@@ -1021,12 +1041,12 @@ class MMCacheClient:
         slots, spares = await self._shm_slots(entries) if use_shm else ({}, [])
         if slots:
             try:
-                return await self._send_batch(entries, touches, lease, slots, spares)
+                return await self._send_batch(entries, touches, lease, slots, spares, wait_ms)
             except InvalidArgumentError as exc:
                 # A slot that expired, or a server restarted since it gave them:
                 # the same batch as chunk frames (a bad batch fails again there).
                 _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
-        return await self._send_batch(entries, touches, lease, {}, [])
+        return await self._send_batch(entries, touches, lease, {}, [], wait_ms)
 
     async def _send_batch(
         self,
@@ -1035,6 +1055,7 @@ class MMCacheClient:
         lease: pb.LeaseMode.ValueType,
         slots: dict[int, pb.ShmSlot],
         spares: list[Size],
+        wait_ms: int = 0,
     ) -> Reply:
         region = self._region if slots else None
         mirror = self._mirror
@@ -1048,6 +1069,7 @@ class MMCacheClient:
                 chunk_bytes=self._chunk_bytes,
                 shm=(b"" if region is None else region.token, slots),
                 spares=spares if region is not None else (),
+                wait_ms=wait_ms,
             )
             raw = await self._rpc.get_and_update(
                 batch.header,

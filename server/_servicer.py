@@ -467,7 +467,9 @@ class CacheServicer:
             remaining = said if remaining is None else min(remaining, said)
         loop = asyncio.get_running_loop()
         deadline = None if remaining is None else loop.time() + remaining
-        wait_s = UPLOAD_WAIT_S
+        # The client's own bound (its processing time): past it, it processes.
+        said_wait = request.wait_ms / 1000 if request.wait_ms else None
+        wait_s = UPLOAD_WAIT_S if said_wait is None else min(UPLOAD_WAIT_S, said_wait)
         if remaining is not None:
             wait_s = min(wait_s, remaining - ANSWER_MARGIN_S)
         alone = [e.key for e in entries if e.spec is None]
@@ -478,7 +480,7 @@ class CacheServicer:
         marked = self._pending.mark(data_hashes(entries))
         try:
             left = None if deadline is None else deadline - loop.time()
-            pulled = await self._read_through(alone, left)
+            pulled = await self._read_through(alone, left, wait_s=said_wait)
             # Made only now: an iterator never started (a call refused on its
             # header) would warn when collected. grpc hands back the same one.
             stream = aiter(frames)
@@ -519,7 +521,12 @@ class CacheServicer:
             self._pending.settle(marked)
 
     async def _read_through(
-        self, keys: Sequence[str], remaining: float | None, *, flight: bool = True
+        self,
+        keys: Sequence[str],
+        remaining: float | None,
+        *,
+        flight: bool = True,
+        wait_s: float | None = None,
     ) -> list[tuple[str, StoredItem]]:
         """Items L1 lacks under `keys`, read from the L2 tier within the call's
         time (server._tier; `flight`: the caller processes what is missing)."""
@@ -527,7 +534,7 @@ class CacheServicer:
             return []
         absent = [key for key in dict.fromkeys(keys) if key not in self._store]
         budget = None if remaining is None else remaining - ANSWER_MARGIN_S
-        return await self._l2.pull(absent, budget, flight=flight) if absent else []
+        return await self._l2.pull(absent, budget, flight=flight, wait_s=wait_s) if absent else []
 
     def _write_behind(self, entries: Sequence[EntryHeader], outcomes: Sequence[Outcome]) -> None:
         """Tell the L2 tier what this batch stored and found: its admission's sightings."""

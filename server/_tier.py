@@ -174,24 +174,33 @@ class L2Tier:
     # -- read-through --
 
     async def pull(
-        self, keys: Sequence[str], budget_s: float | None, *, flight: bool = True
+        self,
+        keys: Sequence[str],
+        budget_s: float | None,
+        *,
+        flight: bool = True,
+        wait_s: float | None = None,
     ) -> list[tuple[str, StoredItem]]:
         """Items under `keys` (absent from L1) read from L2 within `budget_s`
         (None: a call with no deadline; one read and one wait, at most), and
         no more bytes than L1 could take. `flight`: the caller processes what
         is missing (a frontend), so the misses are claimed and waited for as
-        the module says; an engine's read only reads."""
-        most = self._settings.timeout_s + self._settings.wait_s
+        the module says, at most `wait_s` (the caller's processing time) when
+        it is shorter than the tier's; an engine's read only reads."""
+        wait_s = self._settings.wait_s if wait_s is None else min(wait_s, self._settings.wait_s)
+        most = self._settings.timeout_s + wait_s
         budget = most if budget_s is None else min(most, budget_s)
         if not keys or budget <= 0:
             return []
         deadline = self._clock() + budget
         room = _Budget(self._store.capacity)
-        found = await asyncio.gather(*(self._pull_one(key, deadline, flight, room) for key in keys))
+        found = await asyncio.gather(
+            *(self._pull_one(key, deadline, flight, room, wait_s) for key in keys)
+        )
         return [(key, item) for key, item in zip(keys, found, strict=True) if item is not None]
 
     async def _pull_one(
-        self, key: str, deadline: float, flight: bool, room: _Budget
+        self, key: str, deadline: float, flight: bool, room: _Budget, wait_s: float
     ) -> StoredItem | None:
         if room.left <= 0:  # L1 could not take more: the rest are misses
             self._metrics.misses.inc()
@@ -217,7 +226,7 @@ class L2Tier:
             # Processed here and stored already; L1 has evicted it since.
             self._metrics.misses.inc()
             return None
-        return await self._wait_for(key, min(deadline, self._clock() + self._settings.wait_s))
+        return await self._wait_for(key, min(deadline, self._clock() + wait_s))
 
     async def _sight(self, key: str, deadline: float) -> Sighting | None:
         """Claim `key` in L2, or learn whose it is (None: L2 failed). Local calls

@@ -609,6 +609,34 @@ async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight
     assert sample(samples, "mmcache_hits_total", modality="image") == 1
 
 
+async def test_a_lookup_waits_for_an_upload_in_flight_no_longer_than_it_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frontend gives its processing time (`wait_s`): past it the hash is a
+    miss and it processes the item itself, rather than stall its requests."""
+    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)
+    item = image_item(9, numel=MIB // 4)
+    encoded = encode_item(item)
+    async with serving() as server:
+        target = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
+            request = pb.UpdateRequest(lease=pb.LEASE_HELD)
+            request.entries.add(mm_hash="slow", modality="image", item=encoded.spec, num_chunks=1)
+            call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
+                metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
+            )
+            await eventually(lambda: b._mirror.is_pending("slow"))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            found = await b.lookup(["slow"], wait_s=0.05)
+            waited = loop.time() - started
+            assert found.held == [False]  # a miss: b processes it
+            assert 0.04 <= waited < 2.0  # it waited its 50 ms, not the server's 5 s
+            call.cancel()
+        samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_upload_waits_total") == 1
+
+
 async def test_a_stalled_upload_costs_a_waiter_a_resend_not_a_hang() -> None:
     item = image_item(5, numel=1000)
     encoded = encode_item(item)

@@ -412,6 +412,18 @@ async def test_an_image_asked_for_elsewhere_long_after_its_window_is_shared(
         assert value(b, "mmcache_l2_flight_waits_total", result="arrived") == 1
 
 
+async def test_a_frontend_waits_for_another_node_no_longer_than_it_says(
+    fresh: RedisCluster,
+) -> None:
+    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+        assert (await ca.lookup(["cold"])).held == [False]  # A claims it, processes slowly
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert (await cb.lookup(["cold"], wait_s=0.1)).held == [False]
+        assert loop.time() - started < 1.5  # its 0.1 s, not the sidecar's 3 s
+        assert value(b, "mmcache_l2_flight_waits_total", result="timeout") == 1
+
+
 async def test_the_claims_of_a_stopped_sidecar_pass_to_the_next_that_asks(
     fresh: RedisCluster,
 ) -> None:

@@ -7,6 +7,11 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 - `is_cached`: the mirror names the candidates; one `lookup` round trip
   confirms them with the server, leases them for the engine's read (hits
   only) and brings the prompt updates of those this process never processed.
+  A candidate whose upload is still in flight (another API process's) is
+  waited for at most about what processing it here takes (this process's
+  processor time per item, measured on its own requests): past that it is
+  processed here, so a slow upload elsewhere never stalls this process's
+  requests, which vLLM processes on one thread.
   Only confirmed hits with usable prompt updates are cached: vLLM skips the
   processor for them and sends no data, and the engine's read finds them.
   A server that does not answer in time confirms nothing (fail-open).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +67,29 @@ LOCAL_UPDATES = 65536
 # Uploads in flight at once; past that a request's upload is skipped (its
 # data went inline anyway): memory stays bounded when the server is slow.
 MAX_UPLOADS_IN_FLIGHT = 8
+# The processor's time per item before this process measured its own, and the
+# bounds of a lookup's wait for uploads in flight elsewhere.
+FIRST_GUESS_S = 0.05
+LEAST_WAIT_S = 0.002
+MOST_WAIT_S = 0.5
+
+
+class _ProcessingTime:
+    """Seconds this process's processor takes per item, smoothed over requests."""
+
+    def __init__(self) -> None:
+        self._per_item = FIRST_GUESS_S
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float, items: int) -> None:
+        if items > 0 and seconds >= 0:
+            with self._lock:
+                self._per_item += 0.2 * (seconds / items - self._per_item)
+
+    def wait_for(self, items: int) -> float:
+        """How long a lookup of `items` may wait: about what processing them takes."""
+        with self._lock:
+            return min(MOST_WAIT_S, max(LEAST_WAIT_S, self._per_item * items))
 
 
 @dataclass
@@ -71,6 +100,8 @@ class _Request:
     confirmed: dict[str, Any] = field(default_factory=dict)  # hash -> prompt updates
     looked_up: set[str] = field(default_factory=set)
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
+    asked_at: float = 0.0  # when is_cached last answered: the processor starts then
+    processed_at: float = 0.0  # when the first processed item came back
 
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -86,6 +117,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._total = 0
         self._last = (0, 0)
         self._serving = False
+        self._processing = _ProcessingTime()
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
@@ -133,9 +165,13 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         ]
         if ask:
             try:
-                found = self._sync.call(client.lookup([keys[i] for i in ask], want_metadata=True))
+                wait_s = self._processing.wait_for(len(ask))
+                found = self._sync.call(
+                    client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
+                )
             except MMCacheError as exc:
                 _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
+                request.asked_at = time.perf_counter()
                 return [h in request.confirmed for h in mm_hashes]
             unusable: list[str] = []
             for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
@@ -152,6 +188,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     request.confirmed[mm_hash] = updates
             if unusable:
                 self._sync.submit(client.release(unusable))
+        request.asked_at = time.perf_counter()
         return [h in request.confirmed for h in mm_hashes]
 
     @override
@@ -167,6 +204,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._hits += 1
             return None, updates
         item, updates = mm_item
+        if request.started and not request.processed_at:
+            request.processed_at = time.perf_counter()
         self._remember(mm_hash, updates)
         # vLLM 0.32's field elements carry no modality; the updates usually do.
         modality = next((u.modality for u in updates), None) or "unknown"
@@ -188,6 +227,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._local.request = None
         if not request.uploads:
             return
+        if request.asked_at and request.processed_at:
+            # vLLM runs the processor on a request's misses between the two.
+            self._processing.observe(request.processed_at - request.asked_at, len(request.uploads))
         with self._lock:
             if self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT:
                 _LOGGER.debug(

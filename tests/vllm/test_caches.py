@@ -11,6 +11,7 @@ uncached, touches of missing keys, exact stats, fail-open.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -346,3 +347,46 @@ def test_tls_tokens_and_a_namespace_from_the_environment(tmp_path: Path) -> None
                 sync.close()
     finally:
         server.stop()
+
+
+def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_takes(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """P0 waits for an upload in flight elsewhere about one processing time
+    (measured on its own requests), not the server's 0.5 s: past it, it
+    processes the item itself, and vLLM's thread is not held up."""
+    import grpc
+
+    from mmcache.client._codec import encode_item
+    from mmcache.v1 import cache_pb2 as pb
+
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    for n in range(5):  # this process's processor: about 20 ms an item
+        p0.is_cached([f"own{n}"])
+        time.sleep(0.02)
+        p0.get_and_update_item((item(n), updates()), f"own{n}")
+        p0.release_sender_touches()
+    assert 0.015 < p0._processing.wait_for(1) < 0.1
+    # Another API process's upload of "slow": its header is in, its bytes never come.
+    spec = encode_item(from_vllm(item(9), "image")).spec
+    header = pb.UpdateRequest(lease=pb.LEASE_NONE)
+    header.entries.add(mm_hash=p0.key("slow"), modality="image", item=spec, num_chunks=1)
+    done = threading.Event()
+
+    def no_bytes_yet() -> Iterator[bytes]:
+        done.wait(10)
+        yield from ()
+
+    with grpc.insecure_channel(sidecar.target) as channel:
+        stalled = channel.stream_unary("/mmcache.v1.MMCache/GetAndUpdate").future(
+            no_bytes_yet(), metadata=(("mmcache-update-header-bin", header.SerializeToString()),)
+        )
+        try:
+            eventually(lambda: p0._sync.client._mirror.is_pending(p0.key("slow")))
+            started = time.monotonic()
+            assert p0.is_cached(["slow"]) == [False]  # processed here
+            assert time.monotonic() - started < 0.3  # not the server's 0.5 s
+        finally:
+            done.set()
+            stalled.cancel()
+            p0.release_sender_touches()

@@ -563,6 +563,7 @@ class UpdateRequest(_message.Message):
     SHM_SPARE_TRAILERS_FIELD_NUMBER: _builtins.int
     BATCH_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
     shm_token: _builtins.bytes
     """The shared-memory region's token, when an entry names a slot or spares
@@ -580,6 +581,13 @@ class UpdateRequest(_message.Message):
     A call's deadline says it; a batch over an upload session has none, so
     it says it here: the server bounds its waits by it (a hash-only entry
     waiting for another client's upload answers MISSING in time).
+    """
+    wait_ms: _builtins.int
+    """How long hash-only entries may wait for an upload of the same hash in
+    flight (another client's, or another sidecar's processing through L2),
+    in ms; 0: the server's own bounds (500 ms; --l2-wait-ms). A frontend
+    says its processing time: past it, processing the item itself is as
+    quick, and the entry answers MISSING.
     """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -609,10 +617,11 @@ class UpdateRequest(_message.Message):
         shm_spare_trailers: _abc.Iterable[_builtins.int] | None = ...,
         batch_id: _builtins.bytes = ...,
         timeout_ms: _builtins.int = ...,
+        wait_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "timeout_ms", b"timeout_ms", "touches", b"touches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "timeout_ms", b"timeout_ms", "touches", b"touches", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
