@@ -20,7 +20,10 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
   queued for upload, so other processes can hit it.
 - `release_sender_touches`: the request's uploads leave in one call, in the
   background (the engine has the data already); touches reach the server with
-  the next call.
+  the next call. Only uploads worth their cost go (client/vllm_plugin/_costs.py:
+  the chance of a repeat, from this process's hit ratio, times the processing
+  time saved, against the upload's time): with traffic of distinct images an
+  API process uploads one item in ten, not every one.
 
 Per-request state is thread-local: vLLM runs requests on a thread pool.
 Counters are vLLM's: one query per item, a hit per item sent without data.
@@ -42,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.multimodal.cache import (
@@ -55,6 +59,7 @@ from vllm.utils.cache import CacheInfo
 from mmcache._errors import CacheMissError, MMCacheError
 
 from ._convert import decode_updates, encode_updates, from_vllm, to_vllm
+from ._costs import Admission, ProcessingTime
 from ._sync import SyncClient
 
 __all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache"]
@@ -67,29 +72,6 @@ LOCAL_UPDATES = 65536
 # Uploads in flight at once; past that a request's upload is skipped (its
 # data went inline anyway): memory stays bounded when the server is slow.
 MAX_UPLOADS_IN_FLIGHT = 8
-# The processor's time per item before this process measured its own, and the
-# bounds of a lookup's wait for uploads in flight elsewhere.
-FIRST_GUESS_S = 0.05
-LEAST_WAIT_S = 0.002
-MOST_WAIT_S = 0.5
-
-
-class _ProcessingTime:
-    """Seconds this process's processor takes per item, smoothed over requests."""
-
-    def __init__(self) -> None:
-        self._per_item = FIRST_GUESS_S
-        self._lock = threading.Lock()
-
-    def observe(self, seconds: float, items: int) -> None:
-        if items > 0 and seconds >= 0:
-            with self._lock:
-                self._per_item += 0.2 * (seconds / items - self._per_item)
-
-    def wait_for(self, items: int) -> float:
-        """How long a lookup of `items` may wait: about what processing them takes."""
-        with self._lock:
-            return min(MOST_WAIT_S, max(LEAST_WAIT_S, self._per_item * items))
 
 
 @dataclass
@@ -117,7 +99,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._total = 0
         self._last = (0, 0)
         self._serving = False
-        self._processing = _ProcessingTime()
+        self._processing = ProcessingTime()
+        self._skipped = 0  # uploads not worth their cost
+        self._admission = Admission()
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
@@ -225,11 +209,25 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """The end of a request: its uploads leave, in one call, in the background."""
         request = self._request()
         self._local.request = None
+        if request.started:
+            hits = len(request.confirmed)
+            self._admission.queried(hits, hits + len(request.uploads))
         if not request.uploads:
             return
         if request.asked_at and request.processed_at:
             # vLLM runs the processor on a request's misses between the two.
             self._processing.observe(request.processed_at - request.asked_at, len(request.uploads))
+        per_item = self._processing.per_item
+        sizes = [_nbytes(item) for _, _, item, _ in request.uploads]
+        admitted = [
+            upload
+            for upload, size in zip(request.uploads, sizes, strict=True)
+            if not request.started or self._admission.admit(size, per_item)
+        ]
+        with self._lock:
+            self._skipped += len(request.uploads) - len(admitted)
+        if not admitted:
+            return
         with self._lock:
             if self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT:
                 _LOGGER.debug(
@@ -237,7 +235,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 )
                 return
             self._uploads_in_flight += 1
-        hashes, modalities, items, updates = zip(*request.uploads, strict=True)
+        hashes, modalities, items, updates = zip(*admitted, strict=True)
+        nbytes = sum(_nbytes(item) for item in items)
+        started = time.perf_counter()
         future = self._sync.submit(
             self._sync.client.get_and_update(
                 [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
@@ -247,13 +247,17 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 lease=False,  # the engine has this data inline
             )
         )
-        future.add_done_callback(self._upload_done)
+        future.add_done_callback(lambda done: self._upload_done(done, started, nbytes))
 
-    def _upload_done(self, future: Any) -> None:
+    def _upload_done(self, future: Any, started: float, nbytes: int) -> None:
         with self._lock:
             self._uploads_in_flight -= 1
-        if not future.cancelled() and future.exception() is not None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
             _LOGGER.debug("mmcache upload failed: %s", future.exception())
+        else:
+            self._admission.uploaded(time.perf_counter() - started, nbytes)
 
     @override
     def invalidate(self, mm_hash: str) -> None:
@@ -276,6 +280,17 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._last = (hits, total)
                 hits, total = hits - last_hits, total - last_total
         return CacheInfo(hits=hits, total=total)
+
+
+def _nbytes(data: Any) -> int:
+    """The tensor bytes of an item (or of a field's nested tensors)."""
+    if isinstance(data, torch.Tensor):
+        return data.nbytes
+    if isinstance(data, MultiModalKwargsItem):
+        return sum(_nbytes(elem.data) for elem in data.values())
+    if isinstance(data, list | tuple):
+        return sum(_nbytes(part) for part in data)
+    return 0
 
 
 class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]

@@ -390,3 +390,31 @@ def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_t
             done.set()
             stalled.cancel()
             p0.release_sender_touches()
+
+
+def test_with_every_image_new_p0_uploads_one_in_ten(clients: Callable[[], SyncClient]) -> None:
+    """Uploads are admitted by what they save: once this process's requests
+    bring only new images (no hits) and an upload costs more than the quick
+    processing it would save, it sends one item in ten, not every one."""
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+
+    def new_images(first: int, count: int) -> int:
+        """Requests of one new image each; how many of them were uploaded."""
+        skipped = p0._skipped
+        for n in range(first, first + count):
+            p0.is_cached([f"new{n}"])
+            time.sleep(0.001)  # a quick processor
+            p0.get_and_update_item((item(n, numel=1 << 20), updates()), f"new{n}")  # 4 MiB
+            p0.release_sender_touches()
+            eventually(lambda: p0._uploads_in_flight == 0)
+        return count - (p0._skipped - skipped)
+
+    assert new_images(0, 1) == 1  # nothing measured yet: it goes
+    new_images(1, 19)  # the estimates settle: processing is quick, nothing comes back
+    uploaded = new_images(20, 30)
+    assert 2 <= uploaded <= 5  # about one in ten
+    client = p0._sync.client
+    held = sum(client.is_cached([p0.key(f"new{n}") for n in range(20, 50)]))
+    assert held == uploaded
+    stats = p0.make_stats()
+    assert (stats.hits, stats.total) == (0, 50)  # vLLM's counts are the same either way
