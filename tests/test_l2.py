@@ -415,7 +415,7 @@ async def test_an_image_asked_for_elsewhere_long_after_its_window_is_shared(
 async def test_a_frontend_waits_for_another_node_no_longer_than_it_says(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(_, ca), (b, cb)]:
         assert (await ca.lookup(["cold"])).held == [False]  # A claims it, processes slowly
         loop = asyncio.get_running_loop()
         started = loop.time()
