@@ -174,7 +174,8 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
         return None
     from ._caches import MMCacheProcessorCache
 
-    return MMCacheProcessorCache(_client(), scope_of(vllm_config))
+    model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
+    return MMCacheProcessorCache(_client(), scope_of(vllm_config), model)
 
 
 def engine_receiver_cache_from_config(vllm_config: Any) -> Any:

@@ -58,7 +58,7 @@ from vllm.utils.cache import CacheInfo
 
 from mmcache._errors import CacheMissError, MMCacheError
 
-from ._convert import decode_updates, encode_updates, from_vllm, to_vllm
+from ._convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
 from ._costs import Admission, ProcessingTime
 from ._sync import SyncClient
 
@@ -82,15 +82,19 @@ class _Request:
     confirmed: dict[str, Any] = field(default_factory=dict)  # hash -> prompt updates
     looked_up: set[str] = field(default_factory=set)
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
+    held_elsewhere: set[str] = field(default_factory=set)  # held, updates not usable here
     asked_at: float = 0.0  # when is_cached last answered: the processor starts then
     processed_at: float = 0.0  # when the first processed item came back
 
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
-    def __init__(self, sync: SyncClient, scope: str) -> None:
+    def __init__(self, sync: SyncClient, scope: str, model: str = "") -> None:
         super().__init__()
         self._sync = sync
         self._scope = scope
+        self._model = model
+        # Why this model's prompt updates cannot travel as data (None: they can).
+        self._undescribed: str | None = None
         self._updates: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -141,12 +145,18 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         request.started = True
         client = self._sync.client
         keys = [self.key(h) for h in mm_hashes]
-        ask = [
+        # vLLM may ask more than once per request: each hash is looked up once.
+        candidates = [
             i
             for i, known in enumerate(client.is_cached(keys, pending=True))
-            # vLLM may ask more than once per request: each hash is looked up once.
             if known and mm_hashes[i] not in request.looked_up
         ]
+        ask = candidates
+        if self._undescribed is not None:
+            # Updates that cannot travel: only what this process processed can
+            # hit here; the rest is processed, and not uploaded again.
+            ask = [i for i in candidates if self._local_updates(mm_hashes[i]) is not None]
+            request.held_elsewhere.update(mm_hashes[i] for i in candidates if i not in ask)
         if ask:
             try:
                 wait_s = self._processing.wait_for(len(ask))
@@ -190,7 +200,17 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         item, updates = mm_item
         if request.started and not request.processed_at:
             request.processed_at = time.perf_counter()
+        if self._undescribed is None and (why := undescribed(updates)) is not None:
+            self._undescribed = why
+            init_logger("vllm.mmcache").warning(
+                "mmcache: %s: %s; its items are hits only in the API process that "
+                "processed them, and the others neither look them up nor upload them again",
+                self._model or "this model",
+                why,
+            )
         self._remember(mm_hash, updates)
+        if self._undescribed is not None and request.started and mm_hash in request.held_elsewhere:
+            return mm_item  # the sidecar has it: its updates are now known here
         # vLLM 0.32's field elements carry no modality; the updates usually do.
         modality = next((u.modality for u in updates), None) or "unknown"
         request.uploads.append((mm_hash, modality, item, updates))

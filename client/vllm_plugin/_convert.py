@@ -12,16 +12,22 @@ item's metadata, in an explicit JSON schema, never pickled:
                           "mode": "replace", "target": [151655],
                           "full": [151652, 151655, ...], "embed": [0, 1, ...]}]}
 
-`target` is a token sequence; `embed` is the result of the update's
-`is_embed(full)` (None: every position is embedded), which is all vLLM ever
-asks of it for that content. An update whose target is a `PromptIndex` (a
-position given by a closure) cannot be described by data: such items are
-shared as data but their updates stay local to the process that made them
-(`encode_updates` returns None), so another process processes them itself.
+`target` is a token sequence, or a position vLLM's `PromptIndexTargets`
+made: `{"index": "start"}`, `{"index": "end"}` or `{"index": "prefix",
+"seq": [...]}` (PaliGemma, BLIP-2, ... insert at such positions). A
+`PromptIndex` is a pair of closures: its kind is known by the code of its
+closure (the same for every index one `PromptIndexTargets` method makes) and
+a prefix's tokens read from it, then rebuilt by the same method on the other
+side. `embed` is the result of the update's `is_embed(full)` (None: every
+position is embedded), which is all vLLM ever asks of it for that content.
+An update whose target is none of these cannot be described by data
+(`encode_updates` returns None, `undescribed` says why): its items' updates
+stay local to the process that made them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +41,8 @@ from vllm.multimodal.inputs import (
     MultiModalSharedField,
 )
 from vllm.multimodal.processing.processor import (
+    PromptIndex,
+    PromptIndexTargets,
     PromptUpdateDetails,
     ResolvedPromptUpdate,
     UpdateMode,
@@ -43,7 +51,7 @@ from vllm.multimodal.processing.processor import (
 from mmcache._errors import InvalidArgumentError
 from mmcache._items import BatchedField, Field, FieldElem, FlatField, Item, MMItem, SharedField
 
-__all__ = ["decode_updates", "encode_updates", "from_vllm", "to_vllm"]
+__all__ = ["decode_updates", "encode_updates", "from_vllm", "to_vllm", "undescribed"]
 
 SCHEMA_VERSION = 1
 
@@ -90,12 +98,47 @@ def _field_to_vllm(field: Field) -> Any:
     return MultiModalBatchedField(keep_on_cpu=field.keep_on_cpu)
 
 
+# The code of each kind of index PromptIndexTargets makes (closures of one
+# function share it), to know an index's kind without calling it.
+_START = PromptIndexTargets.start().get_match_index.__code__
+_END = PromptIndexTargets.end().get_match_index.__code__
+_PREFIX = PromptIndexTargets.prefix([]).get_match_index.__code__
+
+
+def _describe_target(target: Any) -> list[int] | dict[str, Any] | None:
+    if isinstance(target, list):
+        return [int(t) for t in target]
+    if not isinstance(target, PromptIndex):
+        return None
+    code = getattr(target.get_match_index, "__code__", None)
+    if code is _START:
+        return {"index": "start"}
+    if code is _END:
+        return {"index": "end"}
+    if code is _PREFIX and target.get_match_index.__closure__ is not None:
+        cells = dict(zip(code.co_freevars, target.get_match_index.__closure__, strict=True))
+        seq = cells["seq"].cell_contents if "seq" in cells else None
+        if isinstance(seq, list | tuple):
+            return {"index": "prefix", "seq": [int(t) for t in seq]}
+    return None
+
+
+def undescribed(updates: Sequence[ResolvedPromptUpdate]) -> str | None:
+    """Why these updates cannot travel as data (None: they can)."""
+    for update in updates:
+        if _describe_target(update.target) is None:
+            kind = type(update.target).__name__
+            return f"a {update.modality} update targets a {kind} no schema describes"
+    return None
+
+
 def encode_updates(updates: Sequence[ResolvedPromptUpdate]) -> bytes | None:
     """The updates as schema-1 JSON, or None when one cannot be described by data."""
     described: list[dict[str, Any]] = []
     for update in updates:
-        if not isinstance(update.target, list):
-            return None  # a PromptIndex: a closure, kept local
+        target = _describe_target(update.target)
+        if target is None:
+            return None  # a closure of another kind: kept local
         content = update.content
         embed = None
         if content.is_embed is not None:
@@ -105,7 +148,7 @@ def encode_updates(updates: Sequence[ResolvedPromptUpdate]) -> bytes | None:
                 "modality": update.modality,
                 "item_idx": update.item_idx,
                 "mode": UpdateMode(update.mode).value,
-                "target": [int(t) for t in update.target],
+                "target": target,
                 "full": [int(t) for t in content.full],
                 "embed": embed,
             }
@@ -141,10 +184,28 @@ def _decode_update(u: dict[str, Any]) -> ResolvedPromptUpdate:
     embed = u["embed"]
     if embed is not None and len(embed) != len(full):
         raise ValueError("an embed mask must be as long as its content")
+    target = u["target"]
     return ResolvedPromptUpdate(
         modality=str(u["modality"]),
         item_idx=int(u["item_idx"]),
         mode=UpdateMode(u["mode"]),
-        target=[int(t) for t in u["target"]],
+        target=(
+            _index(str(target["index"]), tuple(int(t) for t in target.get("seq", ())))
+            if isinstance(target, dict)
+            else [int(t) for t in target]
+        ),
         content=PromptUpdateDetails(full=full, is_embed=None if embed is None else _Mask(embed)),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _index(kind: str, seq: tuple[int, ...]) -> PromptIndex:
+    """One PromptIndex per description: vLLM groups updates by their index's
+    identity, so equal descriptions share one, as the processor's did."""
+    if kind == "start":
+        return PromptIndexTargets.start()
+    if kind == "end":
+        return PromptIndexTargets.end()
+    if kind == "prefix":
+        return PromptIndexTargets.prefix(list(seq))
+    raise ValueError(f"no index of kind {kind!r}")

@@ -29,6 +29,7 @@ from vllm.multimodal.inputs import (
     PlaceholderRange,
 )
 from vllm.multimodal.processing.processor import (
+    PromptIndex,
     PromptIndexTargets,
     PromptUpdateDetails,
     ResolvedPromptUpdate,
@@ -43,6 +44,7 @@ from mmcache.client.vllm_plugin._convert import (
     encode_updates,
     from_vllm,
     to_vllm,
+    undescribed,
 )
 from mmcache.client.vllm_plugin._sync import SyncClient
 
@@ -157,13 +159,40 @@ def test_items_and_prompt_updates_convert_both_ways() -> None:
     assert blob is not None and b"pickle" not in blob
     decoded = decode_updates(blob)
     assert decoded is not None and same_updates(decoded, updates())
-    # A target given by a closure is no data: such updates stay local.
-    by_index = [
-        ResolvedPromptUpdate("image", 0, UpdateMode.INSERT, PromptIndexTargets.start(),
-                             PromptUpdateDetails.from_seq([1, 2]))
-    ]  # fmt: skip
-    assert encode_updates(by_index) is None
     assert decode_updates(b"not json") is None and decode_updates(b'{"v": 99}') is None
+
+
+def index_update(target: PromptIndex) -> list[ResolvedPromptUpdate]:
+    return [
+        ResolvedPromptUpdate("image", 0, UpdateMode.INSERT, target,
+                             PromptUpdateDetails.from_seq([IMAGE_PAD] * 3))
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "target",
+    [PromptIndexTargets.start(), PromptIndexTargets.end(), PromptIndexTargets.prefix([2, 7])],
+    ids=["start", "end", "prefix"],
+)
+def test_a_position_vllm_made_travels_as_data(target: PromptIndex) -> None:
+    """PaliGemma, BLIP-2, ...: updates at a position (PromptIndexTargets)."""
+    blob = encode_updates(index_update(target))
+    assert blob is not None and undescribed(index_update(target)) is None
+    (decoded,) = decode_updates(blob) or []
+    rebuilt = decoded.target
+    assert isinstance(rebuilt, PromptIndex)
+    for prompt in ([2, 7, 5, 9], [1, 2, 3], []):  # the same position on every prompt
+        assert rebuilt.get_match_index(prompt, 0) == target.get_match_index(prompt, 0)
+    assert rebuilt.get_match_index([2, 7, 5], 1) == target.get_match_index([2, 7, 5], 1)
+    # Equal descriptions share one index, as vLLM groups updates by its identity.
+    again = decode_updates(blob)
+    assert again is not None and again[0].target is rebuilt
+
+
+def test_a_position_of_another_kind_stays_local_and_says_why() -> None:
+    mine = PromptIndex(lambda prompt, start_idx=0: 1, lambda tok, prompt, start_idx=0: 1)
+    assert encode_updates(index_update(mine)) is None
+    assert "PromptIndex" in (undescribed(index_update(mine)) or "")
 
 
 def test_a_hit_in_a_process_that_never_processed_the_item(
@@ -418,3 +447,52 @@ def test_with_every_image_new_p0_uploads_one_in_ten(clients: Callable[[], SyncCl
     assert held == uploaded
     stats = p0.make_stats()
     assert (stats.hits, stats.total) == (0, 50)  # vLLM's counts are the same either way
+
+
+def test_a_hit_in_another_process_for_an_update_at_a_position(
+    clients: Callable[[], SyncClient],
+) -> None:
+    p0_a = MMCacheProcessorCache(clients(), SCOPE)
+    p0_b = MMCacheProcessorCache(clients(), SCOPE)
+    bos = PromptIndexTargets.prefix([2])
+    p0_a.is_cached(["pali"])
+    p0_a.get_and_update_item((item(4), index_update(bos)), "pali")
+    p0_a.release_sender_touches()
+    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("pali")]) == [True])
+    assert p0_b.is_cached(["pali"]) == [True]
+    data, got = p0_b.get_and_update_item(None, "pali")
+    p0_b.release_sender_touches()
+    assert data is None and got[0].target.get_match_index([2, 5], 0) == 1
+
+
+def test_updates_that_cannot_travel_are_said_once_and_cost_no_lookup(
+    clients: Callable[[], SyncClient], sidecar: Sidecar, caplog: pytest.LogCaptureFixture
+) -> None:
+    mine = PromptIndex(lambda prompt, start_idx=0: 1, lambda tok, prompt, start_idx=0: 1)
+    p0_a = MMCacheProcessorCache(clients(), SCOPE, model="tiny-odd")
+    p0_b = MMCacheProcessorCache(clients(), SCOPE, model="tiny-odd")
+    for p0 in (p0_a, p0_b):  # each learns it on its first item
+        p0.is_cached(["odd0"])
+        p0.get_and_update_item((item(0), index_update(mine)), "odd0")
+        p0.release_sender_touches()
+    warnings = [r for r in caplog.records if "targets a PromptIndex" in r.getMessage()]
+    assert len(warnings) == 2 and "tiny-odd" in warnings[0].getMessage()  # once per process
+    # A processes "odd1": B's mirror knows the sidecar holds it, but B cannot
+    # use it: no lookup, and after processing it B does not upload it again.
+    p0_a.is_cached(["odd1"])
+    p0_a.get_and_update_item((item(1), index_update(mine)), "odd1")
+    p0_a.release_sender_touches()
+    client_b = p0_b._sync.client
+    eventually(lambda: client_b.is_cached([p0_b.key("odd1")]) == [True])
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+
+    def seen() -> tuple[float, float]:
+        served = metrics(url)
+        return served["mmcache_queries_total"], served["mmcache_received_bytes_total"]
+
+    before = seen()
+    assert p0_b.is_cached(["odd1"]) == [False]
+    p0_b.get_and_update_item((item(1), index_update(mine)), "odd1")
+    p0_b.release_sender_touches()
+    assert seen() == before  # no lookup, no upload: the sidecar saw nothing
+    assert p0_b.is_cached(["odd1"]) == [True]  # now processed here: a hit here
