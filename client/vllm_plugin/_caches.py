@@ -72,6 +72,9 @@ LOCAL_UPDATES = 65536
 # Uploads in flight at once; past that a request's upload is skipped (its
 # data went inline anyway): memory stays bounded when the server is slow.
 MAX_UPLOADS_IN_FLIGHT = 8
+# vLLM 0.32 and later call release_sender_touches at each request's end;
+# 0.31 (NVIDIA Dynamo 1.6's) has no such method and never does.
+VLLM_RELEASES = hasattr(BaseMultiModalProcessorCache, "release_sender_touches")
 
 
 @dataclass
@@ -83,6 +86,9 @@ class _Request:
     looked_up: set[str] = field(default_factory=set)
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
     held_elsewhere: set[str] = field(default_factory=set)  # held, updates not usable here
+    processed: int = 0  # items that came with data (misses)
+    merged: bool = False  # vLLM has taken its items (get_and_update_item)
+    observed: bool = False  # its processing time was measured
     asked_at: float = 0.0  # when is_cached last answered: the processor starts then
     processed_at: float = 0.0  # when the first processed item came back
 
@@ -142,6 +148,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             # Through vLLM's logger: its lines name the process (ApiServer_N).
             init_logger("vllm.mmcache").info("mmcache: this process's first request")
         request = self._request()
+        if request.merged and not VLLM_RELEASES:
+            # vLLM 0.31 never says a request ended: the next one on this thread says it.
+            self.release_sender_touches()
+            request = self._request()
         request.started = True
         client = self._sync.client
         keys = [self.key(h) for h in mm_hashes]
@@ -188,6 +198,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     @override
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         request = self._request()
+        request.merged = True
         with self._lock:
             self._total += 1
         if mm_item is None:
@@ -214,10 +225,13 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # vLLM 0.32's field elements carry no modality; the updates usually do.
         modality = next((u.modality for u in updates), None) or "unknown"
         request.uploads.append((mm_hash, modality, item, updates))
+        request.processed += 1
         if not request.started:
             # Outside a request (vLLM's inject_into_mm_cache): nothing will
             # call release_sender_touches, so the item leaves now.
             self.release_sender_touches()
+        elif not VLLM_RELEASES:
+            self._send_uploads(request)  # vLLM 0.31 never says a request ended
         return mm_item
 
     @override
@@ -231,12 +245,18 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._local.request = None
         if request.started:
             hits = len(request.confirmed)
-            self._admission.queried(hits, hits + len(request.uploads))
+            self._admission.queried(hits, hits + request.processed)
+        self._send_uploads(request)
+
+    def _send_uploads(self, request: _Request) -> None:
+        """The request's uploads so far leave, in one call, in the background."""
         if not request.uploads:
             return
-        if request.asked_at and request.processed_at:
+        if request.asked_at and request.processed_at and not request.observed:
             # vLLM runs the processor on a request's misses between the two.
-            self._processing.observe(request.processed_at - request.asked_at, len(request.uploads))
+            request.observed = True
+            seconds = request.processed_at - request.asked_at
+            self._processing.observe(seconds, len(request.uploads))
         per_item = self._processing.per_item
         sizes = [_nbytes(item) for _, _, item, _ in request.uploads]
         admitted = [
@@ -246,13 +266,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         ]
         with self._lock:
             self._skipped += len(request.uploads) - len(admitted)
+        request.uploads = []
         if not admitted:
             return
         with self._lock:
             if self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT:
-                _LOGGER.debug(
-                    "mmcache uploads backed up: %d items not shared", len(request.uploads)
-                )
+                _LOGGER.debug("mmcache uploads backed up: %d items not shared", len(admitted))
                 return
             self._uploads_in_flight += 1
         hashes, modalities, items, updates = zip(*admitted, strict=True)

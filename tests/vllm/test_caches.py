@@ -496,3 +496,32 @@ def test_updates_that_cannot_travel_are_said_once_and_cost_no_lookup(
     p0_b.release_sender_touches()
     assert seen() == before  # no lookup, no upload: the sidecar saw nothing
     assert p0_b.is_cached(["odd1"]) == [True]  # now processed here: a hit here
+
+
+def test_a_vllm_that_never_releases_still_shares_what_it_processed(
+    clients: Callable[[], SyncClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.31 (NVIDIA Dynamo 1.6's) has no release_sender_touches: items
+    leave as vLLM takes them, and the next request on the thread ends the last."""
+    monkeypatch.setattr("mmcache.client.vllm_plugin._caches.VLLM_RELEASES", False)
+    p0_a = MMCacheProcessorCache(clients(), SCOPE)
+    p0_b = MMCacheProcessorCache(clients(), SCOPE)
+
+    def request_0_31(cache: MMCacheProcessorCache, pairs: list[tuple[str, int]]) -> list[bool]:
+        hashes = [h for h, _ in pairs]
+        cached = cache.is_cached(hashes)
+        for h in hashes:
+            cache.touch_sender_cache_item(h)
+        for (h, seed), hit in zip(pairs, cached, strict=True):
+            cache.get_and_update_item(None if hit else (item(seed), updates()), h)
+        return cached
+
+    assert request_0_31(p0_a, [("one", 1), ("two", 2)]) == [False, False]
+    client_b = p0_b._sync.client
+    eventually(lambda: client_b.is_cached([p0_b.key("one"), p0_b.key("two")]) == [True, True])
+    assert request_0_31(p0_b, [("two", 2), ("three", 3)]) == [True, False]
+    client_a = p0_a._sync.client
+    eventually(lambda: client_a.is_cached([p0_a.key("three")]) == [True])
+    assert request_0_31(p0_a, [("three", 3)]) == [True]  # a new request: the last one ended
+    stats = p0_a.make_stats()
+    assert (stats.hits, stats.total) == (1, 3)
