@@ -33,10 +33,13 @@ unit: $(VENV)/.test
 	scripts/install-system-deps.sh
 	$(PY) -m pytest
 
-# The vLLM plugin's tests, in an environment of their own (vLLM is 3.5 GB).
+# The vLLM plugin's tests, in environments of their own (vLLM is 3.5 GB): vLLM
+# 0.32, and 0.31 (the one NVIDIA Dynamo 1.6 pins).
 test-vllm:
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m pytest -p no:cacheprovider tests/vllm
+	VLLM_VERSION=0.31.0 VLLM_VENV=.venv-vllm-0.31 scripts/vllm-env.sh
+	.venv-vllm-0.31/bin/python -m pytest -p no:cacheprovider tests/vllm
 
 test: lint typecheck unit test-vllm
 
@@ -53,4 +56,4 @@ bench: $(VENV)/.test
 	.venv-vllm/bin/python -m bench.vllm
 
 clean:
-	rm -rf $(VENV) .venv-vllm build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 build .mypy_cache .ruff_cache .pytest_cache

@@ -76,6 +76,29 @@ __all__ = ["MMCacheECConnector", "MMCacheECMetadata", "MMCacheECStats"]
 
 _LOGGER = logging.getLogger(__name__)
 
+# The EC connector interface it is written and tested against (vLLM 0.32's).
+LEAST_VLLM = (0, 32)
+
+
+def require_supported_vllm(version: str | None = None) -> None:
+    """Refuse a vLLM older than the connector's interface, at the engine's start,
+    with what to do: its EC connector base differs, and requests would fail."""
+    import vllm
+
+    found = version if version is not None else str(vllm.__version__)
+    parts = found.split("+")[0].split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return  # a development build: let it try
+    if major_minor < LEAST_VLLM:
+        raise RuntimeError(
+            f"mmcache's EC connector needs vLLM {'.'.join(map(str, LEAST_VLLM))} or later; "
+            f"this is vLLM {found}. Use the processor-cache plugin alone there "
+            "(MMCACHE_TARGET, without --ec-transfer-config), or upgrade vLLM."
+        )
+
+
 FIELD = "encoder_output"  # the one field of a stored encoder output
 MODALITY = "encoder_output"  # its label on the sidecar's metrics, apart from processed items
 _RETRY_S = 5.0  # an item whose read failed is not tried again sooner
@@ -198,6 +221,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
     """vLLM's EC connector on an mmcache sidecar (module docstring)."""
 
     def __init__(self, vllm_config: Any, role: ECConnectorRole) -> None:
+        require_supported_vllm()
         super().__init__(vllm_config=vllm_config, role=role)
         settings = _Settings(dict(vllm_config.ec_transfer_config.ec_connector_extra_config))
         self._settings = settings

