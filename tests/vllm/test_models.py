@@ -1,8 +1,9 @@
-"""More than one model on a real engine: a tiny PaliGemma, whose image tokens
-go at a position (`PromptIndexTargets.prefix([bos])`) rather than at a
-placeholder token. With `--api-server-count 2` every repeat of an image is a
-hit in vLLM's own counters, whichever API process processed it first, and the
-greedy tokens are those of vLLM alone."""
+"""More models on a real engine, beside the Qwen2-VL of test_engine.py: a
+tiny PaliGemma, whose image tokens go at a position
+(`PromptIndexTargets.prefix([bos])`), and a tiny LLaVA, whose `<image>`
+placeholder token is replaced (CLIP tower, Llama). With `--api-server-count 2`
+every repeat of an image is a hit in vLLM's own counters, whichever API
+process processed it first, and the greedy tokens are those of vLLM alone."""
 
 from __future__ import annotations
 
@@ -10,18 +11,20 @@ from pathlib import Path
 
 import pytest
 
+from . import tiny_llava, tiny_paligemma
 from .conftest import Sidecar
 from .images import chat_messages
 from .serve import metrics, post_chat
 from .test_engine import offline, serving
-from .tiny_paligemma import build
 
 COLORS = ("red", "red", "blue", "red", "blue", "green", "red", "blue", "green", "red")
+BUILDERS = {"paligemma": tiny_paligemma.build, "llava": tiny_llava.build}
 
 
-@pytest.fixture(scope="module")
-def paligemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("model") / "tiny-paligemma")
+@pytest.fixture(scope="module", params=sorted(BUILDERS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    name: str = request.param
+    return BUILDERS[name](tmp_path_factory.mktemp("model") / f"tiny-{name}")
 
 
 def chat(port: int, color: str) -> tuple[int, list[int]]:
@@ -36,11 +39,11 @@ def chat(port: int, color: str) -> tuple[int, list[int]]:
     return status, [] if answer is None else list(answer["choices"][0]["token_ids"])
 
 
-def test_paligemma_hits_every_repeat_across_api_servers(paligemma: Path, sidecar: Sidecar) -> None:
-    alone = offline(paligemma)["tokens"]  # red, red, blue, red: vLLM alone
+def test_every_repeat_is_a_hit_across_api_servers(tiny: Path, sidecar: Sidecar) -> None:
+    alone = offline(tiny)["tokens"]  # red, red, blue, red: vLLM alone
     assert isinstance(alone, list) and alone[0] != alone[2]  # the image matters
     expected = {"red": alone[0], "blue": alone[2]}
-    with serving(paligemma, sidecar, "--api-server-count", "2") as vllm_serve:
+    with serving(tiny, sidecar, "--api-server-count", "2") as vllm_serve:
         answers = [chat(vllm_serve.port, color) for color in COLORS]
         assert [status for status, _ in answers] == [200] * len(COLORS)
         for color, (_, tokens) in zip(COLORS, answers, strict=True):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .weights import name_the_vision_tower_as_vllm_loads_it
+
 SEED = 0
 
 CHAT_TEMPLATE = (
@@ -100,7 +102,7 @@ def build(directory: Path) -> Path:
         torch.manual_seed(SEED)
         model = PaliGemmaForConditionalGeneration(config)
     model.save_pretrained(directory)
-    _name_the_vision_tower_as_vllm_loads_it(directory / "model.safetensors")
+    name_the_vision_tower_as_vllm_loads_it(directory / "model.safetensors")
     images = SiglipImageProcessor(size={"height": 28, "width": 28})
     images.image_seq_length = 4  # (28 / 14) ** 2 patches, one token each
     processor = PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
@@ -108,22 +110,6 @@ def build(directory: Path) -> Path:
     processor.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def _name_the_vision_tower_as_vllm_loads_it(weights: Path) -> None:
-    """transformers 5 saves SigLIP's weights as `vision_tower.<part>`, vLLM
-    0.32 loads `vision_tower.vision_model.<part>` (and no pooling head)."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(weights)
-    renamed = {}
-    for name, tensor in tensors.items():
-        if name.startswith("vision_tower.head."):
-            continue
-        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-            name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")
-        renamed[name] = tensor
-    save_file(renamed, weights, metadata={"format": "pt"})
 
 
 if __name__ == "__main__":
