@@ -59,3 +59,22 @@ def test_every_repeat_is_a_hit_across_api_servers(tiny: Path, sidecar: Sidecar) 
     served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
     assert served["mmcache_hits_total"] == repeats
     assert served["mmcache_leases"] == 0
+
+
+def test_paligemma_on_two_data_parallel_engines_hits_every_repeat(sidecar: Sidecar) -> None:
+    """The issue's case: `--data-parallel-size 2` with a model whose updates
+    go at a position got 13 of 16 possible hits; every repeat is one now."""
+    import tempfile
+
+    model = tiny_paligemma.build(Path(tempfile.mkdtemp(prefix="tiny-paligemma-")))
+    with serving(model, sidecar, "--data-parallel-size", "2") as vllm_serve:
+        colors = COLORS[:6]
+        assert [chat(vllm_serve.port, c)[0] for c in colors] == [200] * len(colors)
+        seen = metrics(f"http://127.0.0.1:{vllm_serve.port}/metrics")
+        repeats = len(colors) - len(set(colors))
+        assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (
+            len(colors),
+            repeats,
+        )
+    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    assert served["mmcache_leases"] == 0
