@@ -13,8 +13,8 @@ import pytest
 
 from . import tiny_llava, tiny_paligemma
 from .conftest import Sidecar
-from .images import chat_messages
-from .serve import metrics, post_chat
+from .serve import metrics
+from .test_ec import chat
 from .test_engine import offline, serving
 
 COLORS = ("red", "red", "blue", "red", "blue", "green", "red", "blue", "green", "red")
@@ -25,18 +25,6 @@ BUILDERS = {"paligemma": tiny_paligemma.build, "llava": tiny_llava.build}
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     name: str = request.param
     return BUILDERS[name](tmp_path_factory.mktemp("model") / f"tiny-{name}")
-
-
-def chat(port: int, color: str) -> tuple[int, list[int]]:
-    body = {
-        "model": "",
-        "max_tokens": 8,
-        "temperature": 0,
-        "return_token_ids": True,
-        "messages": chat_messages(color),
-    }
-    status, answer = post_chat(port, body)
-    return status, [] if answer is None else list(answer["choices"][0]["token_ids"])
 
 
 def test_every_repeat_is_a_hit_across_api_servers(tiny: Path, sidecar: Sidecar) -> None:

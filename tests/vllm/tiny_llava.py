@@ -13,9 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .weights import name_the_vision_tower_as_vllm_loads_it
-
-SEED = 0
+from .tiny_parts import save_model, train_bpe
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}USER: {% if message['content'] is string %}"
@@ -30,8 +28,6 @@ def build(directory: Path) -> Path:
     """Write the model to `directory` (once) and return it."""
     if (directory / "config.json").exists():
         return directory
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import (
         CLIPImageProcessor,
         LlavaConfig,
@@ -42,11 +38,8 @@ def build(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     special = ["<unk>", "<s>", "</s>", "<image>"]
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    text = ["USER: What is in this image? ASSISTANT: A red square, a blue circle."] * 50
-    bpe.train_from_iterator(
-        text, trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False)
+    bpe = train_bpe(
+        special, "USER: What is in this image? ASSISTANT: A red square, a blue circle.", "<unk>"
     )
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
@@ -84,11 +77,7 @@ def build(directory: Path) -> Path:
         vision_feature_select_strategy="default",
         torch_dtype="bfloat16",
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(SEED)
-        model = LlavaForConditionalGeneration(config)
-    model.save_pretrained(directory)
-    name_the_vision_tower_as_vllm_loads_it(directory / "model.safetensors")
+    save_model(LlavaForConditionalGeneration, config, directory)
     images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     processor = LlavaProcessor(
         image_processor=images,

@@ -17,9 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .weights import name_the_vision_tower_as_vllm_loads_it
-
-SEED = 0
+from .tiny_parts import save_model, train_bpe
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['content'] is string %}"
@@ -33,8 +31,6 @@ def build(directory: Path) -> Path:
     """Write the model to `directory` (once) and return it."""
     if (directory / "config.json").exists():
         return directory
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import (
         GemmaTokenizerFast,
         PaliGemmaConfig,
@@ -45,12 +41,7 @@ def build(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     special = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>", "\n"]
-    bpe = Tokenizer(models.BPE(unk_token=None))
-    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
-    text = ["What is in this image? A red square, a blue circle, describe it."] * 50
-    bpe.train_from_iterator(
-        text, trainers.BpeTrainer(vocab_size=300, special_tokens=special, show_progress=False)
-    )
+    bpe = train_bpe(special, "What is in this image? A red square, a blue circle, describe it.")
     tokenizer = GemmaTokenizerFast(
         tokenizer_object=bpe,
         bos_token="<bos>",
@@ -98,11 +89,7 @@ def build(directory: Path) -> Path:
         pad_token_id=ids["<pad>"],
         torch_dtype="bfloat16",
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(SEED)
-        model = PaliGemmaForConditionalGeneration(config)
-    model.save_pretrained(directory)
-    name_the_vision_tower_as_vllm_loads_it(directory / "model.safetensors")
+    save_model(PaliGemmaForConditionalGeneration, config, directory)
     images = SiglipImageProcessor(size={"height": 28, "width": 28})
     images.image_seq_length = 4  # (28 / 14) ** 2 patches, one token each
     processor = PaliGemmaProcessor(image_processor=images, tokenizer=tokenizer)
