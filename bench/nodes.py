@@ -293,7 +293,9 @@ async def latency(args: argparse.Namespace, l2: str) -> None:
     from mmcache.server._l2_redis import redis_key
 
     ports = [(free_port(), free_port()) for _ in range(2)]
-    procs = [sidecar(p, m, 1024, l2) for p, m in ports]
+    # A cache that fills and evicts within the run, as in service: what a read
+    # from L2 keeps lands in memory freed by evictions, not in fresh pages.
+    procs = [sidecar(p, m, 128, l2) for p, m in ports]
     bare = BareCluster.from_url(l2)
     print(
         "\n| item | lookup, L2 hit p50 / p99 ms | lookup, L1 hit p50 / p99 ms | L2 read ms "
