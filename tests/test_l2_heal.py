@@ -185,16 +185,16 @@ async def test_every_sidecar_reads_and_writes_l2_within_15s_of_a_master_restart(
         for index, sidecar in enumerate(fleet):
             assert sidecar.gauge("mmcache_l2_up") == 1.0, f"sidecar {index}"
             assert sidecar.gauge("mmcache_l2_nodes_down") == 0.0, f"sidecar {index}"
-        # One WARNING when the master went, one INFO when it came back, with the reason.
+        # One WARNING when the master went, one INFO when it came back, with the
+        # reason: per outage, never per call (a loaded machine may time out a
+        # watch PING and see a second, short one).
         for sidecar in fleet[:4]:
             log = sidecar.log.read_text()
-            assert (
-                log.count(
-                    f"WARNING mmcache.server._redis_nodes: L2 node 127.0.0.1:{victim} is down ("
-                )
-                == 1
-            ), log
-            assert log.count(f"L2 node 127.0.0.1:{victim} is back after") == 1, log
+            down = log.count(
+                f"WARNING mmcache.server._redis_nodes: L2 node 127.0.0.1:{victim} is down ("
+            )
+            back = log.count(f"L2 node 127.0.0.1:{victim} is back after")
+            assert 1 <= down == back <= 2, log
             assert " ERROR " not in log, log
 
 
