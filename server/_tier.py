@@ -129,9 +129,7 @@ class L2Tier:
         # key -> when, within the window.
         self._claims: OrderedDict[str, float] = OrderedDict()
         # Claims being asked for now, so that two local calls ask once.
-        self._sighting: dict[str, asyncio.Future[Sighting | None]] = {}
-        # The claimer of a key just found OTHERS, for the call that asks it.
-        self._owners: dict[str, str] = {}
+        self._sighting: dict[str, asyncio.Future[tuple[Sighting, str] | None]] = {}
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
         self._wake = asyncio.Event()
@@ -214,9 +212,10 @@ class L2Tier:
             room.left -= record.nbytes
             return self._read_in(key, record)
         self._known.pop(key, None)  # L2 evicted it: write it again when seen again
-        sighting = await self._sight(key, deadline) if flight else None
-        if sighting == Sighting.OTHERS:
-            sighting = await self._ask_holder(key, deadline)
+        sighted = await self._sight(key, deadline) if flight else None
+        sighting = None if sighted is None else sighted[0]
+        if sighted is not None and sighting == Sighting.OTHERS:
+            sighting = await self._ask_holder(key, sighted[1], deadline)
         if sighting is None or sighting == Sighting.FIRST:
             # An engine's read; an L2 failure; or this sidecar's frontend
             # processes it now.
@@ -228,28 +227,29 @@ class L2Tier:
             return None
         return await self._wait_for(key, min(deadline, self._clock() + wait_s))
 
-    async def _sight(self, key: str, deadline: float) -> Sighting | None:
-        """Claim `key` in L2, or learn whose it is (None: L2 failed). Local calls
-        asking at once ask once: the first claims, the others find it MINE."""
+    async def _sight(self, key: str, deadline: float) -> tuple[Sighting, str] | None:
+        """Claim `key` in L2, or learn whose it is: the sighting and the
+        claimer (None: L2 failed). Local calls asking at once ask once: the
+        first claims, the others find it MINE."""
         running = self._sighting.get(key)
         if running is not None:
             found = await asyncio.shield(running)
-            return Sighting.MINE if found == Sighting.FIRST else found
-        future: asyncio.Future[Sighting | None] = asyncio.get_running_loop().create_future()
+            if found is not None and found[0] == Sighting.FIRST:
+                return Sighting.MINE, found[1]
+            return found
+        future: asyncio.Future[tuple[Sighting, str] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._sighting[key] = future
         found = None
         try:
-            found, owner = await self._op(
+            found = await self._op(
                 "claim",
                 lambda: self._backend.sight(key, self._settings.window_s, self._node),
                 deadline,
             )
-            if found == Sighting.FIRST:
+            if found[0] == Sighting.FIRST:
                 self._claim(key)
-            elif found == Sighting.OTHERS:
-                if len(self._owners) > 4096:  # calls cancelled before they asked
-                    self._owners.clear()
-                self._owners[key] = owner
         except L2Error:
             pass
         finally:
@@ -257,13 +257,10 @@ class L2Tier:
             future.set_result(found)
         return found
 
-    async def _ask_holder(self, key: str, deadline: float) -> Sighting | None:
-        """Another sidecar claims `key`: put it on that sidecar's want list
-        (OTHERS: wait for it), or, when that sidecar is gone, take its claim
-        over (FIRST: process it here)."""
-        owner = self._owners.pop(key, None)
-        if owner is None:  # another local call asked: it put the want
-            return Sighting.OTHERS
+    async def _ask_holder(self, key: str, owner: str, deadline: float) -> Sighting | None:
+        """`owner`, another sidecar, claims `key`: put it on that sidecar's want
+        list (OTHERS: wait for it), or, when that sidecar is gone, take its
+        claim over (FIRST: process it here)."""
         try:
             if await self._op("claim", lambda: self._backend.want(owner, key), deadline) == (
                 Want.ASKED

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -27,7 +28,7 @@ from mmcache.client import (
     InvalidArgumentError,
     MMCacheClient,
 )
-from mmcache.client._codec import encode_item
+from mmcache.client._codec import EncodedItem, encode_item
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
@@ -576,6 +577,15 @@ async def test_metadata_over_the_limit_is_refused_with_the_limit(
 # ---------------------------------------------------------------- one hash, two uploads
 
 
+def upload_begun(channel: grpc.aio.Channel, mm_hash: str, encoded: EncodedItem) -> Any:
+    """Another frontend's raw upload of `mm_hash`: its header is in, its bytes not yet."""
+    request = pb.UpdateRequest(lease=pb.LEASE_HELD)
+    request.entries.add(mm_hash=mm_hash, modality="image", item=encoded.spec, num_chunks=1)
+    return channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
+        metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
+    )
+
+
 async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -585,12 +595,7 @@ async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight
     async with serving() as server:
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
-            # Frontend a: a raw upload whose header is in, its bytes not yet.
-            request = pb.UpdateRequest(lease=pb.LEASE_HELD)
-            request.entries.add(mm_hash="same", modality="image", item=encoded.spec, num_chunks=1)
-            call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
-                metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
-            )
+            call = upload_begun(channel, "same", encoded)  # frontend a's
             await eventually(lambda: b._mirror.is_pending("same"))
             assert b.is_cached(["same"]) == [False]  # pending is not cached
             # b has the item too: it sends the hash alone and the server waits.
@@ -620,11 +625,7 @@ async def test_a_lookup_waits_for_an_upload_in_flight_no_longer_than_it_says(
     async with serving() as server:
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
-            request = pb.UpdateRequest(lease=pb.LEASE_HELD)
-            request.entries.add(mm_hash="slow", modality="image", item=encoded.spec, num_chunks=1)
-            call = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
-                metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
-            )
+            call = upload_begun(channel, "slow", encoded)
             await eventually(lambda: b._mirror.is_pending("slow"))
             loop = asyncio.get_running_loop()
             started = loop.time()

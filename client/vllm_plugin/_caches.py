@@ -258,12 +258,14 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             seconds = request.processed_at - request.asked_at
             self._processing.observe(seconds, len(request.uploads))
         per_item = self._processing.per_item
-        sizes = [_nbytes(item) for _, _, item, _ in request.uploads]
-        admitted = [
-            upload
-            for upload, size in zip(request.uploads, sizes, strict=True)
+        sized = [(upload, _nbytes(upload[2])) for upload in request.uploads]
+        chosen = [
+            (upload, size)
+            for upload, size in sized
             if not request.started or self._admission.admit(size, per_item)
         ]
+        admitted = [upload for upload, _ in chosen]
+        nbytes = sum(size for _, size in chosen)
         with self._lock:
             self._skipped += len(request.uploads) - len(admitted)
         request.uploads = []
@@ -275,7 +277,6 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 return
             self._uploads_in_flight += 1
         hashes, modalities, items, updates = zip(*admitted, strict=True)
-        nbytes = sum(_nbytes(item) for item in items)
         started = time.perf_counter()
         future = self._sync.submit(
             self._sync.client.get_and_update(
