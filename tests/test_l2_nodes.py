@@ -29,9 +29,13 @@ def nodes() -> Iterator[tuple[RedisCluster, list[tuple[int, int]]]]:
     """Four sidecar processes on one cluster: (gRPC port, metrics port) each."""
     with redis_cluster() as cluster:
         procs: list[subprocess.Popen[str]] = []
-        ports = [(free_port(), free_port()) for _ in range(NODES)]
+        ports: list[tuple[int, int]] = []
         try:
-            for port, metrics_port in ports:
+            for _ in range(NODES):
+                # Each picked just before its start: a running sidecar's Redis
+                # connections take ephemeral ports, which a port picked early may be.
+                port, metrics_port = free_port(), free_port()
+                ports.append((port, metrics_port))
                 proc = start(
                     [
                         MMCACHE,
