@@ -1,32 +1,41 @@
-"""vLLM alone beside vLLM with mmcache: N API servers, multi-turn chats with images.
+"""vLLM alone beside vLLM with mmcache, on photo-like JPEGs, measured in CPU.
 
-    .venv-vllm/bin/python -m bench.vllm [--api-servers 1,2,4] [--conversations 12]
+    .venv-vllm/bin/python -m bench.vllm [--sizes 1024x1024,...] [--api-servers 1,4]
+                                        [--traces repeat,distinct] [--only hit|replay|ec]
 
-Runs in the vLLM environment (scripts/vllm-env.sh; `make bench` does). A
-tiny random-weight Qwen2-VL (built offline, as the tests build it) is served
-by `vllm serve --api-server-count N`, once without and once with the plugin
-(a fresh sidecar each time). The replay: `conversations` chats of 1-4 turns,
-four at a time; every turn adds an image (colors from a Zipf-like pool of
-8, all 100x80, so every item has the same size) and re-sends all earlier
-images of the chat, as OpenAI-style chat APIs do.
+Runs in the vLLM environment (scripts/vllm-env.sh; `make bench` does). The
+model is the tests' tiny random-weight Qwen2-VL, built offline, with
+Qwen2-VL's real pixel limits (a 1024x1024 image is 1369 tokens; vLLM keeps
+its `pixel_values` as uint8, 6.44 MB). The images are JPEGs made here
+(bench/photos.py: photo-like, quality 90) at 448x448, 1280x720, 1024x1024
+and 1920x1080. vLLM alone is `vllm serve`; with mmcache it is the same
+command with MMCACHE_TARGET naming a fresh sidecar on this host (so the
+engine reads hits from its shared memory).
 
-Printed per N: vLLM's hit rate; the tensor bytes P0 shipped to P1 (a miss
-ships its item; a hit ships nothing, except in vLLM alone with N > 1, where
-vLLM falls back to per-process caches and ships every item; an item's size
-is what the sidecar received per upload); the bytes the engine read from the
-sidecar instead; processor runs avoided (hits) and the
-processor time that saves (hits x one item's processing time, measured
-here); request latency p50/p99.
+CPU is read from /proc (user + system time of every process of the run:
+the API servers, the launcher included; the engine core and its worker;
+the sidecar), so the figures are what a hit or a miss costs, not what the
+two shared cores happened to let the wall clock show.
 
-Then the EC connector (`mmcache.client.vllm_ec`): two engines, separate `vllm
-serve` processes, take the same chats' requests in turn (a router with no
-image affinity). Once with no connector, once with one sidecar per engine
-(each keeps its own outputs: no sharing), once with one sidecar shared by
-both. Printed: vision-encoder runs (the connector's `mmcache_ec_encoded`,
-which tests/vllm/test_ec.py checks against the vision tower's own calls; vLLM
-alone counts none), runs avoided (outputs loaded instead), the bytes loaded,
-request latency p50/p99, and an image's bytes as pixel_values and as an
-encoder output.
+Three tables:
+
+1. **What a hit costs, and what it saves** (`--only hit`), per image size,
+   one API server: 8 single-image requests of new images (misses), then the
+   same 8 again (hits), one at a time, for vLLM alone (its own engine cache
+   serves the hits) and for mmcache. Processing saved per item is vLLM
+   alone's miss CPU less its hit CPU; a hit's cost is what mmcache's hit
+   adds to vLLM alone's, in the API server, the engine and the sidecar; a
+   miss's cost is what mmcache's miss adds (the lookup, the upload).
+2. **Replays** (`--only replay`), at each size and API-server count: the
+   repeat trace (multi-turn chats, four at a time, each turn re-sending the
+   chat's earlier images, from a pool of 8 images) and the all-distinct
+   trace (the same requests, every image new). Requests/s, latency p50/p99,
+   CPU ms per request (API servers, engine, sidecar, and all), processor
+   runs (vLLM's queries less its hits), and the MB the API servers sent the
+   engine inline and the MB the engine read from the sidecar.
+3. **The EC connector** (`--only ec`): two engines taking turns on the
+   repeat trace, without a connector, with a sidecar each and with one
+   shared: vision-encoder runs, runs avoided, bytes loaded, latency.
 """
 
 from __future__ import annotations
@@ -40,116 +49,399 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
+from bench.photos import SIZES, data_url
 from tests.vllm.conftest import Sidecar, free_port
-from tests.vllm.images import data_url
 from tests.vllm.serve import metrics, serve_command, wait_healthy
-from tests.vllm.tiny_model import build
+from tests.vllm.tiny_model import REAL_PIXELS, build
 
-COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]
 ROOT = Path(__file__).resolve().parent.parent
+POOL = 8  # distinct images of the repeat trace
+HIT_PHASE = 16  # requests per phase of the hit table
+TICK = os.sysconf("SC_CLK_TCK")
+# Room for four 1920x1080 images (2691 tokens each) in one prompt.
+ENGINE_OPTIONS = (
+    *("--limit-mm-per-prompt", '{"image": 4}', "--max-model-len", "12288"),
+    *("--max-num-batched-tokens", "12288"),
+)
+MB = 1e6
+
+Size = tuple[int, int]
 
 
-def trace(conversations: int, seed: int) -> list[list[list[str]]]:
-    """Per conversation, per turn, the colors of its images so far."""
+def trace(conversations: int, seed: int) -> list[list[list[int]]]:
+    """Per conversation, per turn, the images (pool indices) sent so far."""
     rng = random.Random(seed)
-    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(COLORS))]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(POOL)]
     chats = []
     for _ in range(conversations):
-        images: list[str] = []
+        images: list[int] = []
         turns = []
         for _ in range(rng.randint(1, 4)):
-            color = rng.choices(COLORS, weights)[0]
-            if color not in images:
-                images.append(color)
+            image = rng.choices(range(POOL), weights)[0]
+            if image not in images:
+                images.append(image)
             turns.append(list(images))
         chats.append(turns)
     return chats
 
 
-def chat(port: int, colors: list[str]) -> float:
-    content = [{"type": "image_url", "image_url": {"url": data_url(c)}} for c in colors]
-    content.append({"type": "text", "text": "What is in these images?"})
-    body = {"model": "", "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "user", "content": content}]}  # fmt: skip
-    request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json"},
-    )
-    start = time.perf_counter()
-    with urllib.request.urlopen(request, timeout=120) as response:
-        response.read()
-    return time.perf_counter() - start
+def all_distinct(chats: list[list[list[int]]], first: int) -> list[list[list[int]]]:
+    """The same requests, every image in them a new one (seeds from `first`)."""
+    seeds = iter(range(first, first + 1_000_000))
+    return [[[next(seeds) for _ in turn] for turn in turns] for turns in chats]
 
 
-def start_vllm(
-    model: Path, port: int, api_servers: int, env: dict[str, str]
-) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        serve_command(
-            str(model),
-            port,
-            *("--limit-mm-per-prompt", '{"image": 4}', "--api-server-count", str(api_servers)),
-        ),
+# --- CPU from /proc ---------------------------------------------------------
+
+
+def _stat(path: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of a live process or thread (its /proc path)."""
+    try:
+        with open(f"{path}/stat", encoding="ascii") as file:
+            fields = file.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _comm(path: str) -> str:
+    try:
+        with open(f"{path}/comm", encoding="utf-8") as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def _client_threads(pid: int) -> float:
+    """CPU seconds of the process's mmcache client threads (the plugin names
+    them: client/vllm_plugin/_sync.py)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    used = 0.0
+    for tid in tasks:
+        path = f"/proc/{pid}/task/{tid}"
+        if _comm(path) == "mmcache-client" and (found := _stat(path)) is not None:
+            used += found[1]
+    return used
+
+
+@dataclass
+class Cpu:
+    """CPU seconds, by part of the deployment; `api_client` and `engine_client`
+    are the part of `api` and `engine` that mmcache's client threads used."""
+
+    api: float = 0.0
+    engine: float = 0.0
+    sidecar: float = 0.0
+    api_client: float = 0.0
+    engine_client: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.api + self.engine + self.sidecar
+
+    @property
+    def mmcache(self) -> float:
+        """What mmcache itself used: its client threads and the sidecar."""
+        return self.api_client + self.engine_client + self.sidecar
+
+    def __sub__(self, other: Cpu) -> Cpu:
+        return Cpu(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def per(self, n: float) -> Cpu:
+        return Cpu(*(a / n for a in astuple(self)))
+
+
+def cpu(vllm_pid: int, sidecar_pid: int | None) -> Cpu:
+    """The CPU used so far by `vllm serve`'s processes and by the sidecar."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (found := _stat(f"/proc/{name}")) is not None:
+            stats[int(name)] = found
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    used = Cpu()
+    stack = [vllm_pid]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, ()))
+        seconds = stats.get(pid, (0, 0.0))[1]
+        if _comm(f"/proc/{pid}").startswith(("VLLM::EngineCor", "VLLM::Worker")):
+            used.engine += seconds
+            used.engine_client += _client_threads(pid)
+        else:  # the API servers, and the launcher that started them
+            used.api += seconds
+            used.api_client += _client_threads(pid)
+    if sidecar_pid is not None:
+        used.sidecar = stats.get(sidecar_pid, (0, 0.0))[1]
+    return used
+
+
+# --- one deployment ---------------------------------------------------------
+
+
+@dataclass
+class Deployment:
+    port: int
+    proc: subprocess.Popen[bytes]
+    sidecar: Sidecar | None
+    size: Size = (1024, 1024)
+
+    def cpu(self) -> Cpu:
+        side = self.sidecar.proc.pid if self.sidecar and self.sidecar.proc else None
+        return cpu(self.proc.pid, side)
+
+    def vllm_metrics(self) -> dict[str, float]:
+        return metrics(f"http://127.0.0.1:{self.port}/metrics")
+
+    def sidecar_metrics(self) -> dict[str, float]:
+        if self.sidecar is None:
+            return {}
+        return metrics(f"http://127.0.0.1:{self.sidecar.metrics_port}/metrics")
+
+    def chat(self, images: list[int], size: Size | None = None) -> float:
+        width, height = size or self.size
+        content: list[dict[str, object]] = [
+            {"type": "image_url", "image_url": {"url": _url(width, height, seed)}}
+            for seed in images
+        ]
+        content.append({"type": "text", "text": "What is in these images?"})
+        body = {"model": "", "max_tokens": 4, "temperature": 0, "messages": [
+            {"role": "user", "content": content}]}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as response:
+            response.read()
+        return time.perf_counter() - start
+
+
+_urls: dict[tuple[int, int, int], str] = {}
+
+
+def _url(width: int, height: int, seed: int) -> str:
+    key = (width, height, seed)
+    if key not in _urls:
+        _urls[key] = data_url(width, height, seed)
+    return _urls[key]
+
+
+@contextmanager
+def deployment(model: Path, api_servers: int, with_mmcache: bool) -> Iterator[Deployment]:
+    sidecar = None
+    if with_mmcache:
+        sidecar = Sidecar(capacity_gb=2, env={"MMCACHE_SHM_MB": "1024"})
+        sidecar.start()
+    port = free_port()
+    env = {} if sidecar is None else {"MMCACHE_TARGET": sidecar.target}
+    proc = subprocess.Popen(
+        serve_command(str(model), port, *ENGINE_OPTIONS, "--api-server-count", str(api_servers)),
         cwd=ROOT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-
-
-@dataclass
-class Run:
-    queries: float
-    hits: float
-    latencies: list[float]
-    sidecar_sent: float = 0.0
-    sidecar_received: float = 0.0
-
-
-def replay(
-    model: Path, api_servers: int, chats: list[list[list[str]]], sidecar: Sidecar | None
-) -> Run:
-    port = free_port()
-    env = {} if sidecar is None else {"MMCACHE_TARGET": sidecar.target}
-    proc = start_vllm(model, port, api_servers, env)
     try:
         wait_healthy(port, proc, timeout=300)
-
-        def conversation(turns: list[list[str]]) -> list[float]:
-            return [chat(port, colors) for colors in turns]
-
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            latencies = [t for ts in pool.map(conversation, chats) for t in ts]
-        seen = metrics(f"http://127.0.0.1:{port}/metrics")
-        run = Run(seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"], latencies)
-        if sidecar is not None:
-            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
-            run.sidecar_sent = served["mmcache_sent_bytes_total"]
-            run.sidecar_received = served["mmcache_received_bytes_total"]
-        return run
+        served = Deployment(port, proc, sidecar)
+        # Warm every API server's paths (the first request of a process pays
+        # its imports), with images no trace sends.
+        for n in range(2 * api_servers):
+            served.chat([900_000_000 + n], (448, 448))
+        yield served
     finally:
         proc.terminate()
         proc.wait(60)
+        if sidecar is not None:
+            sidecar.stop()
 
 
-def processing_time(model: Path) -> float:
-    """One image's time in the model's HF image processor."""
+# --- table 1: a hit's cost ----------------------------------------------------
+
+
+@dataclass
+class Phase:
+    cpu: Cpu
+    counts: dict[str, float]  # vLLM's /metrics, what the phase added
+
+    def per(self, name: str, of: str) -> float:
+        return self.counts.get(name, 0.0) / max(1.0, self.counts.get(of, 0.0))
+
+
+def phase(served: Deployment, seeds: list[int], size: Size) -> Phase:
+    before, seen = served.cpu(), served.vllm_metrics()
+    for seed in seeds:
+        served.chat([seed], size)
+    time.sleep(0.5)  # the last request's background work (an upload) ends
+    after, now = served.cpu(), served.vllm_metrics()
+    return Phase(
+        (after - before).per(len(seeds)),
+        {name: now[name] - seen.get(name, 0.0) for name in now},
+    )
+
+
+def hit_table(model: Path, sizes: list[Size]) -> None:
+    print(
+        f"\nWhat a hit costs: one API server, {HIT_PHASE} single-image requests of new "
+        "images (misses), then the same again (hits); CPU ms per item. Processing: the "
+        "processor's CPU in the API server, per item it processed (the plugin's "
+        "counters); mmcache: the CPU of its client threads in the API server and the "
+        "engine, and of the sidecar (/proc)"
+    )
+    print(
+        "| image | item MB | processing | mmcache per hit: API + engine + sidecar "
+        "| hit / processing | hit vs vLLM alone's: API / engine | mmcache per miss (upload) "
+        "| hits (alone / mmcache) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    phases: dict[tuple[bool, Size], tuple[Phase, Phase]] = {}
+    for with_mmcache in (False, True):
+        with deployment(model, 1, with_mmcache) as served:
+            for n, size in enumerate(sizes):
+                seeds = [10_000 * (n + 1) + i for i in range(HIT_PHASE)]
+                phases[with_mmcache, size] = (
+                    phase(served, seeds, size),
+                    phase(served, seeds, size),
+                )
+    for size in sizes:
+        (_, hit_a), (miss_m, hit_m) = phases[False, size], phases[True, size]
+        processing = miss_m.per(
+            "mmcache_vllm_processing_cpu_seconds_total", "mmcache_vllm_processed_items_total"
+        )
+        upload = miss_m.per(
+            "mmcache_vllm_upload_cpu_seconds_total", "mmcache_vllm_uploaded_items_total"
+        )
+        cost = hit_m.cpu
+        versus = hit_m.cpu - hit_a.cpu
+
+        def hits(run: Phase) -> str:
+            return f"{run.counts.get('vllm:mm_cache_hits_total', 0.0):.0f}"
+
+        print(
+            f"| {size[0]}x{size[1]} | {item_mb(model, size):.2f} | {processing * 1e3:.1f} "
+            f"| {cost.mmcache * 1e3:.2f} ({cost.api_client * 1e3:.2f} + "
+            f"{cost.engine_client * 1e3:.2f} + {cost.sidecar * 1e3:.2f}) "
+            f"| {cost.mmcache / processing:.0%} "
+            f"| {versus.api * 1e3:+.1f} / {versus.engine * 1e3:+.1f} "
+            f"| {(miss_m.cpu.api_client + miss_m.cpu.sidecar) * 1e3:.2f} ({upload * 1e3:.2f}) "
+            f"| {hits(hit_a)} / {hits(hit_m)} of {HIT_PHASE} |",
+            flush=True,
+        )
+
+
+def item_mb(model: Path, size: Size) -> float:
+    """An image's pixel_values MB as vLLM keeps them (uint8: a byte per value)."""
     from PIL import Image
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model).image_processor
-    image = Image.new("RGB", (100, 80), "red")
-    processor(images=[image], return_tensors="pt")
+    out = processor(images=[Image.new("RGB", size)], return_tensors="pt")
+    return float(out["pixel_values"].numel()) / MB
+
+
+# --- table 2: replays ---------------------------------------------------------
+
+
+@dataclass
+class Replay:
+    seconds: float
+    latencies: list[float]
+    cpu: Cpu
+    queries: float
+    hits: float
+    inline_mb: float
+    sidecar_mb: float
+    requests: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requests = len(self.latencies)
+
+
+def replay(served: Deployment, chats: list[list[list[int]]], item: float) -> Replay:
+    before, seen, side = served.cpu(), served.vllm_metrics(), served.sidecar_metrics()
     start = time.perf_counter()
-    for _ in range(20):
-        processor(images=[image], return_tensors="pt")
-    return (time.perf_counter() - start) / 20
+
+    def conversation(turns: list[list[int]]) -> list[float]:
+        return [served.chat(images) for images in turns]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        latencies = [t for ts in pool.map(conversation, chats) for t in ts]
+    seconds = time.perf_counter() - start
+    time.sleep(0.5)
+    used, now, side_now = served.cpu() - before, served.vllm_metrics(), served.sidecar_metrics()
+
+    def delta(name: str, new: dict[str, float], old: dict[str, float]) -> float:
+        return new.get(name, 0.0) - old.get(name, 0.0)
+
+    queries = delta("vllm:mm_cache_queries_total", now, seen)
+    hits = delta("vllm:mm_cache_hits_total", now, seen)
+    sent = delta("mmcache_sent_bytes_total", side_now, side)
+    # Every item has the same size: a processed item goes inline; vLLM alone
+    # with several API servers ships every item (its caches are per process).
+    return Replay(seconds, latencies, used, queries, hits, (queries - hits) * item, sent / MB)
+
+
+def replay_table(
+    model: Path,
+    sizes: list[Size],
+    counts: list[int],
+    traces: list[str],
+    chats: list[list[list[int]]],
+) -> None:
+    requests = sum(len(t) for t in chats)
+    refs = sum(len(images) for t in chats for images in t)
+    print(
+        f"\nReplays: {len(chats)} chats, {requests} requests, {refs} images sent, four chats "
+        f"at a time; repeat: {POOL} distinct images; distinct: every image new"
+    )
+    print(
+        "| image | trace | API servers | cache | requests/s | p50 / p99 ms "
+        "| CPU ms/request: API / engine / sidecar / all | processor runs | MB inline "
+        "| MB from sidecar |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    first = 1_000_000
+    for size in sizes:
+        item = item_mb(model, size)
+        for name in traces:
+            for n in counts:
+                for with_mmcache in (False, True):
+                    # A fresh deployment per row; the distinct trace's images
+                    # are new to every deployment too.
+                    sent = chats if name == "repeat" else all_distinct(chats, first)
+                    first += 1000
+                    with deployment(model, n, with_mmcache) as served:
+                        served.size = size
+                        run = replay(served, sent, item)
+                    used = run.cpu.per(run.requests)
+                    cuts = statistics.quantiles(run.latencies, n=100, method="inclusive")
+                    inline = run.queries * item if (n > 1 and not with_mmcache) else run.inline_mb
+                    print(
+                        f"| {size[0]}x{size[1]} | {name} | {n} "
+                        f"| {'mmcache' if with_mmcache else 'vLLM alone'} "
+                        f"| {run.requests / run.seconds:.2f} "
+                        f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} "
+                        f"| {used.api * 1e3:.0f} / {used.engine * 1e3:.0f} / "
+                        f"{used.sidecar * 1e3:.0f} / {used.total * 1e3:.0f} "
+                        f"| {run.queries - run.hits:.0f} of {run.queries:.0f} "
+                        f"| {inline:.0f} | {run.sidecar_mb:.0f} |",
+                        flush=True,
+                    )
+
+
+# --- table 3: the EC connector ----------------------------------------------
 
 
 def ec_config(sidecar: Sidecar) -> str:
@@ -172,14 +464,14 @@ class Fleet:
 
 
 def replay_fleet(
-    model: Path, chats: list[list[list[str]]], sidecars: list[Sidecar] | None
+    model: Path, chats: list[list[list[int]]], size: Size, sidecars: list[Sidecar] | None
 ) -> Fleet:
     """Two engines taking turns: turn i of a chat goes to engine i % 2."""
     ports = [free_port(), free_port()]
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, port in enumerate(ports):
-            options = ["--limit-mm-per-prompt", '{"image": 4}']
+            options = list(ENGINE_OPTIONS)
             env = {"MMCACHE_TEST_ENCODER_CALLS": f"{tmp}/calls{i}"}
             if sidecars is not None:
                 options += ["--ec-transfer-config", ec_config(sidecars[i])]
@@ -193,16 +485,18 @@ def replay_fleet(
                 )
             )
         try:
+            engines = []
             for port, proc in zip(ports, procs, strict=True):
                 wait_healthy(port, proc, timeout=300)
+                engines.append(Deployment(port, proc, None, size))
 
-            def conversation(turns: list[list[str]]) -> list[float]:
-                return [chat(ports[i % 2], colors) for i, colors in enumerate(turns)]
+            def conversation(turns: list[list[int]]) -> list[float]:
+                return [engines[i % 2].chat(images) for i, images in enumerate(turns)]
 
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 latencies = [t for ts in pool.map(conversation, chats) for t in ts]
             time.sleep(2)  # vLLM publishes its stats a step after the work
-            seen = [metrics(f"http://127.0.0.1:{port}/metrics") for port in ports]
+            seen = [engine.vllm_metrics() for engine in engines]
         finally:
             for proc in procs:
                 proc.terminate()
@@ -215,101 +509,60 @@ def replay_fleet(
     return Fleet(encoded, total("loaded"), total("loaded_bytes"), latencies)
 
 
-def item_bytes(model: Path) -> tuple[int, int]:
-    """One test image's bytes as pixel_values (float32, as the processor makes
-    them) and as the encoder's output (tokens x hidden size, bfloat16)."""
-    from PIL import Image
-    from transformers import AutoConfig, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(model).image_processor
-    out = processor(images=[Image.new("RGB", (100, 80), "red")], return_tensors="pt")
-    pixels = out["pixel_values"]
-    merge = AutoConfig.from_pretrained(model).vision_config.spatial_merge_size
-    tokens = int(out["image_grid_thw"].prod()) // merge**2
-    hidden = AutoConfig.from_pretrained(model).text_config.hidden_size
-    return pixels.numel() * pixels.element_size(), tokens * hidden * 2
-
-
-def ec_table(model: Path, chats: list[list[list[str]]]) -> None:
-    pixel_bytes, output_bytes = item_bytes(model)
-    print(
-        f"\nEC connector, 2 engines taking turns; an image is {pixel_bytes / 1024:.1f} KiB "
-        f"as pixel_values, {output_bytes / 1024:.1f} KiB as an encoder output"
-    )
-    print(
-        "| cache of encoder outputs | encoder runs | runs avoided (loaded) | KiB loaded "
-        "| latency p50 / p99 ms |"
-    )
+def ec_table(model: Path, chats: list[list[list[int]]], size: Size) -> None:
+    print(f"\nEC connector, 2 engines taking turns, {size[0]}x{size[1]} images")
+    print("| cache of encoder outputs | encoder runs | runs avoided (loaded) | MB loaded "
+          "| latency p50 / p99 ms |")  # fmt: skip
     print("|---|---|---|---|---|")
     for name in ("vLLM alone", "one sidecar per engine", "one shared sidecar"):
         sidecars = None
         if name != "vLLM alone":
-            shared = Sidecar()
-            sidecars = [shared, shared] if name == "one shared sidecar" else [shared, Sidecar()]
+            shared = Sidecar(capacity_gb=2)
+            sidecars = [shared, shared] if name == "one shared sidecar" else [shared, Sidecar(2)]
         for sidecar in set(sidecars or ()):
             sidecar.start()
         try:
-            run = replay_fleet(model, chats, sidecars)
+            run = replay_fleet(model, chats, size, sidecars)
         finally:
             for sidecar in set(sidecars or ()):
                 sidecar.stop()
         cuts = statistics.quantiles(run.latencies, n=100, method="inclusive")
         encoded = "not counted" if run.encoded is None else f"{run.encoded:.0f}"
         print(
-            f"| {name} | {encoded} | {run.loaded:.0f} | {run.loaded_bytes / 1024:.1f} "
+            f"| {name} | {encoded} | {run.loaded:.0f} | {run.loaded_bytes / MB:.1f} "
             f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} |",
             flush=True,
         )
 
 
+def _sizes(text: str) -> list[Size]:
+    return [(int(w), int(h)) for w, h in (part.split("x") for part in text.split(","))]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--api-servers", default="1,2,4")
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    every = ",".join(f"{w}x{h}" for w, h in SIZES)
+    parser.add_argument("--sizes", default=every, help="image sizes of the hit table")
+    parser.add_argument(
+        "--replay-sizes", default="1024x1024", help="image sizes of the replays and the EC table"
+    )
+    parser.add_argument("--api-servers", default="1,4")
+    parser.add_argument("--traces", default="repeat,distinct")
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--only", choices=("plugin", "ec"), help="one table only")
+    parser.add_argument("--only", choices=("hit", "replay", "ec"), help="one table only")
     args = parser.parse_args()
     chats = trace(args.conversations, args.seed)
-    requests = sum(len(t) for t in chats)
-    refs = sum(len(colors) for t in chats for colors in t)
+    replay_sizes = _sizes(args.replay_sizes)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(Path(tmp) / "tiny-qwen2-vl")
-        if args.only == "ec":
-            ec_table(model, chats)
-            return
-        seconds = processing_time(model)
-        print(
-            f"{args.conversations} chats, {requests} requests, {refs} images sent; one image "
-            f"takes {seconds * 1e3:.1f} ms to process (a real model's processor takes far more)"
-        )
-        print(
-            "| API servers | cache | hit rate | KiB P0 -> P1 | KiB sidecar -> engine "
-            "| processor runs avoided | processor time avoided | latency p50 / p99 ms |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for n in (int(x) for x in args.api_servers.split(",")):
-            alone = replay(model, n, chats, None)
-            sidecar = Sidecar()
-            sidecar.start()
-            try:
-                cached = replay(model, n, chats, sidecar)
-            finally:
-                sidecar.stop()
-            # Every item has the same size: what the sidecar got per upload
-            # (every miss of the mmcache run is uploaded once).
-            nbytes = cached.sidecar_received / max(cached.queries - cached.hits, 1)
-            for name, run, ships_hits in (("vLLM alone", alone, n > 1), ("mmcache", cached, False)):
-                shipped = (run.queries if ships_hits else run.queries - run.hits) * nbytes
-                cuts = statistics.quantiles(run.latencies, n=100, method="inclusive")
-                print(
-                    f"| {n} | {name} | {run.hits / run.queries:.2f} | {shipped / 1024:.0f} "
-                    f"| {run.sidecar_sent / 1024:.0f} | {run.hits:.0f} "
-                    f"| {run.hits * seconds * 1e3:.0f} ms "
-                    f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} |",
-                    flush=True,
-                )
-        if args.only is None:
-            ec_table(model, chats)
+        model = build(Path(tmp) / "tiny-qwen2-vl", REAL_PIXELS)
+        if args.only in (None, "hit"):
+            hit_table(model, _sizes(args.sizes))
+        if args.only in (None, "replay"):
+            counts = [int(x) for x in args.api_servers.split(",")]
+            replay_table(model, replay_sizes, counts, args.traces.split(","), chats)
+        if args.only in (None, "ec"):
+            ec_table(model, chats, replay_sizes[0])
 
 
 if __name__ == "__main__":

@@ -52,6 +52,8 @@ from typing import Any
 
 __all__ = ["client_for", "connection_settings", "ec_scope_of", "register", "scope_of"]
 
+from ._metrics import plugin_metrics
+
 _LOGGER = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -112,7 +114,7 @@ def client_for(target: str, deadline_s: float) -> Any:
             client = _process_clients[target] = SyncClient(
                 target,
                 deadline_s=deadline_s,
-                on_fail_open=_fail_open_counter().inc,
+                on_fail_open=plugin_metrics().fail_opens.inc,
                 **connection_settings(os.environ),
             )
         return client
@@ -140,26 +142,6 @@ def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
         "tls_server_name": env.get("MMCACHE_TLS_SERVER_NAME") or None,
         "shm": env.get("MMCACHE_SHM", "on").strip().lower() not in ("0", "off", "false", "no"),
     }
-
-
-_fail_opens: Any = None
-
-
-def _fail_open_counter() -> Any:
-    # vLLM serves prometheus_client's global registry on its /metrics (summed
-    # over its API processes): the counter goes where vLLM's operators look.
-    # One per process: a second client (the EC connector's) shares it.
-    global _fail_opens
-    from prometheus_client import REGISTRY, Counter
-
-    if _fail_opens is not None:
-        return _fail_opens
-    _fail_opens = Counter(
-        "mmcache_vllm_fail_opens",
-        "Calls to the mmcache sidecar that failed open: the items went inline.",
-        registry=REGISTRY,
-    )
-    return _fail_opens
 
 
 def _caching_enabled(vllm_config: Any) -> bool:
@@ -202,4 +184,9 @@ def register() -> None:
         module.processor_cache_from_config = processor_cache_from_config
     for module in (factories, cache_package, engine_core):
         module.engine_receiver_cache_from_config = engine_receiver_cache_from_config
+    from ._media import CONNECTOR_NAME, register_connector
+
+    # A hit skips the image's decode (_media.py), unless another connector was chosen.
+    if register_connector():
+        os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)
     _LOGGER.info("mmcache: vLLM's multimodal cache is %s", os.environ["MMCACHE_TARGET"])

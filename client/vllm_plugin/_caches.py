@@ -60,6 +60,7 @@ from mmcache._errors import CacheMissError, MMCacheError
 
 from ._convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
 from ._costs import Admission, ProcessingTime
+from ._metrics import plugin_metrics
 from ._sync import SyncClient
 
 __all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache"]
@@ -90,7 +91,9 @@ class _Request:
     merged: bool = False  # vLLM has taken its items (get_and_update_item)
     observed: bool = False  # its processing time was measured
     asked_at: float = 0.0  # when is_cached last answered: the processor starts then
+    asked_cpu: float = 0.0  # this thread's CPU time then
     processed_at: float = 0.0  # when the first processed item came back
+    processed_cpu: float = 0.0
 
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -110,7 +113,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._last = (0, 0)
         self._serving = False
         self._processing = ProcessingTime()
-        self._skipped = 0  # uploads not worth their cost
+        self._metrics = plugin_metrics()
         self._admission = Admission()
 
     def key(self, mm_hash: str) -> str:
@@ -175,7 +178,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 )
             except MMCacheError as exc:
                 _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
-                request.asked_at = time.perf_counter()
+                request.asked_at, request.asked_cpu = time.perf_counter(), time.thread_time()
                 return [h in request.confirmed for h in mm_hashes]
             unusable: list[str] = []
             for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
@@ -192,7 +195,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     request.confirmed[mm_hash] = updates
             if unusable:
                 self._sync.submit(client.release(unusable))
-        request.asked_at = time.perf_counter()
+        request.asked_at, request.asked_cpu = time.perf_counter(), time.thread_time()
         return [h in request.confirmed for h in mm_hashes]
 
     @override
@@ -210,7 +213,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             return None, updates
         item, updates = mm_item
         if request.started and not request.processed_at:
-            request.processed_at = time.perf_counter()
+            request.processed_at, request.processed_cpu = time.perf_counter(), time.thread_time()
         if self._undescribed is None and (why := undescribed(updates)) is not None:
             self._undescribed = why
             init_logger("vllm.mmcache").warning(
@@ -253,11 +256,16 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if not request.uploads:
             return
         if request.asked_at and request.processed_at and not request.observed:
-            # vLLM runs the processor on a request's misses between the two.
+            # vLLM runs the processor on a request's misses between the two,
+            # on this thread.
             request.observed = True
-            seconds = request.processed_at - request.asked_at
-            self._processing.observe(seconds, len(request.uploads))
-        per_item = self._processing.per_item
+            cpu_seconds = request.processed_cpu - request.asked_cpu
+            self._processing.observe(
+                request.processed_at - request.asked_at, cpu_seconds, len(request.uploads)
+            )
+            self._metrics.processed.inc(len(request.uploads))
+            self._metrics.processing_cpu.inc(max(0.0, cpu_seconds))
+        per_item = self._processing.cpu_per_item
         sized = [(upload, _nbytes(upload[2])) for upload in request.uploads]
         chosen = [
             (upload, size)
@@ -266,18 +274,19 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         ]
         admitted = [upload for upload, _ in chosen]
         nbytes = sum(size for _, size in chosen)
-        with self._lock:
-            self._skipped += len(request.uploads) - len(admitted)
+        self._metrics.not_uploaded.inc(len(request.uploads) - len(admitted))
         request.uploads = []
         if not admitted:
             return
         with self._lock:
-            if self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT:
-                _LOGGER.debug("mmcache uploads backed up: %d items not shared", len(admitted))
-                return
-            self._uploads_in_flight += 1
+            backed_up = self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
+            self._uploads_in_flight += 0 if backed_up else 1
+        if backed_up:
+            _LOGGER.debug("mmcache uploads backed up: %d items not shared", len(admitted))
+            self._metrics.not_uploaded.inc(len(admitted))
+            return
         hashes, modalities, items, updates = zip(*admitted, strict=True)
-        started = time.perf_counter()
+        started = self._sync.loop_cpu()
         future = self._sync.submit(
             self._sync.client.get_and_update(
                 [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
@@ -287,9 +296,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 lease=False,  # the engine has this data inline
             )
         )
-        future.add_done_callback(lambda done: self._upload_done(done, started, nbytes))
+        future.add_done_callback(
+            lambda done: self._upload_done(done, started, nbytes, len(admitted))
+        )
 
-    def _upload_done(self, future: Any, started: float, nbytes: int) -> None:
+    def _upload_done(self, future: Any, started: float, nbytes: int, items: int) -> None:
         with self._lock:
             self._uploads_in_flight -= 1
         if future.cancelled():
@@ -297,7 +308,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if future.exception() is not None:
             _LOGGER.debug("mmcache upload failed: %s", future.exception())
         else:
-            self._admission.uploaded(time.perf_counter() - started, nbytes)
+            # CPU, not wall time: in a busy API process the upload's thread
+            # waits for the GIL, which costs the process nothing.
+            cpu_seconds = max(0.0, self._sync.loop_cpu() - started)
+            self._admission.uploaded(cpu_seconds, nbytes)
+            self._metrics.uploaded.inc(items)
+            self._metrics.upload_cpu.inc(cpu_seconds)
 
     @override
     def invalidate(self, mm_hash: str) -> None:

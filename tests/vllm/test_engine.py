@@ -11,6 +11,7 @@ sidecar stopped (fail-open, counted).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+
+from bench.photos import jpeg
 
 from .conftest import Sidecar, free_port
 from .images import chat_messages
@@ -119,6 +122,16 @@ def chat(port: int, color: str) -> int:
     return post_chat(port, body, timeout=60)[0]
 
 
+def chat_url(port: int, url: str) -> int:
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]
+    body = {"model": "", "max_tokens": 8, "messages": [{"role": "user", "content": content}]}
+    return post_chat(port, body, timeout=60)[0]
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def test_two_api_servers_share_one_cache_through_restarts_and_outages(
     model: Path, sidecar: Sidecar
 ) -> None:
@@ -136,6 +149,10 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         # Red and blue were uploaded once each; the engine read both hits.
         assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
         assert served["mmcache_leases"] == 0
+        # A JPEG whose bytes break after a valid header is opened, not decoded
+        # (client/vllm_plugin/_media.py), so the processor finds it: still 400.
+        broken = jpeg(200, 160, seed=1)
+        assert chat_url(port, "data:image/jpeg;base64," + b64(broken[: len(broken) // 2])) == 400
 
         sidecar.stop()  # a restart between two requests: an empty cache, no failure
         sidecar.start()

@@ -40,7 +40,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(directory: Path) -> Path:
+# The image processor's pixel limits: the tests' (images stay a few tokens) and
+# Qwen2-VL's own (a 1024x1024 image is 1369 tokens), which bench/vllm.py uses.
+SMALL_PIXELS = (56 * 56, 112 * 112)
+REAL_PIXELS = (56 * 56, 14 * 14 * 4 * 16384)
+
+
+def build(directory: Path, pixels: tuple[int, int] = SMALL_PIXELS) -> Path:
     """Write the model to `directory` (once) and return it."""
     if (directory / "config.json").exists():
         return directory
@@ -79,7 +85,7 @@ def build(directory: Path) -> Path:
             "num_hidden_layers": 2,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
-            "max_position_embeddings": 512,
+            "max_position_embeddings": 512 if pixels == SMALL_PIXELS else 16384,
             "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
             "tie_word_embeddings": True,
             "initializer_range": 0.5,  # outputs that depend on the image
@@ -113,8 +119,8 @@ def build(directory: Path) -> Path:
         torch.manual_seed(SEED)
         model = Qwen2VLForConditionalGeneration(config)
     model.save_pretrained(directory)
-    images = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
-    videos = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    images = Qwen2VLImageProcessor(min_pixels=pixels[0], max_pixels=pixels[1])
+    videos = Qwen2VLVideoProcessor(min_pixels=pixels[0], max_pixels=pixels[1])
     processor = Qwen2VLProcessor(
         image_processor=images, tokenizer=tokenizer, video_processor=videos
     )

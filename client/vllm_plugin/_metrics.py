@@ -1,0 +1,73 @@
+"""The plugin's own counters, on vLLM's /metrics.
+
+vLLM serves prometheus_client's global registry on its /metrics (summed over
+its API processes), so the counters go where vLLM's operators look. Made
+once per process, on first use: a second client (the EC connector's) shares
+them. What they tell: how often the sidecar failed open, and what a hit
+saves against what an upload costs, in CPU seconds of the API processes
+(the processor's CPU on the items they processed; the CPU of the uploads
+they sent), which is what `Admission` weighs (client/vllm_plugin/_costs.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PluginMetrics", "plugin_metrics"]
+
+
+@dataclass(frozen=True)
+class PluginMetrics:
+    fail_opens: Any
+    processed: Any
+    processing_cpu: Any
+    uploaded: Any
+    upload_cpu: Any
+    not_uploaded: Any
+
+
+_lock = threading.Lock()
+_made: PluginMetrics | None = None
+
+
+def plugin_metrics() -> PluginMetrics:
+    global _made
+    from prometheus_client import REGISTRY, Counter
+
+    with _lock:
+        if _made is None:
+            _made = PluginMetrics(
+                Counter(
+                    "mmcache_vllm_fail_opens",
+                    "Calls to the mmcache sidecar that failed open: the items went inline.",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_processed_items",
+                    "Items an API process ran vLLM's processor on (its misses).",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_processing_cpu_seconds",
+                    "CPU seconds of vLLM's processor on those items: what hits save.",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_uploaded_items",
+                    "Processed items uploaded to the sidecar, for other requests to hit.",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_upload_cpu_seconds",
+                    "CPU seconds the uploads cost the API processes.",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_not_uploaded_items",
+                    "Processed items not uploaded: not worth their upload, or uploads backed up.",
+                    registry=REGISTRY,
+                ),
+            )
+        return _made
