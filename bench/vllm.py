@@ -20,12 +20,15 @@ two shared cores happened to let the wall clock show.
 Three tables:
 
 1. **What a hit costs, and what it saves** (`--only hit`), per image size,
-   one API server: 8 single-image requests of new images (misses), then the
-   same 8 again (hits), one at a time, for vLLM alone (its own engine cache
-   serves the hits) and for mmcache. Processing saved per item is vLLM
-   alone's miss CPU less its hit CPU; a hit's cost is what mmcache's hit
-   adds to vLLM alone's, in the API server, the engine and the sidecar; a
-   miss's cost is what mmcache's miss adds (the lookup, the upload).
+   one API server: 16 new images, each sent twice in a row, one request at a
+   time: the first is a miss, the second a hit (and the plugin, seeing half
+   its items come back, uploads every one). Processing is the CPU of vLLM's
+   processor per item in the API server, the image's decode included (the
+   plugin's own counters); a hit's cost is the CPU of mmcache's client
+   threads (the API server's and the engine's: the plugin names them) and
+   of the sidecar, per hit; beside it, what the hit requests cost the API
+   server and the engine against vLLM alone's hits (its own engine cache
+   serves them), and a miss's cost to mmcache (the upload).
 2. **Replays** (`--only replay`), at each size and API-server count: the
    repeat trace (multi-turn chats, four at a time, each turn re-sending the
    chat's earlier images, from a pool of 8 images) and the all-distinct
@@ -273,32 +276,40 @@ def deployment(model: Path, api_servers: int, with_mmcache: bool) -> Iterator[De
 
 @dataclass
 class Phase:
-    cpu: Cpu
-    counts: dict[str, float]  # vLLM's /metrics, what the phase added
+    cpu: Cpu  # per request
+    counts: dict[str, float]  # vLLM's /metrics, what the run added
 
     def per(self, name: str, of: str) -> float:
         return self.counts.get(name, 0.0) / max(1.0, self.counts.get(of, 0.0))
 
 
-def phase(served: Deployment, seeds: list[int], size: Size) -> Phase:
-    before, seen = served.cpu(), served.vllm_metrics()
+def pairs(served: Deployment, seeds: list[int], size: Size) -> tuple[Phase, Phase]:
+    """Each image twice in a row (a miss, then a hit): the CPU of the first
+    requests, and of the second. Alternating keeps this process's hit ratio
+    at a half, so the plugin uploads every item (a run of new images would
+    rightly stop it) and every second request is a hit."""
+    seen = served.vllm_metrics()
+    first, second = Cpu(), Cpu()
     for seed in seeds:
-        served.chat([seed], size)
-    time.sleep(0.5)  # the last request's background work (an upload) ends
-    after, now = served.cpu(), served.vllm_metrics()
-    return Phase(
-        (after - before).per(len(seeds)),
-        {name: now[name] - seen.get(name, 0.0) for name in now},
-    )
+        for phase in (first, second):
+            before = served.cpu()
+            served.chat([seed], size)
+            time.sleep(0.05)  # the request's background work (an upload) ends in its window
+            used = served.cpu() - before
+            for name in ("api", "engine", "sidecar", "api_client", "engine_client"):
+                setattr(phase, name, getattr(phase, name) + getattr(used, name))
+    now = served.vllm_metrics()
+    counts = {name: now[name] - seen.get(name, 0.0) for name in now}
+    return Phase(first.per(len(seeds)), counts), Phase(second.per(len(seeds)), counts)
 
 
 def hit_table(model: Path, sizes: list[Size]) -> None:
     print(
-        f"\nWhat a hit costs: one API server, {HIT_PHASE} single-image requests of new "
-        "images (misses), then the same again (hits); CPU ms per item. Processing: the "
-        "processor's CPU in the API server, per item it processed (the plugin's "
-        "counters); mmcache: the CPU of its client threads in the API server and the "
-        "engine, and of the sidecar (/proc)"
+        f"\nWhat a hit costs: one API server, {HIT_PHASE} new images, each sent twice in a "
+        "row, one request at a time (the first a miss, the second a hit); CPU ms per item. "
+        "Processing: the CPU of vLLM's processor in the API server (the image's decode "
+        "included), per item it processed (the plugin's counters); mmcache: the CPU of its "
+        "client threads in the API server and the engine, and of the sidecar (/proc)"
     )
     print(
         "| image | item MB | processing | mmcache per hit: API + engine + sidecar "
@@ -311,10 +322,7 @@ def hit_table(model: Path, sizes: list[Size]) -> None:
         with deployment(model, 1, with_mmcache) as served:
             for n, size in enumerate(sizes):
                 seeds = [10_000 * (n + 1) + i for i in range(HIT_PHASE)]
-                phases[with_mmcache, size] = (
-                    phase(served, seeds, size),
-                    phase(served, seeds, size),
-                )
+                phases[with_mmcache, size] = pairs(served, seeds, size)
     for size in sizes:
         (_, hit_a), (miss_m, hit_m) = phases[False, size], phases[True, size]
         processing = miss_m.per(
@@ -408,10 +416,11 @@ def replay_table(
     )
     print(
         "| image | trace | API servers | cache | requests/s | p50 / p99 ms "
-        "| CPU ms/request: API / engine / sidecar / all | processor runs | MB inline "
+        "| CPU ms/request: API / engine / sidecar / all | of which mmcache's client threads "
+        "| processor runs | MB inline "
         "| MB from sidecar |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     first = 1_000_000
     for size in sizes:
         item = item_mb(model, size)
@@ -435,6 +444,7 @@ def replay_table(
                         f"| {cuts[49] * 1e3:.0f} / {cuts[98] * 1e3:.0f} "
                         f"| {used.api * 1e3:.0f} / {used.engine * 1e3:.0f} / "
                         f"{used.sidecar * 1e3:.0f} / {used.total * 1e3:.0f} "
+                        f"| {used.api_client * 1e3:.1f} / {used.engine_client * 1e3:.1f} "
                         f"| {run.queries - run.hits:.0f} of {run.queries:.0f} "
                         f"| {inline:.0f} | {run.sidecar_mb:.0f} |",
                         flush=True,

@@ -568,7 +568,9 @@ class MMCacheClient:
         except Exception:
             _LOGGER.warning("could not inject mm_kwargs into the mmcache server", exc_info=True)
 
-    async def fetch(self, mm_hashes: Sequence[str], *, release: bool = True) -> list[Item]:
+    async def fetch(
+        self, mm_hashes: Sequence[str], *, release: bool = True, wait: bool = True
+    ) -> list[Item]:
         """The items under `mm_hashes`, as they were stored (the engine's read).
 
         Changes neither the eviction order nor the counters. With `release`
@@ -579,19 +581,24 @@ class MMCacheClient:
         Where the server shares memory with this client (docs/shm.md), items
         resident there are copied straight out of it, with no call: their
         leases are then given back by a call in the background, just after.
+
+        With `wait` (the default) a call waits for a server that is not
+        reachable yet (one restarting) until the caller's deadline; without,
+        it fails at once with UnavailableError, for a reader that has
+        something better to do than wait (the EC connector encodes instead).
         """
         _check_hashes(mm_hashes)
         region = self._region
         try:
             if region is None:
-                return await self._fetch(mm_hashes, release)
+                return await self._fetch(mm_hashes, release, wait)
             found, nbytes = self._read_resident(region, mm_hashes)
             missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
             read = [h for h, item in zip(mm_hashes, found, strict=True) if item is not None]
             whole = False
             try:
                 if missing:  # (a region found closed is unmapped by now)
-                    fetched = iter(await self._fetch_through(missing, release, self._region))
+                    fetched = iter(await self._fetch_through(missing, release, self._region, wait))
                     found = [next(fetched) if item is None else item for item in found]
                 whole = True
             finally:
@@ -622,7 +629,7 @@ class MMCacheClient:
         return found, nbytes
 
     async def _fetch_through(
-        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None
+        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None, wait: bool
     ) -> list[Item]:
         """Items not (yet) resident: ReadShm moves them into the region and says
         where, or the chunk frames of a Fetch bring them."""
@@ -631,18 +638,18 @@ class MMCacheClient:
                 # Leases go back once the bytes are copied out, not with the reply:
                 # an item moved out of the region under the copy is read again
                 # below, and must still be there.
-                read = await self._read_shm(mm_hashes, False, region, None)
+                read = await self._read_shm(mm_hashes, False, region, None, wait)
             except _ShmRace:
                 read = None
             if read is not None:
                 if release:
                     self._reports.add(region.token, released=mm_hashes)
                 return read
-        return await self._fetch(mm_hashes, release)
+        return await self._fetch(mm_hashes, release, wait)
 
-    async def _fetch(self, mm_hashes: Sequence[str], release: bool) -> list[Item]:
+    async def _fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         """The items as the chunk frames of a Fetch."""
-        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release))
+        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release), wait)
         try:
             return await _read_fetch(frames, len(mm_hashes), self._pool)
         finally:
@@ -654,6 +661,7 @@ class MMCacheClient:
         release: bool,
         region: ClientRegion,
         views: list[pb.ShmSlot] | None,
+        wait: bool = True,
     ) -> list[Item] | None:
         """The items through the region (copied out, or viewed into `views` under
         holds), in one unary call; None when the server had no room (or is
@@ -670,7 +678,7 @@ class MMCacheClient:
             shm_done=self._reports.done(region.token),
         )
         try:
-            raw = await self._rpc.read_shm(request)
+            raw = await self._rpc.read_shm(request, wait)
         except InvalidArgumentError:
             self._restarted()  # the token is not the server's: a new server
             return None

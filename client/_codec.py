@@ -166,11 +166,14 @@ def iter_chunk_frames(encoded: EncodedItem, chunk_bytes: int) -> Iterator[bytes]
 
 
 def copy_payload(encoded: EncodedItem, into: memoryview) -> None:
-    """Copy the item's payload (its tensors' bytes, in order) into `into`."""
+    """Copy the item's payload (its tensors' bytes, in order) into `into`, on
+    this thread alone: an upload runs beside the caller's own work (a vLLM API
+    process's), where a copy on torch's threads costs 40% more CPU (their
+    spin) to save a millisecond nobody waits for."""
     pos = 0
     for tensor in encoded.tensors:
         view = _byte_view(tensor)
-        copy_bytes(into[pos : pos + len(view)], view)
+        into[pos : pos + len(view)] = view
         pos += len(view)
 
 

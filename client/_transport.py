@@ -183,10 +183,10 @@ class CacheTransport:
             )
         return reply
 
-    async def read_shm(self, request: pb.FetchRequest) -> bytes:
+    async def read_shm(self, request: pb.FetchRequest, wait: bool = True) -> bytes:
         """A serialised FetchHeader whose items are all in the region (or none)."""
         with translate_errors():
-            reply: bytes = await self._read_shm(request, timeout=self._timeout, wait_for_ready=True)
+            reply: bytes = await self._read_shm(request, timeout=self._timeout, wait_for_ready=wait)
         return reply
 
     async def shm_allocate(
@@ -300,9 +300,11 @@ class CacheTransport:
             reply_bytes = await call
         return pb.UpdateReply.FromString(reply_bytes)
 
-    async def fetch(self, request: pb.FetchRequest) -> AsyncGenerator[bytes, None]:
+    async def fetch(
+        self, request: pb.FetchRequest, wait: bool = True
+    ) -> AsyncGenerator[bytes, None]:
         """A serialised FetchHeader, then the chunk frames of a Fetch."""
-        call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=True)
+        call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=wait)
         try:
             with translate_errors():
                 frames = aiter(call)

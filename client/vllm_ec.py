@@ -63,6 +63,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorStats,
 )
 
+from mmcache._breaker import Breaker
 from mmcache._errors import CacheMissError, MMCacheError
 from mmcache._items import BatchedField, FieldElem, MMItem
 
@@ -240,6 +241,11 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             # identifier -> when and why its read failed: not tried again sooner
             # than _RETRY_S.
             self._failed: dict[str, tuple[float, str]] = {}
+            # The sidecar as a whole: a read it failed to answer opens this, and
+            # no read is tried until a probe (the next read, after a backoff
+            # doubling from 0.25 s to 2 s) finds it answering again.
+            self._sidecar = Breaker()
+            self._probe_at = 0.0  # when the next probe may go (inf: one is out)
             self._swept = 0.0
             # Per live request, the items already looked up (one lookup each)
             # and those refused for it (a staged output of another size).
@@ -314,6 +320,7 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             elif now - started > self._settings.deadline_s:
                 del self._reads[identifier]
                 future.cancel()
+                self._unanswered("no answer within the deadline", now)
                 self._fail(identifier, "unavailable", now)
                 decided.add(identifier)
             else:
@@ -326,6 +333,11 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         self._counts.add("lookup_mismatch")
 
     def _worth_reading(self, identifier: str, now: float) -> bool:
+        if self._sidecar.is_open:
+            if now < self._probe_at:  # down: vLLM encodes, with no wait
+                self._counts.add("lookup_unavailable")
+                return False
+            self._probe_at = float("inf")  # this read is the probe
         failed = self._failed.get(identifier)
         if failed is not None:
             when, why = failed
@@ -344,7 +356,8 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
     async def _read(self, key: str) -> torch.Tensor:
         client = self._sync.client
         async with asyncio.timeout(self._settings.deadline_s):
-            (item,) = await client.fetch([key], release=False)
+            # No wait for a sidecar that is unreachable: the engine encodes instead.
+            (item,) = await client.fetch([key], release=False, wait=False)
         data = item[FIELD]
         tensor = data.data if isinstance(data, FieldElem) else data
         if not isinstance(tensor, torch.Tensor):
@@ -359,17 +372,21 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         try:
             tensor = future.result()
         except CacheMissError:  # in the mirror, gone on the sidecar; or never there
+            self._answered()
             why = "evicted" if self._settings.lookup == "mirror" else "absent"
             self._fail(identifier, why, now)
             return None
         except (MMCacheError, TimeoutError, OSError) as exc:
             _LOGGER.debug("mmcache: reading encoder output %s failed: %s", identifier, exc)
+            self._unanswered(str(exc) or type(exc).__name__, now)
             self._fail(identifier, "unavailable", now)
             return None
         except Exception:  # a bad item: never the engine's failure
+            self._answered()
             _LOGGER.warning("mmcache: encoder output %s unreadable", identifier, exc_info=True)
             self._fail(identifier, "mismatch", now)
             return None
+        self._answered()
         if not self._fits(tensor, embeds, modality):
             self._fail(identifier, "mismatch", now)
             return None
@@ -385,6 +402,18 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             return None
         self._counts.add("lookup_staged")
         return staged
+
+    def _answered(self) -> None:
+        if self._sidecar.is_open:
+            down_s = self._sidecar.reset()
+            _LOGGER.info("mmcache: the sidecar answers again (reads skipped %.1f s)", down_s)
+
+    def _unanswered(self, reason: str, now: float) -> None:
+        if self._sidecar.trip(reason):
+            _LOGGER.warning("mmcache: the sidecar did not answer a read (%s): vLLM encodes", reason)
+        else:
+            self._sidecar.probe_failed(reason)
+        self._probe_at = now + self._sidecar.backoff_s
 
     def _fits(self, tensor: torch.Tensor, embeds: int, modality: str) -> bool:
         """The output has the request's rows, and the width the engine measured

@@ -29,7 +29,8 @@ from redis.asyncio import Redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import ClusterDownError, MovedError, RedisError, ResponseError
 
-from ._breaker import Breaker
+from mmcache._breaker import Breaker
+
 from ._l2 import L2Error
 
 __all__ = ["RedisNodes"]

@@ -74,11 +74,11 @@ class Admission:
 
     def queried(self, hits: int, total: int) -> None:
         """A request's items: `hits` of `total` were cached (about the last
-        20 items weigh in: a process turned to new images stops uploading
-        them within a few requests)."""
+        50 items weigh in: a refused upload may cost every later request of
+        the image a processing, so the estimate turns slowly)."""
         with self._lock:
             for index in range(total):
-                self._reuse += 0.05 * (float(index < hits) - self._reuse)
+                self._reuse += 0.02 * (float(index < hits) - self._reuse)
 
     def uploaded(self, seconds: float, nbytes: int) -> None:
         """An upload of `nbytes` took `seconds` of CPU."""

@@ -205,6 +205,22 @@ def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
         assert b.encoder_calls() - before == 5
         assert b.ec()["loaded"] == 1
 
+        # Killed, as in a crash: a request for an output B's mirror names is not
+        # held up waiting for the sidecar (a read would wait the 1 s deadline),
+        # and the next ones skip it until it answers again.
+        sidecar.start()
+        assert chat(a.port, "pink")[0] == 200
+        eventually(lambda: metrics(sidecar_metrics)["mmcache_items"] == 1)
+        time.sleep(1.0)  # B's mirror follows the restarted sidecar's feed
+        assert sidecar.proc is not None
+        sidecar.proc.kill()
+        sidecar.proc.wait()
+        sidecar.proc = None
+        for color in ("pink", "navy", "pink"):
+            started = time.monotonic()
+            assert chat(b.port, color)[0] == 200
+            assert time.monotonic() - started < 0.5, color
+
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
 @needs_the_ec_interface
