@@ -14,8 +14,9 @@ engine reads hits from its shared memory).
 
 CPU is read from /proc (user + system time of every process of the run:
 the API servers, the launcher included; the engine core and its worker;
-the sidecar), so the figures are what a hit or a miss costs, not what the
-two shared cores happened to let the wall clock show.
+and, to the nanosecond from each thread's schedstat, the sidecar and the
+plugin's client threads), so the figures are what a hit or a miss costs,
+not what the two shared cores happened to let the wall clock show.
 
 Three tables:
 
@@ -121,19 +122,25 @@ def _comm(path: str) -> str:
         return ""
 
 
-def _client_threads(pid: int) -> float:
-    """CPU seconds of the process's mmcache client threads (the plugin names
-    them: client/vllm_plugin/_sync.py)."""
+def _threads_cpu(pid: int, name: str | None = None) -> float:
+    """CPU seconds of the process's threads (those named `name`: the plugin
+    names its client threads, client/vllm_plugin/_sync.py), to the
+    nanosecond (schedstat), where /proc's tick is 10 ms."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return 0.0
-    used = 0.0
+    used = 0
     for tid in tasks:
         path = f"/proc/{pid}/task/{tid}"
-        if _comm(path) == "mmcache-client" and (found := _stat(path)) is not None:
-            used += found[1]
-    return used
+        if name is not None and _comm(path) != name:
+            continue
+        try:
+            with open(f"{path}/schedstat", encoding="ascii") as file:
+                used += int(file.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return used / 1e9
 
 
 @dataclass
@@ -180,12 +187,12 @@ def cpu(vllm_pid: int, sidecar_pid: int | None) -> Cpu:
         seconds = stats.get(pid, (0, 0.0))[1]
         if _comm(f"/proc/{pid}").startswith(("VLLM::EngineCor", "VLLM::Worker")):
             used.engine += seconds
-            used.engine_client += _client_threads(pid)
+            used.engine_client += _threads_cpu(pid, "mmcache-client")
         else:  # the API servers, and the launcher that started them
             used.api += seconds
-            used.api_client += _client_threads(pid)
+            used.api_client += _threads_cpu(pid, "mmcache-client")
     if sidecar_pid is not None:
-        used.sidecar = stats.get(sidecar_pid, (0, 0.0))[1]
+        used.sidecar = _threads_cpu(sidecar_pid)
     return used
 
 
@@ -278,6 +285,7 @@ def deployment(model: Path, api_servers: int, with_mmcache: bool) -> Iterator[De
 class Phase:
     cpu: Cpu  # per request
     counts: dict[str, float]  # vLLM's /metrics, what the run added
+    seconds: float = 0.0  # wall time per request, the CPU samples' window
 
     def per(self, name: str, of: str) -> float:
         return self.counts.get(name, 0.0) / max(1.0, self.counts.get(of, 0.0))
@@ -290,17 +298,30 @@ def pairs(served: Deployment, seeds: list[int], size: Size) -> tuple[Phase, Phas
     rightly stop it) and every second request is a hit."""
     seen = served.vllm_metrics()
     first, second = Cpu(), Cpu()
+    walls = [0.0, 0.0]
     for seed in seeds:
-        for phase in (first, second):
-            before = served.cpu()
+        for index, phase in enumerate((first, second)):
+            before, started = served.cpu(), time.perf_counter()
             served.chat([seed], size)
             time.sleep(0.05)  # the request's background work (an upload) ends in its window
             used = served.cpu() - before
+            walls[index] += time.perf_counter() - started
             for name in ("api", "engine", "sidecar", "api_client", "engine_client"):
                 setattr(phase, name, getattr(phase, name) + getattr(used, name))
     now = served.vllm_metrics()
     counts = {name: now[name] - seen.get(name, 0.0) for name in now}
-    return Phase(first.per(len(seeds)), counts), Phase(second.per(len(seeds)), counts)
+    n = len(seeds)
+    return (
+        Phase(first.per(n), counts, walls[0] / n),
+        Phase(second.per(n), counts, walls[1] / n),
+    )
+
+
+def idle(served: Deployment, seconds: float = 3.0) -> Cpu:
+    """CPU per second of a deployment serving nothing (timers, polling)."""
+    before = served.cpu()
+    time.sleep(seconds)
+    return (served.cpu() - before).per(seconds)
 
 
 def hit_table(model: Path, sizes: list[Size]) -> None:
@@ -309,7 +330,8 @@ def hit_table(model: Path, sizes: list[Size]) -> None:
         "row, one request at a time (the first a miss, the second a hit); CPU ms per item. "
         "Processing: the CPU of vLLM's processor in the API server (the image's decode "
         "included), per item it processed (the plugin's counters); mmcache: the CPU of its "
-        "client threads in the API server and the engine, and of the sidecar (/proc)"
+        "client threads in the API server and the engine, and of the sidecar (/proc), "
+        "less what they use serving nothing (measured first, per second of the window)"
     )
     print(
         "| image | item MB | processing | mmcache per hit: API + engine + sidecar "
@@ -318,8 +340,11 @@ def hit_table(model: Path, sizes: list[Size]) -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     phases: dict[tuple[bool, Size], tuple[Phase, Phase]] = {}
+    resting = Cpu()
     for with_mmcache in (False, True):
         with deployment(model, 1, with_mmcache) as served:
+            if with_mmcache:
+                resting = idle(served)
             for n, size in enumerate(sizes):
                 seeds = [10_000 * (n + 1) + i for i in range(HIT_PHASE)]
                 phases[with_mmcache, size] = pairs(served, seeds, size)
@@ -331,7 +356,9 @@ def hit_table(model: Path, sizes: list[Size]) -> None:
         upload = miss_m.per(
             "mmcache_vllm_upload_cpu_seconds_total", "mmcache_vllm_uploaded_items_total"
         )
-        cost = hit_m.cpu
+        # What mmcache's threads use serving nothing (timers, polling: about
+        # resting.mmcache per second) is no hit's cost: taken out, per window.
+        cost = hit_m.cpu - resting.per(1 / hit_m.seconds)
         versus = hit_m.cpu - hit_a.cpu
 
         def hits(run: Phase) -> str:
@@ -347,6 +374,11 @@ def hit_table(model: Path, sizes: list[Size]) -> None:
             f"| {hits(hit_a)} / {hits(hit_m)} of {HIT_PHASE} |",
             flush=True,
         )
+    print(
+        f"mmcache serving nothing: {resting.mmcache * 1e3:.1f} ms of CPU per second (sidecar "
+        f"{resting.sidecar * 1e3:.1f}, client threads {resting.api_client * 1e3:.1f} + "
+        f"{resting.engine_client * 1e3:.1f})"
+    )
 
 
 def item_mb(model: Path, size: Size) -> float:
@@ -401,18 +433,40 @@ def replay(served: Deployment, chats: list[list[list[int]]], item: float) -> Rep
     return Replay(seconds, latencies, used, queries, hits, (queries - hits) * item, sent / MB)
 
 
+def median_run(runs: list[Replay]) -> Replay:
+    """The runs' medians, figure by figure; their latencies pooled."""
+
+    def mid(values: list[float]) -> float:
+        return statistics.median(values)
+
+    cpus = [astuple(run.cpu) for run in runs]
+    merged = Replay(
+        mid([run.seconds for run in runs]),
+        [t for run in runs for t in run.latencies],
+        Cpu(*(mid([c[i] for c in cpus]) for i in range(len(cpus[0])))),
+        mid([run.queries for run in runs]),
+        mid([run.hits for run in runs]),
+        mid([run.inline_mb for run in runs]),
+        mid([run.sidecar_mb for run in runs]),
+    )
+    merged.requests = runs[0].requests  # per run: the figures are per run
+    return merged
+
+
 def replay_table(
     model: Path,
     sizes: list[Size],
     counts: list[int],
     traces: list[str],
     chats: list[list[list[int]]],
+    repeats: int = 1,
 ) -> None:
     requests = sum(len(t) for t in chats)
     refs = sum(len(images) for t in chats for images in t)
     print(
         f"\nReplays: {len(chats)} chats, {requests} requests, {refs} images sent, four chats "
-        f"at a time; repeat: {POOL} distinct images; distinct: every image new"
+        f"at a time; repeat: {POOL} distinct images; distinct: every image new; "
+        f"the median of {repeats} runs, vLLM alone and mmcache in turn"
     )
     print(
         "| image | trace | API servers | cache | requests/s | p50 / p99 ms "
@@ -426,14 +480,18 @@ def replay_table(
         item = item_mb(model, size)
         for name in traces:
             for n in counts:
+                runs: dict[bool, list[Replay]] = {False: [], True: []}
+                for _ in range(repeats):  # in turn: the machine's drift hits both alike
+                    for with_mmcache in (False, True):
+                        # A fresh deployment per run; the distinct trace's
+                        # images are new to every deployment too.
+                        sent = chats if name == "repeat" else all_distinct(chats, first)
+                        first += 1000
+                        with deployment(model, n, with_mmcache) as served:
+                            served.size = size
+                            runs[with_mmcache].append(replay(served, sent, item))
                 for with_mmcache in (False, True):
-                    # A fresh deployment per row; the distinct trace's images
-                    # are new to every deployment too.
-                    sent = chats if name == "repeat" else all_distinct(chats, first)
-                    first += 1000
-                    with deployment(model, n, with_mmcache) as served:
-                        served.size = size
-                        run = replay(served, sent, item)
+                    run = median_run(runs[with_mmcache])
                     used = run.cpu.per(run.requests)
                     cuts = statistics.quantiles(run.latencies, n=100, method="inclusive")
                     inline = run.queries * item if (n > 1 and not with_mmcache) else run.inline_mb
@@ -560,6 +618,9 @@ def main() -> None:
     parser.add_argument("--traces", default="repeat,distinct")
     parser.add_argument("--conversations", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per replay row (their median is printed)"
+    )
     parser.add_argument("--only", choices=("hit", "replay", "ec"), help="one table only")
     args = parser.parse_args()
     chats = trace(args.conversations, args.seed)
@@ -570,7 +631,8 @@ def main() -> None:
             hit_table(model, _sizes(args.sizes))
         if args.only in (None, "replay"):
             counts = [int(x) for x in args.api_servers.split(",")]
-            replay_table(model, replay_sizes, counts, args.traces.split(","), chats)
+            traces = args.traces.split(",")
+            replay_table(model, replay_sizes, counts, traces, chats, args.repeats)
         if args.only in (None, "ec"):
             ec_table(model, chats, replay_sizes[0])
 
