@@ -435,9 +435,10 @@ def test_with_every_image_new_p0_uploads_one_in_ten(clients: Callable[[], SyncCl
         """Requests of one new image each; how many of them were uploaded."""
         skipped = not_uploaded()
         for n in range(first, first + count):
+            data = item(n, numel=1 << 20)  # 4 MiB, made before: no part of the processing
             p0.is_cached([f"new{n}"])
-            time.sleep(0.001)  # a quick processor
-            p0.get_and_update_item((item(n, numel=1 << 20), updates()), f"new{n}")  # 4 MiB
+            time.sleep(0.001)  # a quick processor: hardly any CPU
+            p0.get_and_update_item((data, updates()), f"new{n}")
             p0.release_sender_touches()
             eventually(lambda: p0._uploads_in_flight == 0)
         return count - int(not_uploaded() - skipped)
