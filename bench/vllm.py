@@ -56,10 +56,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from bench.photos import SIZES, data_url
+from mmcache.client.vllm_plugin._sync import THREAD_NAME
 from tests.vllm.conftest import Sidecar, free_port
 from tests.vllm.serve import metrics, serve_command, wait_healthy
 from tests.vllm.tiny_model import REAL_PIXELS, build
@@ -187,10 +188,10 @@ def cpu(vllm_pid: int, sidecar_pid: int | None) -> Cpu:
         seconds = stats.get(pid, (0, 0.0))[1]
         if _comm(f"/proc/{pid}").startswith(("VLLM::EngineCor", "VLLM::Worker")):
             used.engine += seconds
-            used.engine_client += _threads_cpu(pid, "mmcache-client")
+            used.engine_client += _threads_cpu(pid, THREAD_NAME)
         else:  # the API servers, and the launcher that started them
             used.api += seconds
-            used.api_client += _threads_cpu(pid, "mmcache-client")
+            used.api_client += _threads_cpu(pid, THREAD_NAME)
     if sidecar_pid is not None:
         used.sidecar = _threads_cpu(sidecar_pid)
     return used
@@ -403,10 +404,7 @@ class Replay:
     hits: float
     inline_mb: float
     sidecar_mb: float
-    requests: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.requests = len(self.latencies)
+    requests: int  # per run (a median's latencies are pooled over its runs)
 
 
 def replay(served: Deployment, chats: list[list[list[int]]], item: float) -> Replay:
@@ -430,7 +428,8 @@ def replay(served: Deployment, chats: list[list[list[int]]], item: float) -> Rep
     sent = delta("mmcache_sent_bytes_total", side_now, side)
     # Every item has the same size: a processed item goes inline; vLLM alone
     # with several API servers ships every item (its caches are per process).
-    return Replay(seconds, latencies, used, queries, hits, (queries - hits) * item, sent / MB)
+    inline = (queries - hits) * item
+    return Replay(seconds, latencies, used, queries, hits, inline, sent / MB, len(latencies))
 
 
 def median_run(runs: list[Replay]) -> Replay:
@@ -440,7 +439,7 @@ def median_run(runs: list[Replay]) -> Replay:
         return statistics.median(values)
 
     cpus = [astuple(run.cpu) for run in runs]
-    merged = Replay(
+    return Replay(
         mid([run.seconds for run in runs]),
         [t for run in runs for t in run.latencies],
         Cpu(*(mid([c[i] for c in cpus]) for i in range(len(cpus[0])))),
@@ -448,9 +447,8 @@ def median_run(runs: list[Replay]) -> Replay:
         mid([run.hits for run in runs]),
         mid([run.inline_mb for run in runs]),
         mid([run.sidecar_mb for run in runs]),
+        runs[0].requests,
     )
-    merged.requests = runs[0].requests  # per run: the figures are per run
-    return merged
 
 
 def replay_table(

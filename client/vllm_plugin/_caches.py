@@ -90,10 +90,10 @@ class _Request:
     processed: int = 0  # items that came with data (misses)
     merged: bool = False  # vLLM has taken its items (get_and_update_item)
     observed: bool = False  # its processing time was measured
-    asked_at: float = 0.0  # when is_cached last answered: the processor starts then
-    asked_cpu: float = 0.0  # this thread's CPU time then
-    processed_at: float = 0.0  # when the first processed item came back
-    processed_cpu: float = 0.0
+    # (wall, this thread's CPU) when is_cached last answered (the processor
+    # starts then), and when the first processed item came back.
+    asked: tuple[float, float] = (0.0, 0.0)
+    first_back: tuple[float, float] = (0.0, 0.0)
 
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
@@ -178,7 +178,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 )
             except MMCacheError as exc:
                 _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
-                request.asked_at, request.asked_cpu = time.perf_counter(), time.thread_time()
+                request.asked = _stamp()
                 return [h in request.confirmed for h in mm_hashes]
             unusable: list[str] = []
             for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
@@ -195,7 +195,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                     request.confirmed[mm_hash] = updates
             if unusable:
                 self._sync.submit(client.release(unusable))
-        request.asked_at, request.asked_cpu = time.perf_counter(), time.thread_time()
+        request.asked = _stamp()
         return [h in request.confirmed for h in mm_hashes]
 
     @override
@@ -212,8 +212,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._hits += 1
             return None, updates
         item, updates = mm_item
-        if request.started and not request.processed_at:
-            request.processed_at, request.processed_cpu = time.perf_counter(), time.thread_time()
+        if request.started and not request.first_back[0]:
+            request.first_back = _stamp()
         if self._undescribed is None and (why := undescribed(updates)) is not None:
             self._undescribed = why
             init_logger("vllm.mmcache").warning(
@@ -255,14 +255,13 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """The request's uploads so far leave, in one call, in the background."""
         if not request.uploads:
             return
-        if request.asked_at and request.processed_at and not request.observed:
+        if request.asked[0] and request.first_back[0] and not request.observed:
             # vLLM runs the processor on a request's misses between the two,
             # on this thread.
             request.observed = True
-            cpu_seconds = request.processed_cpu - request.asked_cpu
-            self._processing.observe(
-                request.processed_at - request.asked_at, cpu_seconds, len(request.uploads)
-            )
+            (asked_s, asked_cpu), (back_s, back_cpu) = request.asked, request.first_back
+            seconds, cpu_seconds = back_s - asked_s, back_cpu - asked_cpu
+            self._processing.observe(seconds, cpu_seconds, len(request.uploads))
             self._metrics.processed.inc(len(request.uploads))
             self._metrics.processing_cpu.inc(max(0.0, cpu_seconds))
         per_item = self._processing.cpu_per_item
@@ -280,7 +279,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             return
         with self._lock:
             backed_up = self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
-            self._uploads_in_flight += 0 if backed_up else 1
+            if not backed_up:
+                self._uploads_in_flight += 1
         if backed_up:
             _LOGGER.debug("mmcache uploads backed up: %d items not shared", len(admitted))
             self._metrics.not_uploaded.inc(len(admitted))
@@ -336,6 +336,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._last = (hits, total)
                 hits, total = hits - last_hits, total - last_total
         return CacheInfo(hits=hits, total=total)
+
+
+def _stamp() -> tuple[float, float]:
+    """Now: wall seconds, and this thread's CPU seconds."""
+    return time.perf_counter(), time.thread_time()
 
 
 def _nbytes(data: Any) -> int:
