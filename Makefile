@@ -40,6 +40,8 @@ test-vllm:
 	.venv-vllm/bin/python -m pytest -p no:cacheprovider tests/vllm
 	VLLM_VERSION=0.31.0 VLLM_VENV=.venv-vllm-0.31 scripts/vllm-env.sh
 	.venv-vllm-0.31/bin/python -m pytest -p no:cacheprovider tests/vllm
+	VLLM_VERSION=0.33.0 VLLM_VENV=.venv-vllm-0.33 scripts/vllm-env.sh
+	.venv-vllm-0.33/bin/python -m pytest -p no:cacheprovider -m "not engine" tests/vllm
 
 test: lint typecheck unit test-vllm
 
@@ -56,4 +58,4 @@ bench: $(VENV)/.test
 	.venv-vllm/bin/python -m bench.vllm
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 .venv-vllm-0.33 build .mypy_cache .ruff_cache .pytest_cache

@@ -68,6 +68,7 @@ from mmcache._errors import CacheMissError, MMCacheError
 from mmcache._items import BatchedField, FieldElem, MMItem
 
 from .vllm_plugin import client_for, ec_scope_of
+from .vllm_plugin._releases import refusal, release_of
 from .vllm_plugin._staging import Staged, Staging, load_staged
 
 if TYPE_CHECKING:
@@ -77,27 +78,29 @@ __all__ = ["MMCacheECConnector", "MMCacheECMetadata", "MMCacheECStats"]
 
 _LOGGER = logging.getLogger(__name__)
 
-# The EC connector interface it is written and tested against (vLLM 0.32's).
+# The EC connector interface it is written against (vLLM 0.32's), and the
+# releases it was tested with.
 LEAST_VLLM = (0, 32)
+EC_RELEASES = ((0, 32), (0, 33))
 
 
 def require_supported_vllm(version: str | None = None) -> None:
-    """Refuse a vLLM older than the connector's interface, at the engine's start,
-    with what to do: its EC connector base differs, and requests would fail."""
+    """Refuse, at the engine's start and with what to do, a vLLM older than the
+    connector's interface (its EC connector base differs, and requests would
+    fail) or one it was not tested with (_releases.py)."""
     import vllm
 
     found = version if version is not None else str(vllm.__version__)
-    parts = found.split("+")[0].split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (IndexError, ValueError):
-        return  # a development build: let it try
-    if major_minor < LEAST_VLLM:
+    release = release_of(found)
+    if release is not None and release < LEAST_VLLM:
         raise RuntimeError(
             f"mmcache's EC connector needs vLLM {'.'.join(map(str, LEAST_VLLM))} or later; "
             f"this is vLLM {found}. Use the processor-cache plugin alone there "
             "(MMCACHE_TARGET, without --ec-transfer-config), or upgrade vLLM."
         )
+    why = refusal("mmcache's EC connector", found, EC_RELEASES, os.environ)
+    if why is not None:
+        raise RuntimeError(why)
 
 
 FIELD = "encoder_output"  # the one field of a stored encoder output
@@ -433,6 +436,12 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
             self._loads_on and identifier in self._staging and identifier not in self._refused_now
         )
 
+    def take_unavailable_requests(self) -> set[str]:
+        """None, ever: an output this connector cannot read is encoded by the
+        engine instead (every request has its input), and a load is promised
+        (`has_cache_item`) only once its output is staged on this host."""
+        return set()
+
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
@@ -662,7 +671,8 @@ def _first_rank() -> bool:
 def _device() -> str:
     from vllm.platforms import current_platform
 
-    device = str(current_platform.device_type)
+    # No device (vLLM's UnspecifiedPlatform, a build with no backend here): the CPU.
+    device = str(current_platform.device_type) or "cpu"
     if current_platform.is_cuda_alike():
         device = f"{device}:{current_platform.current_device()}"
     return device

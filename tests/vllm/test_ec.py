@@ -149,6 +149,9 @@ def test_the_connector_refuses_a_vllm_older_than_its_interface() -> None:
         require_supported_vllm("0.31.0")
     require_supported_vllm("0.32.0")
     require_supported_vllm("0.33.1+cu128")
+    untested = r"not tested with vLLM 0\.34\.0 \(tested: 0\.32, 0\.33\)"
+    with pytest.raises(RuntimeError, match=untested):
+        require_supported_vllm("0.34.0")
     if OLD_VLLM:  # this environment's vLLM: the engine's start fails with the reason
         with pytest.raises(RuntimeError, match="processor-cache plugin alone"):
             require_supported_vllm()
@@ -157,6 +160,7 @@ def test_the_connector_refuses_a_vllm_older_than_its_interface() -> None:
 
 
 @needs_the_ec_interface
+@pytest.mark.engine
 def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
     model: Path, sidecar: Sidecar
 ) -> None:
@@ -234,6 +238,7 @@ def test_a_second_engine_loads_what_the_first_encoded_and_survives_the_sidecar(
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
 @needs_the_ec_interface
+@pytest.mark.engine
 def test_engines_on_two_nodes_share_outputs_through_the_l2_tier(model: Path) -> None:
     # Two nodes: an engine and its sidecar each, the sidecars on one Redis
     # Cluster. B's mirror follows only its own sidecar, so it asks the sidecar

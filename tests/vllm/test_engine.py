@@ -36,6 +36,9 @@ from .tiny_model import build
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
+# Each test starts a vLLM engine (left out where vLLM has no CPU build).
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:

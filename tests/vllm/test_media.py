@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 from vllm.multimodal.hasher import MultiModalHasher
 from vllm.multimodal.media import MediaConnector
+from vllm.multimodal.media import base as media_base
 
 from bench.photos import jpeg
 from mmcache.client.vllm_plugin._media import MMCacheMediaConnector
@@ -48,7 +49,7 @@ def test_a_photo_is_opened_not_decoded_and_keyed_as_vllm_keys_it() -> None:
 
 @pytest.mark.parametrize(
     "kind",
-    ["rotated jpeg", "rgba png", "grayscale jpeg", "palette png"],
+    ["rotated jpeg", "rgba png", "grayscale jpeg", "palette png", "rgb png, a colour transparent"],
 )
 def test_an_image_whose_load_changes_it_loads_as_vllm_loads_it(kind: str) -> None:
     photo = Image.open(io.BytesIO(jpeg(120, 80, seed=4)))
@@ -60,6 +61,8 @@ def test_an_image_whose_load_changes_it_loads_as_vllm_loads_it(kind: str) -> Non
         data = _encoded(photo.convert("RGBA"), "PNG")
     elif kind == "grayscale jpeg":
         data = _encoded(photo.convert("L"), "JPEG")
+    elif kind.startswith("rgb png"):  # RGB as asked, yet vLLM 0.33 flattens it on white
+        data = _encoded(photo, "PNG", transparency=photo.getpixel((0, 0)))
     else:
         data = _encoded(photo.convert("P"), "PNG")
     url = _url(data, "png" if "png" in kind else "jpeg")
@@ -97,3 +100,20 @@ def test_the_plugin_makes_the_connector_vllms_default_unless_another_was_chosen(
     assert done.returncode == 0, done.stderr[-2000:]
     expected = "MediaConnector" if chosen == "http" else "MMCacheMediaConnector"
     assert done.stdout.strip().splitlines()[-1] == expected
+
+
+def test_a_request_over_vllms_decode_budget_is_refused_as_vllm_refuses_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    budget_type = getattr(media_base, "MediaDecodedBudget", None)
+    if budget_type is None:
+        pytest.skip("this vLLM has no per-request decode budget (0.33 brought it)")
+    # Room for one 640x480 image (4 bytes a pixel), not two: the lazy load
+    # charges what vLLM's decode would, though it decodes nothing.
+    monkeypatch.setenv("VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES", str(640 * 480 * 4 + 1))
+    url = _url(jpeg(640, 480, seed=5), "jpeg")
+    for connector_type in (MediaConnector, MMCacheMediaConnector):
+        connector = connector_type(decoded_budget=budget_type())
+        assert connector.fetch_image(url).size == (640, 480)
+        with pytest.raises(ValueError, match="VLLM_MAX_MEDIA_REQUEST_DECODE_BYTES"):
+            connector.fetch_image(url)

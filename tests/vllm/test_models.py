@@ -20,6 +20,9 @@ from .test_engine import offline, serving
 COLORS = ("red", "red", "blue", "red", "blue", "green", "red", "blue", "green", "red")
 BUILDERS = {"paligemma": tiny_paligemma.build, "llava": tiny_llava.build}
 
+# Each test starts a vLLM engine (left out where vLLM has no CPU build).
+pytestmark = pytest.mark.engine
+
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
