@@ -56,6 +56,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench.soak
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
+	.venv-vllm/bin/python -m bench.models
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 .venv-vllm-0.33 build .mypy_cache .ruff_cache .pytest_cache

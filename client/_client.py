@@ -762,6 +762,18 @@ class MMCacheClient:
         _check_hashes(mm_hashes)
         return int((await self._rpc.touch(mm_hashes)).touched)
 
+    async def count_misses(self, modalities: Sequence[str]) -> None:
+        """Tell the server of queries answered here as misses, one per modality
+        named: items the caller asked about that were neither looked up (the
+        mirror said not held) nor uploaded. The server counts them in
+        `mmcache_queries_total`, so its counts equal the caller's. Sent in the
+        background with the next report; never raises::
+
+            await client.count_misses(["image"])  # processed, not worth uploading
+        """
+        if self._transport is not None and modalities:
+            self._reports.add_misses(modalities)
+
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves."""

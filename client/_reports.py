@@ -7,6 +7,10 @@ the background: the leases the read gives back, the holds it is done with
 mmcache_shm_bytes_total). One such call is
 in flight at a time, and everything that piles up meanwhile goes in the
 next. Best effort: a lease or a hold never given back ends by itself.
+
+Any client reports the same way the queries it answered itself (misses it
+neither looked up nor uploaded), so the server counts every query its
+callers count.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 
 from mmcache._errors import MMCacheError
-from mmcache._spec import MAX_HASHES_PER_CALL
+from mmcache._spec import MAX_HASHES_PER_CALL, MAX_MODALITIES_PER_REPORT
 from mmcache.v1 import cache_pb2 as pb
 
 __all__ = ["Reports"]
@@ -42,6 +47,7 @@ class Reports:
         self._done: list[int] = []
         self._sending: list[int] = []  # the holds done in the Release in flight
         self._read_bytes = 0
+        self._misses: Counter[str] = Counter()
         self._task: asyncio.Task[None] | None = None
 
     def add(
@@ -62,6 +68,19 @@ class Reports:
         del self._released[:-MAX_PENDING]
         del self._done[:-MAX_PENDING]
         self._read_bytes += read_bytes
+        self._start()
+
+    def add_misses(self, modalities: Iterable[str]) -> None:
+        """Queries answered here as misses, one per modality named."""
+        self._misses.update(modalities)
+        if len(self._misses) > MAX_MODALITIES_PER_REPORT:  # the rest as unknown
+            kept = dict(self._misses.most_common(MAX_MODALITIES_PER_REPORT - 1))
+            unknown = self._misses.total() - sum(kept.values())
+            self._misses = Counter(kept)
+            self._misses[""] += unknown
+        self._start()
+
+    def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -74,17 +93,19 @@ class Reports:
         return [*self._sending, *self._done][-MAX_HASHES_PER_CALL:]
 
     async def _run(self) -> None:
-        while self._released or self._done or self._read_bytes:
+        while self._released or self._done or self._read_bytes or self._misses:
             self._sending = self._done[:MAX_HASHES_PER_CALL]
             request = pb.ReleaseRequest(
                 mm_hashes=self._released[:MAX_HASHES_PER_CALL],
                 shm_token=self._token,
                 shm_read_bytes=self._read_bytes,
                 shm_done=self._sending,
+                misses=self._misses,
             )
             del self._released[:MAX_HASHES_PER_CALL]
             del self._done[:MAX_HASHES_PER_CALL]
             self._read_bytes = 0
+            self._misses = Counter()
             try:
                 reply = await self._send(request)
             except MMCacheError as exc:

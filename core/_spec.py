@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mmcache.v1 import cache_pb2 as pb
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_HASHES_PER_CALL",
     "MAX_METADATA_BYTES",
+    "MAX_MODALITIES_PER_REPORT",
     "MAX_NAMESPACE_CHARS",
     "MAX_NAME_CHARS",
     "NAMESPACE_CHARS",
@@ -28,6 +30,7 @@ __all__ = [
     "NAMESPACE_SEP",
     "SpecSize",
     "check_count",
+    "check_misses",
     "check_name",
     "check_namespace",
     "item_size",
@@ -44,6 +47,9 @@ MAX_NAMESPACE_CHARS = 128
 # Hashes (entries, touches) one call may carry: a request's items are a few
 # hundred at most; this keeps one call's bookkeeping and reply small.
 MAX_HASHES_PER_CALL = 16384
+# Modalities one report of client-answered misses may name (Release.misses):
+# a deployment has a handful; the bound keeps the metrics' labels few.
+MAX_MODALITIES_PER_REPORT = 16
 NAMESPACE_CHARS = frozenset(string.ascii_letters + string.digits + "._-:/@+=")
 # An item's opaque metadata blob (vLLM's prompt updates, by a schema of the
 # caller's): stored with the item and charged in its size.
@@ -72,6 +78,17 @@ def check_name(what: str, value: str, *, allow_empty: bool = False) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError:  # a lone surrogate: protobuf strings are UTF-8
             raise InvalidArgumentError(f"{what} {value[:64]!r} is not valid UTF-8") from None
+
+
+def check_misses(misses: Mapping[str, int]) -> None:
+    """A report of client-answered misses: few modalities, each a valid name."""
+    if len(misses) > MAX_MODALITIES_PER_REPORT:
+        raise InvalidArgumentError(
+            f"the report counts misses of {len(misses)} modalities; the limit is "
+            f"{MAX_MODALITIES_PER_REPORT}: report the rest as modality '' (unknown)"
+        )
+    for modality in misses:
+        check_name("modality", modality, allow_empty=True)
 
 
 def check_count(what: str, count: int) -> None:

@@ -100,7 +100,7 @@ class CacheMetrics:
         self.evictions.inc()
         self.evicted_bytes.inc(size)
 
-    def queried(self, modality: str, *, hit: bool) -> None:
+    def queried(self, modality: str, *, hit: bool, count: int = 1) -> None:
         children = self._by_modality.get(modality)
         if children is None:
             label = modality or "unknown"
@@ -108,9 +108,9 @@ class CacheMetrics:
                 self.queries.labels(label),
                 self.hits.labels(label),
             )
-        children[0].inc()
+        children[0].inc(count)
         # inc(0) too, so that the hits series exists from the first query on.
-        children[1].inc(1 if hit else 0)
+        children[1].inc(count if hit else 0)
 
 
 class StoreGauges(Collector):

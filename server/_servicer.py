@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from mmcache._errors import AbortedError, CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._frames import MAX_CHUNK_BYTES, UPDATE_HEADER_KEY, header_frame
 from mmcache._lru import Outcome
-from mmcache._spec import check_count, check_name
+from mmcache._spec import check_count, check_misses, check_name
 from mmcache.metrics import CacheMetrics, RequestMetrics
 from mmcache.v1 import cache_pb2 as pb
 
@@ -277,6 +277,10 @@ class CacheServicer:
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
         keys = self._keys(self._namespace(context), request.mm_hashes)
         check_count("shm_done", len(request.shm_done))
+        check_misses(request.misses)
+        # Queries a client answered itself count as lookups that missed would.
+        for modality, count in request.misses.items():
+            self._metrics.queried(modality, hit=False, count=count)
         region = self._region()
         # Only a client that maps the region reports; one of a region gone is
         # too late, but its leases are still given back.
@@ -428,8 +432,14 @@ class CacheServicer:
             )
         finally:
             self._unclaim(claimed)  # those a failed call never read
-        for entry, outcome in zip(entries, result.outcomes, strict=True):
-            self._count(entry.modality or self._modality_of(entry.key), outcome, entry.resend)
+        blobs = result.metadata or [b""] * len(entries)
+        for entry, outcome, blob in zip(entries, result.outcomes, blobs, strict=True):
+            # A hit whose caller asked for its metadata and got none (stored
+            # without, or left out of a full reply) is one it cannot use: it
+            # processes the item, and counts a miss (as vLLM does).
+            unusable = entry.want_metadata and outcome == Outcome.HIT and not blob
+            counted = Outcome.MISSING if unusable else outcome
+            self._count(entry.modality or self._modality_of(entry.key), counted, entry.resend)
         leased = request.lease != pb.LEASE_NONE
         # Only the caller's own evictions: another namespace's hashes are not its business.
         result = replace(result, evicted=namespace.hashes(result.evicted))

@@ -26,6 +26,7 @@ from mmcache.client import (
 )
 from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer
+from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, Samples, eventually, sample, scrape, server_config
 from .items import image_item
@@ -263,6 +264,48 @@ async def test_inject_counts_like_vllm_and_replaces_entries_in_place(
     assert sample(samples, "mmcache_hits_total", modality="image") == 1
     assert kwargs["image"] == [None]
     assert (client.make_stats().hits, client.make_stats().total) == (1, 2)
+
+
+async def test_misses_answered_by_the_client_are_counted_as_queries(
+    server: MMCacheServer, client: MMCacheClient
+) -> None:
+    async def queries(**labels: str) -> float:
+        samples = await scrape(server.metrics_port)
+        return sum(
+            value
+            for (name, labelled), value in samples.items()
+            if name == "mmcache_queries_total" and set(labels.items()) <= set(labelled)
+        )
+
+    async def until(total: float) -> None:
+        deadline = asyncio.get_running_loop().time() + 5
+        while await queries() != total:
+            assert asyncio.get_running_loop().time() < deadline, "the misses never arrived"
+            await asyncio.sleep(0.02)
+
+    await client.count_misses(["image", "image", "video"])
+    await client.count_misses(["image"])
+    await until(4)
+    assert (await queries(modality="image"), await queries(modality="video")) == (3, 1)
+    samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_hits_total", modality="image") == 0
+    # A client naming more modalities than a report may carry folds the rest
+    # into "unknown": its totals stay exact.
+    await client.count_misses([f"m{i}" for i in range(20)])
+    await until(4 + 20)
+    # A report naming too many is refused, saying the limit.
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    release = channel.unary_unary(
+        "/mmcache.v1.MMCache/Release",
+        request_serializer=pb.ReleaseRequest.SerializeToString,
+        response_deserializer=pb.ReleaseReply.FromString,
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await release(pb.ReleaseRequest(misses={f"m{i}": 1 for i in range(17)}))
+    await channel.close()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the limit is 16" in str(refused.value.details())
+    assert await queries() == 24  # nothing of it counted
 
 
 async def test_inject_covers_modalities_and_skips_absent_entries(

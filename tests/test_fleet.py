@@ -552,6 +552,20 @@ async def test_lookup_asks_without_data_and_a_later_upload_is_no_second_query() 
     assert sample(samples, "mmcache_resends_total", modality="image") == 1
 
 
+async def test_a_hit_whose_metadata_the_caller_needs_and_lacks_counts_as_a_miss() -> None:
+    # vLLM's frontend cannot use an item without its prompt updates: it
+    # processes it, and counts a miss; so does the server.
+    async with serving() as server, connected(server) as a, connected(server) as b:
+        await a.get_and_update([image_item(1)], ["bare"], lease=False)  # no metadata
+        await a.get_and_update([image_item(2)], ["full"], metadata=[b"m"], lease=False)
+        found = await b.lookup(["bare", "full"], modality="image", want_metadata=True)
+        assert found.held == [True, True] and found.metadata == [None, b"m"]
+        await b.get_and_update([None], ["bare"], lease=False)  # not asked: a hit
+        samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_queries_total", modality="image") == 5
+    assert sample(samples, "mmcache_hits_total", modality="image") == 2  # full, bare unasked
+
+
 async def test_metadata_over_the_limit_is_refused_with_the_limit(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:

@@ -93,6 +93,9 @@ class _Request:
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
     held_elsewhere: set[str] = field(default_factory=set)  # held, updates not usable here
     processed: int = 0  # items that came with data (misses)
+    # Modalities of misses the server has not counted yet: processed items
+    # neither looked up nor uploaded (sent with the request's uploads).
+    misses: list[str] = field(default_factory=list)
     merged: bool = False  # vLLM has taken its items (get_and_update_item)
     observed: bool = False  # its processing time was measured
     # (wall, this thread's CPU) when is_cached last answered (the processor
@@ -252,10 +255,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 why,
             )
         self._remember(mm_hash, updates)
-        if self._undescribed is not None and request.started and mm_hash in request.held_elsewhere:
-            return mm_item  # the sidecar has it: its updates are now known here
         # vLLM 0.32's field elements carry no modality; the updates usually do.
         modality = next((u.modality for u in updates), None) or "unknown"
+        if self._undescribed is not None and request.started and mm_hash in request.held_elsewhere:
+            request.misses.append(modality)  # asked of no server
+            return mm_item  # the sidecar has it: its updates are now known here
         request.uploads.append((mm_hash, modality, item, updates))
         request.processed += 1
         if not request.started:
@@ -281,7 +285,16 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._send_uploads(request)
 
     def _send_uploads(self, request: _Request) -> None:
-        """The request's uploads so far leave, in one call, in the background."""
+        """The request's uploads so far leave, in one call, in the background;
+        the server hears of the misses no call told it of."""
+        try:
+            self._upload(request)
+        finally:
+            if request.misses:
+                self._sync.submit(self._sync.client.count_misses(request.misses))
+                request.misses = []
+
+    def _upload(self, request: _Request) -> None:
         if not request.uploads:
             return
         if request.asked[0] and request.first_back[0] and not request.observed:
@@ -302,20 +315,18 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         ]
         admitted = [upload for upload, _ in chosen]
         nbytes = sum(size for _, size in chosen)
-        self._metrics.not_uploaded.inc(len(request.uploads) - len(admitted))
-        request.uploads = []
-        if not admitted:
-            return
+        uploads, request.uploads = request.uploads, []
         with self._lock:
-            if self._closed:
-                self._metrics.not_uploaded.inc(len(admitted))
-                return
-            backed_up = self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
-            if not backed_up:
+            stopped = self._closed or self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
+            if admitted and not stopped:
                 self._uploads_in_flight += 1
-        if backed_up:
-            _LOGGER.debug("mmcache uploads backed up: %d items not shared", len(admitted))
-            self._metrics.not_uploaded.inc(len(admitted))
+        if admitted and stopped:
+            _LOGGER.debug("mmcache uploads backed up or closed: %d items not shared", len(admitted))
+            admitted = []
+        self._metrics.not_uploaded.inc(len(uploads) - len(admitted))
+        told = {upload[0] for upload in admitted} | request.looked_up
+        request.misses += [modality for h, modality, _, _ in uploads if h not in told]
+        if not admitted:
             return
         hashes, modalities, items, updates = zip(*admitted, strict=True)
         started = self._sync.loop_cpu()

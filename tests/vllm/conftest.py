@@ -61,6 +61,13 @@ class Sidecar:
             self.proc.wait(10)
             self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: gone at once, with no goodbye to its clients."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc = None
+
 
 @pytest.fixture
 def sidecar() -> Iterator[Sidecar]:

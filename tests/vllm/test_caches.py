@@ -422,10 +422,13 @@ def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_t
             p0.release_sender_touches()
 
 
-def test_with_every_image_new_p0_uploads_one_in_ten(clients: Callable[[], SyncClient]) -> None:
+def test_with_every_image_new_p0_uploads_one_in_ten(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
     """Uploads are admitted by what they save: once this process's requests
     bring only new images (no hits) and an upload costs more than the quick
-    processing it would save, it sends one item in ten, not every one."""
+    processing it would save, it sends one item in ten, not every one. The
+    sidecar still counts every query, as vLLM does."""
     p0 = MMCacheProcessorCache(clients(), SCOPE)
 
     def not_uploaded() -> float:
@@ -452,6 +455,9 @@ def test_with_every_image_new_p0_uploads_one_in_ten(clients: Callable[[], SyncCl
     assert held == uploaded
     stats = p0.make_stats()
     assert (stats.hits, stats.total) == (0, 50)  # vLLM's counts are the same either way
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    eventually(lambda: metrics(url)["mmcache_queries_total"] == 50)
+    assert metrics(url)["mmcache_hits_total"] == 0
 
 
 def test_a_hit_in_another_process_for_an_update_at_a_position(
@@ -495,11 +501,15 @@ def test_updates_that_cannot_travel_are_said_once_and_cost_no_lookup(
         served = metrics(url)
         return served["mmcache_queries_total"], served["mmcache_received_bytes_total"]
 
-    before = seen()
+    queries, received = seen()
+    hits = metrics(url)["mmcache_hits_total"]
     assert p0_b.is_cached(["odd1"]) == [False]
     p0_b.get_and_update_item((item(1), index_update(mine)), "odd1")
     p0_b.release_sender_touches()
-    assert seen() == before  # no lookup, no upload: the sidecar saw nothing
+    # No lookup, no upload: the sidecar hears of one query (a miss, as vLLM
+    # counts it), and receives nothing.
+    eventually(lambda: seen() == (queries + 1, received))
+    assert metrics(url)["mmcache_hits_total"] == hits
     assert p0_b.is_cached(["odd1"]) == [True]  # now processed here: a hit here
 
 

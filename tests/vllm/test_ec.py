@@ -109,14 +109,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(60)
 
 
-def chat(port: int, color: str) -> tuple[int, list[int]]:
-    """The status and the greedy tokens of a chat about a `color` image."""
+def chat(port: int, color: str, kind: str = "image") -> tuple[int, list[int]]:
+    """The status and the greedy tokens of a chat about a `color` image (or video)."""
     body = {
         "model": "",
         "max_tokens": 8,
         "temperature": 0,
         "return_token_ids": True,
-        "messages": chat_messages(color),
+        "messages": chat_messages(color, kind),
     }
     status, answer = post_chat(port, body)
     return status, [] if answer is None else list(answer["choices"][0]["token_ids"])

@@ -45,9 +45,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
 
 
-def offline(model: Path, **env: str) -> dict[str, object]:
+def offline(model: Path, kind: str = "image", **env: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.offline", str(model)],
+        [sys.executable, "-m", "tests.vllm.offline", str(model), kind],
         cwd=ROOT,
         env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
         capture_output=True,
@@ -89,11 +89,14 @@ class Served:
 
 
 @contextmanager
-def serving(model: Path, sidecar: Sidecar, *options: str) -> Iterator[Served]:
+def serving(model: Path, sidecar: Sidecar, *options: str, kind: str = "image") -> Iterator[Served]:
+    """`vllm serve` with the plugin, taking one `kind` of item a prompt."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
     with log.open("wb") as sink:
-        proc = _start(model, sidecar, port, sink, options)
+        proc = _start(
+            model, sidecar, port, sink, ("--limit-mm-per-prompt", f'{{"{kind}": 1}}', *options)
+        )
         try:
             wait_healthy(port, proc, timeout=240)
             yield Served(port, log)
@@ -107,7 +110,7 @@ def _start(
     model: Path, sidecar: Sidecar, port: int, sink: IO[bytes], options: Sequence[str]
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        serve_command(str(model), port, "--limit-mm-per-prompt", '{"image": 1}', *options),
+        serve_command(str(model), port, *options),
         cwd=ROOT,
         env={
             **os.environ,

@@ -1,62 +1,96 @@
-"""More models on a real engine, beside the Qwen2-VL of test_engine.py: a
-tiny PaliGemma, whose image tokens go at a position
-(`PromptIndexTargets.prefix([bos])`), and a tiny LLaVA, whose `<image>`
-placeholder token is replaced (CLIP tower, Llama). With `--api-server-count 2`
-every repeat of an image is a hit in vLLM's own counters, whichever API
-process processed it first, and the greedy tokens are those of vLLM alone."""
+"""The model matrix on a real engine (issue 29): four kinds of processor and
+prompt update, each built tiny and offline, behind `--api-server-count 4`:
+
+- Qwen2-VL, an image: its image pad token replaced by the image's tokens;
+- Qwen2-VL, a video (MP4): another processor, its video pad token replaced;
+- PaliGemma: the image tokens inserted at a position, not at a token
+  (`PromptIndexTargets.prefix([bos])`), SigLIP tower, Gemma;
+- LLaVA: its `<image>` placeholder token replaced (CLIP tower, Llama).
+
+For each, a replay whose repeats land on other API processes: every repeat is
+a hit in vLLM's own counters, the sidecar counts exactly what vLLM counts, the
+greedy tokens are vLLM alone's; then a sidecar killed and restarted in the
+middle of requests fails none of them."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 
-from . import tiny_llava, tiny_paligemma
+from . import tiny_paligemma
 from .conftest import Sidecar
+from .matrix import MATRIX
 from .serve import metrics
+from .test_caches import eventually
 from .test_ec import chat
 from .test_engine import offline, serving
 
 COLORS = ("red", "red", "blue", "red", "blue", "green", "red", "blue", "green", "red")
-BUILDERS = {"paligemma": tiny_paligemma.build, "llava": tiny_llava.build}
+API_SERVERS = 4
 
 # Each test starts a vLLM engine (left out where vLLM has no CPU build).
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    name: str = request.param
-    return BUILDERS[name](tmp_path_factory.mktemp("model") / f"tiny-{name}")
+@pytest.fixture(scope="module", params=sorted(MATRIX))
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, str]:
+    entry = MATRIX[request.param]
+    name = request.param.split()[0]
+    return entry.build(tmp_path_factory.mktemp("model") / f"tiny-{name}"), entry.kind
 
 
-def test_every_repeat_is_a_hit_across_api_servers(tiny: Path, sidecar: Sidecar) -> None:
-    alone = offline(tiny)["tokens"]  # red, red, blue, red: vLLM alone
+def test_every_repeat_is_a_hit_across_api_servers_and_a_sidecar_restart_fails_nothing(
+    tiny: tuple[Path, str], sidecar: Sidecar
+) -> None:
+    model, kind = tiny
+    alone = offline(model, kind)["tokens"]  # red, red, blue, red: vLLM alone
     assert isinstance(alone, list) and alone[0] != alone[2]  # the image matters
     expected = {"red": alone[0], "blue": alone[2]}
-    with serving(tiny, sidecar, "--api-server-count", "2") as vllm_serve:
+
+    def replay(colors: tuple[str, ...]) -> None:
+        for color in colors:
+            status, tokens = chat(vllm_serve.port, color, kind)
+            assert status == 200, color
+            if color in expected:
+                assert tokens == expected[color], color
+
+    with serving(model, sidecar, "--api-server-count", str(API_SERVERS), kind=kind) as vllm_serve:
         # The OS spreads connections over the API processes: the replay goes on
-        # (three times at most) until both have served, so repeats crossed them.
+        # (three times at most) until several have served, so repeats crossed them.
         sent: list[str] = []
         for _ in range(3):
-            for color in COLORS:
-                status, tokens = chat(vllm_serve.port, color)
-                assert status == 200
-                if color in expected:
-                    assert tokens == expected[color], color
+            replay(COLORS)
             sent += COLORS
-            if len(vllm_serve.processes_that_served()) == 2:
+            if len(vllm_serve.processes_that_served()) >= 3:
                 break
-        assert len(vllm_serve.processes_that_served()) == 2
+        assert len(vllm_serve.processes_that_served()) >= 2
         seen = metrics(f"http://127.0.0.1:{vllm_serve.port}/metrics")
         repeats = len(sent) - len(set(sent))
-        assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (
-            len(sent),
-            repeats,
-        )
-    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
-    assert served["mmcache_hits_total"] == repeats
-    assert served["mmcache_leases"] == 0
+        counted = (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"])
+        assert counted == (len(sent), repeats)
+        sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+
+        def sidecar_counted() -> tuple[float, float]:
+            served = metrics(sidecar_metrics)
+            return served["mmcache_queries_total"], served["mmcache_hits_total"]
+
+        # The sidecar counts as vLLM counts, every query and every hit, once
+        # the last request's report (sent in the background) is in.
+        with contextlib.suppress(AssertionError):
+            eventually(lambda: sidecar_counted() == counted)
+        assert sidecar_counted() == counted
+        assert metrics(sidecar_metrics)["mmcache_leases"] == 0
+
+        # Killed between two requests, then back on its port while requests
+        # go on: none fails, and every answer is vLLM alone's.
+        sidecar.kill()
+        replay(("red", "blue", "red"))
+        sidecar.start()
+        replay(("blue", "red", "red", "blue"))
 
 
 def test_paligemma_on_two_data_parallel_engines_hits_every_repeat(sidecar: Sidecar) -> None:
@@ -75,4 +109,8 @@ def test_paligemma_on_two_data_parallel_engines_hits_every_repeat(sidecar: Sidec
             repeats,
         )
     served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (
+        len(colors),
+        repeats,
+    )
     assert served["mmcache_leases"] == 0

@@ -35,6 +35,8 @@ CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

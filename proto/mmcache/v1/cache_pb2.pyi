@@ -1172,10 +1172,31 @@ Global___ClearReply: _TypeAlias = ClearReply  # noqa: Y015
 class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MissesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MM_HASHES_FIELD_NUMBER: _builtins.int
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
     SHM_READ_BYTES_FIELD_NUMBER: _builtins.int
     SHM_DONE_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
     shm_token: _builtins.bytes
     """A co-located client's report, with its region's token: the payload bytes
     it read from items resident in the region, with no call, since its last
@@ -1190,6 +1211,15 @@ class ReleaseRequest(_message.Message):
     def shm_done(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Holds (`ShmSlot.hold`) the client is done with: its views, its copies."""
 
+    @_builtins.property
+    def misses(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Queries the client answered itself, by modality: items its caller asked
+        about that it neither looked up (its mirror said not held) nor uploaded
+        (not worth it, or no room). Counted as misses in mmcache_queries_total,
+        so the server's counts equal its callers' (vLLM's). At most
+        MAX_MODALITIES_PER_REPORT entries.
+        """
+
     def __init__(
         self,
         *,
@@ -1197,10 +1227,11 @@ class ReleaseRequest(_message.Message):
         shm_token: _builtins.bytes = ...,
         shm_read_bytes: _builtins.int = ...,
         shm_done: _abc.Iterable[_builtins.int] | None = ...,
+        misses: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["misses", b"misses", "mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
