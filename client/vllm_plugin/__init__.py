@@ -203,3 +203,6 @@ def register() -> None:
     if register_connector():
         os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)
     _LOGGER.info("mmcache: vLLM's multimodal cache is %s", os.environ["MMCACHE_TARGET"])
+    from ..dynamo import install
+
+    install()  # in NVIDIA Dynamo's frontend or worker: its multimodal transport

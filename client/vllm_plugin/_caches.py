@@ -41,11 +41,13 @@ so vLLM's own retry path has P0 invalidate them and the client re-send.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +70,7 @@ from ._costs import Admission, ProcessingTime
 from ._metrics import plugin_metrics
 from ._sync import SyncClient
 
-__all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache"]
+__all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache", "already_shared"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -81,6 +83,24 @@ MAX_UPLOADS_IN_FLIGHT = 8
 # vLLM 0.32 and later call release_sender_touches at each request's end;
 # 0.31 (NVIDIA Dynamo 1.6's) has no such method and never does.
 VLLM_RELEASES = hasattr(BaseMultiModalProcessorCache, "release_sender_touches")
+
+
+# Set while items that are shared already (read from the sidecar, or sent by
+# a frontend that uploads them itself) are injected: not uploaded again.
+_ALREADY_SHARED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "mmcache_already_shared", default=False
+)
+
+
+@contextlib.contextmanager
+def already_shared() -> Iterator[None]:
+    """Items vLLM's cache takes inside this block (`inject_into_mm_cache`) are
+    shared already: counted as vLLM counts them, never uploaded again."""
+    token = _ALREADY_SHARED.set(True)
+    try:
+        yield
+    finally:
+        _ALREADY_SHARED.reset(token)
 
 
 @dataclass
@@ -244,6 +264,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._hits += 1
             return None, updates
         item, updates = mm_item
+        if _ALREADY_SHARED.get():
+            return mm_item
         if request.started and not request.first_back[0]:
             request.first_back = _stamp()
         if self._undescribed is None and (why := undescribed(updates)) is not None:

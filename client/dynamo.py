@@ -1,0 +1,274 @@
+"""mmcache as NVIDIA Dynamo's multimodal transport, frontend to vLLM worker.
+
+Dynamo's vLLM-processor frontend (`python -m dynamo.frontend
+--dyn-chat-processor vllm`) processes images and ships the tensors of every
+item to the worker on every request, repeats included (a fresh shared-memory
+segment, or NIXL). With `MMCACHE_TARGET` set in both processes, the vLLM
+plugin (mmcache.client.vllm_plugin) loads in each as a vLLM general plugin
+and installs this transport there; no file of Dynamo's is edited:
+
+- **Frontend.** vLLM's P0 cache there is the plugin's: an item the sidecar
+  holds is a hit (not processed, leased for the worker) and every miss is
+  uploaded in the background. `MMCacheSender` replaces Dynamo's sender: a
+  hit travels as its sidecar key alone; a miss's tensors as Dynamo's own
+  shared-memory sender sends them. The request's media (URLs or data URIs)
+  always travel too, so a worker that cannot read an item processes the
+  media itself and never answers without them. The leases end with the
+  request (the sender's cleanup, after the stream).
+- **Worker.** `try_receive_mm_kwargs` of Dynamo's request processor reads
+  the transport's metadata (`extra_args["mm_kwargs_mmcache"]`): one `fetch`
+  of the keys from this worker's sidecar, the inline items from their
+  segments; then Dynamo's own `_receive_mm_kwargs` goes on (its checks, its
+  hashes, `inject_into_mm_cache`). A fetched item is handed over as the
+  vLLM item it is, not encoded and decoded again, and nothing is uploaded
+  again from the worker. Any failure (an item evicted, the sidecar gone)
+  returns None: Dynamo then processes the request's media, as it does when
+  its own transfer fails.
+
+What is hooked, for Dynamo 1.6.1 (the one release tested; another makes the
+plugin say so with an ERROR and leave Dynamo's transfer as it is):
+`dynamo.frontend.vllm_processor.VllmProcessor.__init__` (the sender) and
+`._prepare_mm_routing` (the media always forwarded), and
+`dynamo.vllm.multimodal_utils.request_processor`'s
+`VllmMultimodalRequestProcessor.try_receive_mm_kwargs` and the module's
+`decode_mm_kwargs_item`. Keys are the frontend's: vLLM's full `mm_hash` in
+the plugin's scope (the worker's 64-bit routing hashes never reach them).
+Misses travel by shared memory: with `DYNAMO_MM_TRANSFER=nixl` (workers on
+other nodes) Dynamo's own transfer is left in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import sys
+from typing import Any
+
+from pydantic import BaseModel
+
+__all__ = ["EXTRA_KEY", "TESTED_DYNAMO", "install"]
+
+_LOGGER = logging.getLogger(__name__)
+
+TESTED_DYNAMO = ("1.6.1",)
+EXTRA_KEY = "mm_kwargs_mmcache"  # the request's extra_args entry of this transport
+FRONTEND_MODULE = "dynamo.frontend.main"
+WORKER_MODULE = "dynamo.vllm.main"
+
+
+class MMCacheItem(BaseModel):  # type: ignore[misc]
+    """One item of a request: its sidecar key (held there), or Dynamo's
+    shared-memory segment of its serialised tensors (a miss)."""
+
+    key: str | None = None
+    shm_name: str | None = None
+    shm_size: int = 0
+
+
+class MMCacheTransferMetadata(BaseModel):  # type: ignore[misc]
+    """`extra_args["mm_kwargs_mmcache"]`: the items in the request's order."""
+
+    modality: str
+    items: list[MMCacheItem]
+    mm_hashes: list[str]  # the frontend's, as Dynamo's own metadata carries them
+
+
+def install() -> None:
+    """Hook the transport into this process's Dynamo frontend or worker (from
+    the vLLM plugin's `register`); nothing where neither runs."""
+    frontend, worker = FRONTEND_MODULE in sys.modules, WORKER_MODULE in sys.modules
+    if not (frontend or worker):
+        return
+    try:
+        version = importlib.metadata.version("ai-dynamo")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    if version not in TESTED_DYNAMO:
+        _LOGGER.error(
+            "mmcache: Dynamo %s is not a release mmcache's transport was tested with "
+            "(tested: %s): Dynamo's own multimodal transfer is left in place",
+            version,
+            ", ".join(TESTED_DYNAMO),
+        )
+        return
+    if frontend:
+        _install_frontend()
+    if worker:
+        _install_worker()
+
+
+# -- frontend ---------------------------------------------------------------
+
+
+def _install_frontend() -> None:
+    from dynamo.common.multimodal.mm_kwargs_transfer import (
+        MmKwargsSender,
+        MmKwargsShmSender,
+        encode_mm_kwargs_item,
+    )
+    from dynamo.frontend import vllm_processor
+
+    from .vllm_plugin._caches import MMCacheProcessorCache
+
+    class _Leased:
+        """A request's hits: their leases end with it."""
+
+        def __init__(self, keys: list[str]) -> None:
+            self.keys = keys
+
+    class MMCacheSender(MmKwargsSender):  # type: ignore[misc]
+        """Hits as their sidecar keys, misses as Dynamo's shm sender sends them."""
+
+        _nvtx_label = "mm_frontend:mmcache_sender_prepare"
+
+        def __init__(self, cache: MMCacheProcessorCache) -> None:
+            self._cache = cache
+            self._inline = MmKwargsShmSender()
+
+        async def prepare(
+            self, mm_features: list[Any], modality: str = "image"
+        ) -> tuple[dict[str, Any] | None, list[Any]]:
+            if not mm_features:
+                return None, []
+            items: list[MMCacheItem] = []
+            cleanup: list[Any] = []
+            leased: list[str] = []
+            for index, feature in enumerate(mm_features):
+                if feature.data is None:  # a hit: the sidecar holds it, leased
+                    key = self._cache.key(feature.mm_hash)
+                    items.append(MMCacheItem(key=key))
+                    leased.append(key)
+                    continue
+                segment, handle = await self._inline._encode_item(
+                    index, encode_mm_kwargs_item(feature.data)
+                )
+                items.append(MMCacheItem(shm_name=segment.name, shm_size=segment.size))
+                cleanup.append(handle)
+            if leased:
+                cleanup.append(_Leased(leased))
+            hashes = [f.mm_hash for f in mm_features if f.mm_hash]
+            metadata = MMCacheTransferMetadata(modality=modality, items=items, mm_hashes=hashes)
+            return {EXTRA_KEY: metadata.model_dump()}, cleanup
+
+        async def _encode_item(self, idx: int, serialized: bytes) -> Any:
+            return await self._inline._encode_item(idx, serialized)
+
+        def _assemble_extra_args(
+            self, modality: str, encoded_items: list[Any], mm_hashes: list[str]
+        ) -> dict[str, Any]:
+            raise NotImplementedError("MMCacheSender.prepare assembles its own")
+
+        async def cleanup(self, items: list[Any]) -> None:
+            """After the response: the segments go, and the hits' leases end
+            (whether the worker read them or processed the media instead)."""
+            await self._inline.cleanup([i for i in items if not isinstance(i, _Leased)])
+            keys = [key for i in items if isinstance(i, _Leased) for key in i.keys]
+            if keys:
+                sync = self._cache._sync
+                try:
+                    await asyncio.wrap_future(sync.submit(sync.client.release(keys)))
+                except Exception as exc:  # the leases end by themselves
+                    _LOGGER.debug("mmcache: could not release %d leases: %s", len(keys), exc)
+
+    processor = vllm_processor.VllmProcessor
+    original_init = processor.__init__
+    original_prepare = processor._prepare_mm_routing
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        renderer = getattr(self.input_processor, "renderer", None)
+        cache = getattr(renderer, "mm_processor_cache", None)
+        if isinstance(cache, MMCacheProcessorCache) and self.nixl_mm_enabled:
+            if self.use_shm_transfer:
+                self._sender = MMCacheSender(cache)
+                _LOGGER.info("mmcache: Dynamo's multimodal transport is mmcache")
+            else:
+                _LOGGER.info("mmcache: DYNAMO_MM_TRANSFER is not shm: Dynamo's NIXL stays")
+
+    async def _prepare_mm_routing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        info, cleanup, transferred = await original_prepare(self, *args, **kwargs)
+        if isinstance(self._sender, MMCacheSender):
+            transferred = False  # the media go too: a worker-side miss processes them
+        return info, cleanup, transferred
+
+    processor.__init__ = __init__
+    processor._prepare_mm_routing = _prepare_mm_routing
+
+
+# -- worker -----------------------------------------------------------------
+
+
+def _install_worker() -> None:
+    from dynamo.common.multimodal.mm_kwargs_transfer import (
+        MmKwargsReceiver,
+        MmKwargsShmItem,
+        MmKwargsShmReceiver,
+        MmKwargsShmTransferMetadata,
+    )
+    from dynamo.vllm.multimodal_utils import request_processor
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    from . import vllm_plugin
+    from .vllm_plugin._caches import already_shared
+    from .vllm_plugin._convert import to_vllm
+
+    class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
+        """The items: held ones in one fetch from this worker's sidecar,
+        inline ones from their segments; in the request's order."""
+
+        _nvtx_label = "mm_backend:mmcache_receiver_read"
+
+        async def _receive(self, metadata: Any) -> dict[str, Any]:
+            assert isinstance(metadata, MMCacheTransferMetadata)
+            keys = [item.key for item in metadata.items if item.key]
+            fetched: list[Any] = []
+            if keys:
+                sync = vllm_plugin._client()
+                # No wait for a sidecar that is not there: the media are processed instead.
+                future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
+                fetched = await asyncio.wait_for(asyncio.wrap_future(future), sync.deadline_s)
+            segments = [
+                MmKwargsShmItem(name=item.shm_name, size=item.shm_size)
+                for item in metadata.items
+                if not item.key
+            ]
+            inline: list[Any] = []
+            if segments:
+                read = await MmKwargsShmReceiver().receive(
+                    MmKwargsShmTransferMetadata(
+                        modality=metadata.modality, items=segments, mm_hashes=[]
+                    )
+                )
+                inline = list(read.get("__pickled_kwargs_item__", []))
+            held, sent = iter(fetched), iter(inline)
+            items = [to_vllm(next(held)) if item.key else next(sent) for item in metadata.items]
+            return {"__pickled_kwargs_item__": items}
+
+    processor = request_processor.VllmMultimodalRequestProcessor
+    original_receive = processor.try_receive_mm_kwargs
+    original_decode = request_processor.decode_mm_kwargs_item
+
+    async def try_receive_mm_kwargs(self: Any, request: dict[str, Any]) -> Any:
+        extra_args = request.get("extra_args") or {}
+        raw = extra_args.get(EXTRA_KEY)
+        if not raw:
+            return await original_receive(self, request)
+        try:
+            metadata = MMCacheTransferMetadata.model_validate(raw)
+            # Items the frontend uploaded or the sidecar gave: vLLM's cache
+            # here takes them (inject_into_mm_cache) without uploading them again.
+            with already_shared():
+                return await self._receive_mm_kwargs(
+                    extra_args, "mmcache", MMCacheReceiver(), metadata
+                )
+        except Exception:
+            _LOGGER.warning("mmcache: the transfer failed; the media are processed", exc_info=True)
+            return None
+
+    def decode_mm_kwargs_item(payload: Any) -> Any:
+        # A fetched item is a vLLM item already: not encoded and decoded again.
+        return payload if isinstance(payload, MultiModalKwargsItem) else original_decode(payload)
+
+    processor.try_receive_mm_kwargs = try_receive_mm_kwargs
+    request_processor.decode_mm_kwargs_item = decode_mm_kwargs_item

