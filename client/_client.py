@@ -217,6 +217,7 @@ class MMCacheClient:
         self._shm = shm
         self._sessions = sessions
         self._region: ClientRegion | None = None
+        self._shared_tier = False
         self._reports = Reports(lambda request: self._rpc.report(request), self._answered)
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
         self._write_slots = WriteSlots()
@@ -782,8 +783,15 @@ class MMCacheClient:
 
     # -- internals ---------------------------------------------------------
 
+    @property
+    def shared_tier(self) -> bool:
+        """Whether the server reads through to a tier other servers write (L2):
+        then a hash the mirror lacks may still be a hit, if asked about."""
+        return self._shared_tier
+
     def _attach(self, info: pb.InfoReply) -> None:
         """Map the server's shared-memory region, if it has one this host can map."""
+        self._shared_tier = info.shared_tier
         self._detach()
         if self._shm and info.HasField("shm"):
             self._region = attach(info.instance_id, info.shm)

@@ -170,6 +170,7 @@ class CacheServicer:
             items=len(self._store),
             used_bytes=self._store.used,
             max_items=self._store.max_items,
+            shared_tier=self._l2 is not None,
         )
         region = self._region()
         if region is not None:

@@ -266,6 +266,12 @@ async def test_inject_counts_like_vllm_and_replaces_entries_in_place(
     assert (client.make_stats().hits, client.make_stats().total) == (1, 2)
 
 
+async def test_a_server_without_a_shared_tier_says_its_feed_is_the_whole_story(
+    client: MMCacheClient,
+) -> None:
+    assert client.shared_tier is False
+
+
 async def test_misses_answered_by_the_client_are_counted_as_queries(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:

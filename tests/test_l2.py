@@ -67,6 +67,9 @@ async def test_an_item_one_sidecar_stored_is_held_by_another(fresh: RedisCluster
         await ca.get_and_update([item], ["h1"])
         await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
 
+        # B's mirror knows nothing of h1, and B says a hash it lacks may be held
+        # by the tier: a frontend that wants every hit asks B anyway.
+        assert cb.is_cached(["h1"]) == [False] and cb.shared_tier
         found = await cb.lookup(["h1"], modality="image")
         assert found.held == [True]  # read from L2 into B's cache before the answer
         assert "h1" in b.store  # held in L1, as promised

@@ -4,7 +4,8 @@ P0 (`MMCacheProcessorCache`, in every API-server process). vLLM asks it, per
 request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 `release_sender_touches` once, in a `finally`. So:
 
-- `is_cached`: the mirror names the candidates; one `lookup` round trip
+- `is_cached`: the mirror names the candidates (behind a sidecar with an L2
+  tier, every item is one: another node's sidecar may hold it); one `lookup` round trip
   confirms them with the server, leases them for the engine's read (hits
   only) and brings the prompt updates of those this process never processed.
   A candidate whose upload is still in flight (another API process's) is
@@ -211,10 +212,13 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         client = self._sync.client
         keys = [self.key(h) for h in mm_hashes]
         # vLLM may ask more than once per request: each hash is looked up once.
+        # Behind a shared tier (L2) the mirror's "no" is not the fleet's: every
+        # hash is asked about (the server reads the tier through), in the same call.
+        known = client.is_cached(keys, pending=True)
+        if client.shared_tier and client.following:  # (not while out of touch)
+            known = [True] * len(keys)
         candidates = [
-            i
-            for i, known in enumerate(client.is_cached(keys, pending=True))
-            if known and mm_hashes[i] not in request.looked_up
+            i for i, held in enumerate(known) if held and mm_hashes[i] not in request.looked_up
         ]
         ask = candidates
         if self._undescribed is not None:

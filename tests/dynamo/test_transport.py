@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_cluster import redis_available, redis_cluster
 from tests.vllm.conftest import Sidecar
 from tests.vllm.serve import metrics
+from tests.vllm.test_caches import eventually
 from tests.vllm.tiny_model import build
 
 from .stack import Answer, stack
@@ -103,29 +105,45 @@ def test_a_worker_side_miss_answers_with_the_image(model: Path, alone: list[Answ
         worker_sidecar.stop()
 
 
-def test_two_frontends_and_two_workers_process_each_image_once(
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_two_nodes_of_frontends_and_workers_process_each_image_once(
     model: Path, alone: list[Answer]
 ) -> None:
-    # One node: a sidecar, two workers, two frontends. Dynamo spreads the
-    # requests over the workers; whichever frontend sees an image first
-    # processes it, and every later request for it, on either frontend, is a
-    # hit that crosses to either worker as its key.
-    sidecar = Sidecar()
-    sidecar.start()
-    try:
-        with stack(model) as dynamo:
-            dynamo.worker(sidecar.target)
-            dynamo.worker(sidecar.target)
-            first, second = dynamo.frontend(sidecar.target), dynamo.frontend(sidecar.target)
-            expected = {"red": alone[0], "blue": alone[2]}
-            sent = [(first, "red"), (second, "red"), (second, "blue"), (first, "blue"),
-                    (first, "red"), (second, "red")]  # fmt: skip
-            answers = [frontend.chat(color) for frontend, color in sent]
-            assert same(answers, [expected[color] for _, color in sent]), dynamo.tail()
-            time.sleep(0.5)
-            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
-            processed = served["mmcache_queries_total"] - served["mmcache_hits_total"]
-            assert (served["mmcache_queries_total"], processed) == (6, 2)  # once per image
-            assert served["mmcache_items"] == 2 and served["mmcache_leases"] == 0
-    finally:
-        sidecar.stop()
+    # Two nodes, each a sidecar, a worker and a frontend; the sidecars share
+    # items through one Redis Cluster (L2). Dynamo spreads requests over both
+    # workers. Whichever frontend sees an image first processes it; every
+    # later request for it, on either frontend, is a hit (the other node's
+    # sidecar reads it through from L2) that crosses to either worker as its
+    # key, and that worker's sidecar has it or reads it through too.
+    with redis_cluster() as cluster:
+        env = {"MMCACHE_L2": cluster.url, "MMCACHE_L2_ADMIT": "first"}
+        nodes = [Sidecar(env=env), Sidecar(env=env)]
+        for node in nodes:
+            node.start()
+        try:
+            with stack(model) as dynamo:
+                for node in nodes:
+                    dynamo.worker(node.target)
+                frontends = [dynamo.frontend(node.target) for node in nodes]
+                expected = {"red": alone[0], "blue": alone[2]}
+                sent = [(0, "red"), (1, "red"), (1, "blue"), (0, "blue"), (0, "red"), (1, "red")]
+                answers = []
+                for n, (node, color) in enumerate(sent):
+                    answers.append(frontends[node].chat(color))
+                    if n in (0, 2):  # a first sighting: written behind to L2
+                        written = f"http://127.0.0.1:{nodes[node].metrics_port}/metrics"
+                        eventually(
+                            lambda url=written: (
+                                metrics(url).get("mmcache_l2_written_bytes_total", 0) > 0
+                            )
+                        )
+                assert same(answers, [expected[color] for _, color in sent]), dynamo.tail()
+                time.sleep(0.5)
+                served = [metrics(f"http://127.0.0.1:{n.metrics_port}/metrics") for n in nodes]
+                queries = sum(s["mmcache_queries_total"] for s in served)
+                processed = queries - sum(s["mmcache_hits_total"] for s in served)
+                assert (queries, processed) == (6, 2)  # each image processed once
+                assert all(s["mmcache_leases"] == 0 for s in served)
+        finally:
+            for node in nodes:
+                node.stop()

@@ -1045,6 +1045,7 @@ class InfoReply(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     MAX_ITEMS_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
+    SHARED_TIER_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     version: _builtins.str
@@ -1055,6 +1056,11 @@ class InfoReply(_message.Message):
     max_items: _builtins.int
     """The most items held at once, whatever their bytes (0: no such bound).
     Sizes count only an item's data, so this bounds the bookkeeping beside it.
+    """
+    shared_tier: _builtins.bool
+    """Set when the server reads through to a tier other servers write (L2): a
+    hash absent from its feed may still be held there, so a frontend that
+    wants every hit asks the server rather than trusting its mirror's "no".
     """
     @_builtins.property
     def shm(self) -> Global___ShmRegion:
@@ -1071,10 +1077,11 @@ class InfoReply(_message.Message):
         used_bytes: _builtins.int = ...,
         max_items: _builtins.int = ...,
         shm: Global___ShmRegion | None = ...,
+        shared_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "shm", b"shm", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "shared_tier", b"shared_tier", "shm", b"shm", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
