@@ -62,6 +62,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorPromMetrics,
     ECConnectorStats,
 )
+from vllm.logger import init_logger
 
 from mmcache._breaker import Breaker
 from mmcache._errors import CacheMissError, MMCacheError
@@ -237,6 +238,13 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
         # Loads only where the workers can read this host's files and vLLM
         # runs the connector's load for the model; elsewhere outputs are still saved.
         self._loads_on = self.is_consumer and _loads_possible(vllm_config)
+        if role == ECConnectorRole.SCHEDULER:  # one line per engine, in vLLM's log
+            init_logger("vllm.mmcache").info(
+                "mmcache EC connector: sidecar %s, key scope %s, %s",
+                settings.target,
+                self._scope,
+                "saves and loads" if self._loads_on else "saves only",
+            )
         if role == ECConnectorRole.SCHEDULER:
             self._ec_config = vllm_config.ec_transfer_config
             self._staging = Staging(settings.staging_bytes, settings.staging_dir)

@@ -17,6 +17,10 @@ from prometheus_client.registry import Collector
 __all__ = ["CacheMetrics", "StoreGauges"]
 
 
+# vLLM's modalities: their query and hit series exist before the first query.
+STARTING_MODALITIES = ("image", "video", "audio")
+
+
 class CacheMetrics:
     """The counters of the item cache."""
 
@@ -95,6 +99,9 @@ class CacheMetrics:
         )
         # Label children by modality, bound once: labels() locks and checks.
         self._by_modality: dict[str, tuple[Counter, Counter]] = {}
+        # At 0 from the start, so a dashboard's hit rate has series to divide.
+        for modality in STARTING_MODALITIES:
+            self.queried(modality, hit=False, count=0)
 
     def evicted(self, size: int) -> None:
         self.evictions.inc()

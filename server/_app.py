@@ -9,8 +9,10 @@ flight get `grace_s` to finish, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import uuid
 from collections.abc import Callable
 from types import TracebackType
@@ -202,8 +204,12 @@ class MMCacheServer:
             if self.region is not None:  # no server to own it
                 self.region.close()
                 self.region = None
+            taken = exc.errno == errno.EADDRINUSE
             raise OSError(
-                f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
+                f"port {config.metrics_port} on {metrics_host} (/metrics) is in use by another "
+                "process: stop it, or choose another port (--metrics-port, or 0 for a free one)"
+                if taken
+                else f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
             ) from None
         self.metrics_port = self._endpoint.port
         if self.events is not None:
@@ -359,7 +365,12 @@ def _open_region(config: ServerConfig) -> Region | None:
             config.shm_dir, config.shm_bytes, lease_s=config.lease_s, group=config.shm_group
         )
     except OSError as exc:
-        _LOGGER.info("shared memory off (clients use gRPC): %s: %s", config.shm_dir, exc)
+        _LOGGER.warning(
+            "shared memory off (co-located clients use gRPC, slower for large items): "
+            "%s: %s; give --shm-dir a writable tmpfs both containers mount, or --no-shm",
+            config.shm_dir,
+            exc,
+        )
         return None
     _LOGGER.info("shared-memory region %s: %d bytes", region.path, region.size)
     return region
@@ -390,6 +401,7 @@ def _bind(
     server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None
 ) -> int:
     address = f"{host}:{port}"
+    _check_free(host, port)
     try:
         if credentials is None:
             bound = server.add_insecure_port(address)
@@ -400,6 +412,34 @@ def _bind(
     if bound == 0:
         raise OSError(f"cannot serve gRPC on {address}: the port is taken or unusable")
     return bound
+
+
+def _check_free(host: str, port: int) -> None:
+    """Say a taken port plainly, before gRPC tries it: gRPC binds with
+    SO_REUSEPORT (so a second mmcache on the port would share its calls) and
+    logs a raw C-core line when the bind fails."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise OSError(
+            f"cannot serve gRPC on {host}:{port}: {host!r} does not resolve ({exc})"
+        ) from None
+    for family, kind, proto, _, where in infos[:1]:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    return  # gRPC says what else is wrong
+                raise OSError(
+                    f"port {port} on {host} is in use by another process: stop it, or "
+                    f"choose another port (--port, or 0 for a free one)"
+                ) from None
 
 
 def _security_summary(config: ServerConfig) -> str:

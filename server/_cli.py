@@ -6,23 +6,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
 
 from mmcache import __version__
 
-from ._config import ConfigError, add_serve_arguments, config_from_args
+from ._config import (
+    ConfigError,
+    OneLineParser,
+    add_serve_arguments,
+    config_from_args,
+    unknown_variables,
+)
 
 __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mmcache", description="Remote cache of preprocessed multimodal inputs."
     )
     parser.add_argument("--version", action="version", version=f"mmcache {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     serve = commands.add_parser("serve", help="run the cache server")
     add_serve_arguments(serve)
     probe = commands.add_parser(
@@ -87,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for line in unknown_variables(os.environ):
+        logging.getLogger("mmcache.server").warning("%s", line)
     from ._app import serve
 
     return asyncio.run(serve(config, stop_requested=lambda: _EarlyStop.requested))

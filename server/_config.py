@@ -10,11 +10,12 @@ beats the default. `ServerConfig` checks itself, so a config built in code
 from __future__ import annotations
 
 import argparse
+import difflib
 import ipaddress
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "GIB",
@@ -302,6 +303,21 @@ class Setting:
         default = ServerConfig.__dataclass_fields__[self.field].default
         return "none" if default is None else self.shown(default)
 
+    @property
+    def metavar(self) -> str:
+        """What the flag takes, its unit first: GB, MB, MS, SECONDS, else its name."""
+        assert self.flag is not None
+        name = self.flag.lstrip("-")
+        for suffix, unit in _UNITS.items():
+            if name.endswith(suffix):
+                return unit
+        return name.rsplit("-", 1)[-1].upper()
+
+
+# A flag's unit, from its name's end: its metavar, and the example a bad value gets.
+_UNITS = {"-gb": "GB", "-mb": "MB", "-ms": "MS", "-s": "SECONDS"}
+_EXAMPLES = {"GB": "4 or 0.5", "MB": "256", "MS": "500", "SECONDS": "30 or 2.5"}
+
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("host", "--host", "MMCACHE_HOST", _text, "address to serve gRPC on"),
@@ -551,15 +567,51 @@ SETTINGS: tuple[Setting, ...] = (
 assert {s.field for s in SETTINGS} == {f.name for f in fields(ServerConfig)}
 
 
-def _argtype(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+def _argtype(setting: Setting) -> Callable[[str], Any]:
     def convert(raw: str) -> Any:
         try:
-            return parse(raw)
+            return setting.parse(raw)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{raw!r}: {exc}") from None
+            why = str(exc)
+            if why.startswith(("could not convert", "invalid literal")):
+                example = _EXAMPLES.get(setting.metavar, "64")
+                why = f"not a number: {setting.flag} takes {setting.metavar}, e.g. {example}"
+            raise argparse.ArgumentTypeError(f"{raw!r}: {why}") from None
 
-    convert.__name__ = parse.__name__.lstrip("_")
+    convert.__name__ = setting.parse.__name__.lstrip("_")
     return convert
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag or value is one line saying what to change, not the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists every flag)\n")
+
+
+# MMCACHE_* variables read elsewhere in the same environments (the client and
+# the vLLM plugin, the deploy scripts): not a typo of a server setting.
+OTHER_VARIABLES = frozenset(
+    f"MMCACHE_{name}"
+    for name in (
+        "TARGET", "DEADLINE_S", "NAMESPACE", "TOKEN", "TOKEN_FILE", "TLS_CA",
+        "TLS_SERVER_NAME", "SHM", "VLLM_UNTESTED", "TEST_ENCODER_CALLS", "UID", "TLS_DIR",
+        "L2_MAXMEMORY", "IMAGE", "IMAGE_WORK", "BASE_IMAGE",
+    )
+)  # fmt: skip
+
+
+def unknown_variables(env: Mapping[str, str]) -> list[str]:
+    """A line for each MMCACHE_* variable no part of mmcache reads, with the
+    setting it most likely meant: a typo otherwise changes nothing, silently."""
+    known = {setting.env for setting in SETTINGS} | OTHER_VARIABLES
+    lines = []
+    for name in sorted(env):
+        if name.startswith("MMCACHE_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            meant = f"; did you mean {close[0]}?" if close else ""
+            lines.append(f"environment variable {name} is not an mmcache setting{meant}")
+    return lines
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -580,7 +632,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(
                 setting.flag,
                 dest=setting.field,
-                type=_argtype(setting.parse),
+                type=_argtype(setting),
+                metavar=setting.metavar,
                 default=argparse.SUPPRESS,
                 help=help_text.replace("%", "%%"),
             )
@@ -613,6 +666,6 @@ def config_from_args(
 def parse_serve_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> ServerConfig:
-    parser = argparse.ArgumentParser(prog="mmcache serve")
+    parser = OneLineParser(prog="mmcache serve")
     add_serve_arguments(parser)
     return config_from_args(parser.parse_args(argv), env)

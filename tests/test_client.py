@@ -272,6 +272,15 @@ async def test_a_server_without_a_shared_tier_says_its_feed_is_the_whole_story(
     assert client.shared_tier is False
 
 
+async def test_the_hit_and_query_series_are_at_zero_before_the_first_query(
+    server: MMCacheServer,
+) -> None:
+    samples = await scrape(server.metrics_port)
+    for modality in ("image", "video", "audio"):
+        assert sample(samples, "mmcache_queries_total", modality=modality) == 0
+        assert sample(samples, "mmcache_hits_total", modality=modality) == 0
+
+
 async def test_misses_answered_by_the_client_are_counted_as_queries(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
@@ -348,7 +357,7 @@ async def test_inject_with_caching_disabled_returns_at_once_and_counts_nothing()
             assert kwargs["image"] == [item]
             assert client.make_stats().total == 0
             samples = await scrape(server.metrics_port)
-    assert sample(samples, "mmcache_queries_total", modality="image") is None
+    assert sample(samples, "mmcache_queries_total", modality="image") == 0
 
 
 async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> None:

@@ -197,7 +197,10 @@ def test_port_in_use_fails_with_a_clear_message(
         check=False,
     )
     assert second.returncode == 2
-    assert f"cannot serve gRPC on 127.0.0.1:{port}" in second.stderr
+    # One line, naming the port and what to do; no raw gRPC log line before it.
+    (line,) = second.stderr.strip().splitlines()
+    assert f"port {port} on 127.0.0.1 is in use by another process" in line
+    assert "--port, or 0 for a free one" in line
 
 
 def test_bad_flag_values_are_refused_with_reasons() -> None:
@@ -218,6 +221,48 @@ def test_bad_flag_values_are_refused_with_reasons() -> None:
         check=False,
     )
     assert result.returncode != 0 and "MMCACHE_PORT" in result.stderr
+    # A value that is no number: one line, with the unit and an example.
+    result = subprocess.run(
+        [MMCACHE, "serve", "--l2-timeout-ms", "soon"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "mmcache serve: argument --l2-timeout-ms: 'soon': not a number: --l2-timeout-ms takes "
+        "MS, e.g. 500 (`mmcache serve --help` lists every flag)"
+    ]
+
+
+def test_help_names_each_flags_unit() -> None:
+    shown = subprocess.run(
+        [MMCACHE, "serve", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for flag in ("--capacity-gb GB", "--shm-mb MB", "--l2-timeout-ms MS", "--lease-s SECONDS"):
+        assert flag in shown
+    assert "CAPACITY_BYTES" not in shown and "L2_TIMEOUT_S" not in shown
+
+
+def test_a_mistyped_variable_and_an_unusable_shm_dir_are_warnings(tmp_path: Path) -> None:
+    env = {**os.environ, "MMCACHE_CAPACITY_G": "3", "MMCACHE_TARGET": "127.0.0.1:1"}
+    proc = subprocess.Popen(
+        [MMCACHE, "serve", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+         "--shm-dir", str(tmp_path / "absent"), "--grace-s", "0"],
+        env=env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "serving gRPC" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(20)
+    text = "".join(lines)
+    assert (
+        "WARNING mmcache.server: environment variable MMCACHE_CAPACITY_G is not an mmcache "
+        "setting; did you mean MMCACHE_CAPACITY_GB?" in text
+    )
+    assert "MMCACHE_TARGET" not in text  # the client's: no typo
+    assert "WARNING mmcache.server._app: shared memory off" in text
 
 
 def test_reflection_lists_the_services(

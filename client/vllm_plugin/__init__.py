@@ -161,7 +161,9 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     from ._caches import MMCacheProcessorCache
 
     model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
-    return MMCacheProcessorCache(_client(), scope_of(vllm_config), model)
+    scope = scope_of(vllm_config)
+    _said_active("multimodal processor cache", scope)
+    return MMCacheProcessorCache(_client(), scope, model)
 
 
 def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
@@ -170,7 +172,22 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
         return None
     from ._caches import MMCacheReceiverCache
 
-    return MMCacheReceiverCache(_client(), scope_of(vllm_config))
+    scope = scope_of(vllm_config)
+    _said_active("engine's multimodal reads", scope)
+    return MMCacheReceiverCache(_client(), scope)
+
+
+def _said_active(what: str, scope: str) -> None:
+    """One INFO line per process and cache, through vLLM's logger (its lines
+    name the process): what is mmcache's, where, and under which key scope."""
+    from vllm.logger import init_logger
+
+    init_logger("vllm.mmcache").info(
+        "mmcache: the %s is the sidecar at %s, key scope %s",
+        what,
+        os.environ["MMCACHE_TARGET"],
+        scope,
+    )
 
 
 def register() -> None:
