@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.redis_cluster import redis_available, redis_cluster
-from tests.vllm.conftest import Sidecar
+from tests.vllm.conftest import sidecars
 from tests.vllm.serve import metrics
 from tests.vllm.test_caches import eventually
 from tests.vllm.tiny_model import build
@@ -56,53 +56,39 @@ def same(answers: list[Answer], expected: list[Answer]) -> bool:
 def test_a_repeat_crosses_as_its_key_and_answers_as_dynamo_alone(
     model: Path, alone: list[Answer]
 ) -> None:
-    sidecar = Sidecar()
-    sidecar.start()
-    try:
-        with stack(model) as dynamo:
-            dynamo.worker(sidecar.target)
-            frontend = dynamo.frontend(sidecar.target)
-            answers = [frontend.chat(color) for color in COLORS]
-            assert same(answers, alone), dynamo.tail()
-            time.sleep(0.5)  # the last request's leases end after its stream
-            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
-            # Red and blue were uploaded once each (by the frontend); the
-            # repeat was a hit, read by the worker; nothing is left leased.
-            assert served["mmcache_items"] == 2
-            assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (3, 1)
-            assert served["mmcache_sent_bytes_total"] > 0
-            assert served["mmcache_leases"] == 0
-            received = served["mmcache_received_bytes_total"]
+    with sidecars(1) as [sidecar], stack(model) as dynamo:
+        dynamo.worker(sidecar.target)
+        frontend = dynamo.frontend(sidecar.target)
+        answers = [frontend.chat(color) for color in COLORS]
+        assert same(answers, alone), dynamo.tail()
+        time.sleep(0.5)  # the last request's leases end after its stream
+        served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+        # Red and blue were uploaded once each (by the frontend); the repeat
+        # was a hit, read by the worker; nothing is left leased.
+        assert served["mmcache_items"] == 2
+        assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (3, 1)
+        assert served["mmcache_sent_bytes_total"] > 0
+        assert served["mmcache_leases"] == 0
 
-            # The sidecar gone: requests answer as before, within the deadline.
-            sidecar.stop()
-            gone = [frontend.chat(color) for color in COLORS]
-            assert same(gone, alone), dynamo.tail()
-            assert max(a.seconds for a in gone[1:]) < 1.0 + 2.0  # deadline, and the model's time
-        assert received > 0
-    finally:
+        # The sidecar gone: requests answer as before, within the deadline.
         sidecar.stop()
+        gone = [frontend.chat(color) for color in COLORS]
+        assert same(gone, alone), dynamo.tail()
+        assert max(a.seconds for a in gone[1:]) < 1.0 + 2.0  # deadline, and the model's time
 
 
 def test_a_worker_side_miss_answers_with_the_image(model: Path, alone: list[Answer]) -> None:
     # The frontend's sidecar holds what the worker's does not: every hit the
     # frontend sends as a key is a miss for the worker, which then processes
     # the request's image itself.
-    front_sidecar, worker_sidecar = Sidecar(), Sidecar()
-    front_sidecar.start()
-    worker_sidecar.start()
-    try:
-        with stack(model) as dynamo:
-            dynamo.worker(worker_sidecar.target)
-            frontend = dynamo.frontend(front_sidecar.target)
-            answers = [frontend.chat(color) for color in COLORS]
-            assert same(answers, alone), dynamo.tail()
-            front = metrics(f"http://127.0.0.1:{front_sidecar.metrics_port}/metrics")
-            assert front["mmcache_hits_total"] == 1  # the repeat went as a key
-            assert front["mmcache_sent_bytes_total"] == 0  # and the worker never read it there
-    finally:
-        front_sidecar.stop()
-        worker_sidecar.stop()
+    with sidecars(2) as [front_sidecar, worker_sidecar], stack(model) as dynamo:
+        dynamo.worker(worker_sidecar.target)
+        frontend = dynamo.frontend(front_sidecar.target)
+        answers = [frontend.chat(color) for color in COLORS]
+        assert same(answers, alone), dynamo.tail()
+        front = metrics(f"http://127.0.0.1:{front_sidecar.metrics_port}/metrics")
+        assert front["mmcache_hits_total"] == 1  # the repeat went as a key
+        assert front["mmcache_sent_bytes_total"] == 0  # and the worker never read it there
 
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
@@ -117,33 +103,26 @@ def test_two_nodes_of_frontends_and_workers_process_each_image_once(
     # key, and that worker's sidecar has it or reads it through too.
     with redis_cluster() as cluster:
         env = {"MMCACHE_L2": cluster.url, "MMCACHE_L2_ADMIT": "first"}
-        nodes = [Sidecar(env=env), Sidecar(env=env)]
-        for node in nodes:
-            node.start()
-        try:
-            with stack(model) as dynamo:
-                for node in nodes:
-                    dynamo.worker(node.target)
-                frontends = [dynamo.frontend(node.target) for node in nodes]
-                expected = {"red": alone[0], "blue": alone[2]}
-                sent = [(0, "red"), (1, "red"), (1, "blue"), (0, "blue"), (0, "red"), (1, "red")]
-                answers = []
-                for n, (node, color) in enumerate(sent):
-                    answers.append(frontends[node].chat(color))
-                    if n in (0, 2):  # a first sighting: written behind to L2
-                        written = f"http://127.0.0.1:{nodes[node].metrics_port}/metrics"
-                        eventually(
-                            lambda url=written: (
-                                metrics(url).get("mmcache_l2_written_bytes_total", 0) > 0
-                            )
-                        )
-                assert same(answers, [expected[color] for _, color in sent]), dynamo.tail()
-                time.sleep(0.5)
-                served = [metrics(f"http://127.0.0.1:{n.metrics_port}/metrics") for n in nodes]
-                queries = sum(s["mmcache_queries_total"] for s in served)
-                processed = queries - sum(s["mmcache_hits_total"] for s in served)
-                assert (queries, processed) == (6, 2)  # each image processed once
-                assert all(s["mmcache_leases"] == 0 for s in served)
-        finally:
+        with sidecars(2, env) as nodes, stack(model) as dynamo:
             for node in nodes:
-                node.stop()
+                dynamo.worker(node.target)
+            frontends = [dynamo.frontend(node.target) for node in nodes]
+            expected = {"red": alone[0], "blue": alone[2]}
+            sent = [(0, "red"), (1, "red"), (1, "blue"), (0, "blue"), (0, "red"), (1, "red")]
+            answers = []
+            for n, (node, color) in enumerate(sent):
+                answers.append(frontends[node].chat(color))
+                if n in (0, 2):  # a first sighting: written behind to L2
+                    written = f"http://127.0.0.1:{nodes[node].metrics_port}/metrics"
+                    eventually(
+                        lambda url=written: (
+                            metrics(url).get("mmcache_l2_written_bytes_total", 0) > 0
+                        )
+                    )
+            assert same(answers, [expected[color] for _, color in sent]), dynamo.tail()
+            time.sleep(0.5)
+            served = [metrics(f"http://127.0.0.1:{n.metrics_port}/metrics") for n in nodes]
+            queries = sum(s["mmcache_queries_total"] for s in served)
+            processed = queries - sum(s["mmcache_hits_total"] for s in served)
+            assert (queries, processed) == (6, 2)  # each image processed once
+            assert all(s["mmcache_leases"] == 0 for s in served)

@@ -6,6 +6,7 @@ never in the main one, whose pytest does not collect this folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -67,6 +68,20 @@ class Sidecar:
             self.proc.kill()
             self.proc.wait(10)
             self.proc = None
+
+
+@contextlib.contextmanager
+def sidecars(count: int, env: dict[str, str] | None = None) -> Iterator[list[Sidecar]]:
+    """`count` sidecars started (each with `env`), stopped at the end."""
+    started: list[Sidecar] = []
+    try:
+        for _ in range(count):
+            started.append(Sidecar(env=env))
+            started[-1].start()
+        yield started
+    finally:
+        for node in started:
+            node.stop()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ uncached, touches of missing keys, exact stats, fail-open.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -50,7 +51,7 @@ from mmcache.client.vllm_plugin._convert import (
 from mmcache.client.vllm_plugin._sync import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
-from .conftest import Sidecar
+from .conftest import Sidecar, sidecars
 from .serve import metrics
 
 SCOPE = "test-scope"
@@ -548,28 +549,23 @@ def test_behind_an_l2_tier_an_item_another_node_processed_is_a_hit() -> None:
     # Two nodes' sidecars on one Redis Cluster. B's mirror follows B alone, so
     # its "no" is not the fleet's: behind a shared tier P0 asks about every
     # item, and B reads A's upload through from L2.
-    with redis_cluster() as cluster:
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(redis_cluster())
         env = {"MMCACHE_L2": cluster.url, "MMCACHE_L2_ADMIT": "first"}
-        nodes = [Sidecar(env=env), Sidecar(env=env)]
-        for node in nodes:
-            node.start()
+        nodes = stack.enter_context(sidecars(2, env))
         syncs = [SyncClient(node.target, deadline_s=1.0) for node in nodes]
-        try:
-            p0_a, p0_b = (MMCacheProcessorCache(sync, SCOPE) for sync in syncs)
-            assert syncs[1].client.shared_tier
-            red = item(1)
-            (out,) = request(p0_a, [("red", red)])
-            assert out[0] is red  # processed on A, uploaded, written behind to L2
-            first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
-            eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
-            (out,) = request(p0_b, [("red", red)])
-            assert out[0] is None and same_updates(list(out[1]), updates())  # a hit on B
-            p1_b = MMCacheReceiverCache(syncs[1], SCOPE)
-            assert p1_b.get_and_update_features([feature("red", None)])[0].data == red
-            (out,) = request(p0_b, [("blue", item(2))])
-            assert out[0] is not None  # held nowhere: processed on B
-        finally:
-            for sync in syncs:
-                sync.close()
-            for node in nodes:
-                node.stop()
+        for sync in syncs:
+            stack.callback(sync.close)
+        p0_a, p0_b = (MMCacheProcessorCache(sync, SCOPE) for sync in syncs)
+        assert syncs[1].client.shared_tier
+        red = item(1)
+        (out,) = request(p0_a, [("red", red)])
+        assert out[0] is red  # processed on A, uploaded, written behind to L2
+        first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
+        eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
+        (out,) = request(p0_b, [("red", red)])
+        assert out[0] is None and same_updates(list(out[1]), updates())  # a hit on B
+        p1_b = MMCacheReceiverCache(syncs[1], SCOPE)
+        assert p1_b.get_and_update_features([feature("red", None)])[0].data == red
+        (out,) = request(p0_b, [("blue", item(2))])
+        assert out[0] is not None  # held nowhere: processed on B

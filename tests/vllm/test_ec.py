@@ -26,7 +26,7 @@ import pytest
 from mmcache.client.vllm_ec import LEAST_VLLM, require_supported_vllm
 
 from ..redis_cluster import redis_available, redis_cluster
-from .conftest import Sidecar, free_port
+from .conftest import Sidecar, free_port, sidecars
 from .images import chat_messages
 from .serve import metrics, post_chat, serve_command, wait_healthy
 from .tiny_model import build
@@ -245,25 +245,18 @@ def test_engines_on_two_nodes_share_outputs_through_the_l2_tier(model: Path) -> 
     # (lookup "sidecar"), which reads through to L2.
     with redis_cluster() as cluster:
         env = {"MMCACHE_L2": cluster.url, "MMCACHE_L2_ADMIT": "first"}
-        nodes = [Sidecar(env=env), Sidecar(env=env)]
-        for node in nodes:
-            node.start()
-        try:
-            with engines(model, nodes, lookup="sidecar") as (a, b):
-                status, tokens_a = chat(a.port, "red")
-                assert status == 200
-                first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
-                eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
+        with sidecars(2, env) as nodes, engines(model, nodes, lookup="sidecar") as (a, b):
+            status, tokens_a = chat(a.port, "red")
+            assert status == 200
+            first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
+            eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
 
-                status, tokens_b = chat(b.port, "red")
-                assert status == 200 and tokens_b == tokens_a
-                assert b.encoder_calls() == 0
-                eventually(lambda: b.ec().get("loaded", 0) == 1)
-                second = metrics(f"http://127.0.0.1:{nodes[1].metrics_port}/metrics")
-                assert second["mmcache_l2_read_bytes_total"] > 0
-                # A new image: B asks its sidecar, which has it nowhere; B encodes.
-                assert chat(b.port, "blue")[0] == 200
-                assert b.encoder_calls() == 1
-        finally:
-            for node in nodes:
-                node.stop()
+            status, tokens_b = chat(b.port, "red")
+            assert status == 200 and tokens_b == tokens_a
+            assert b.encoder_calls() == 0
+            eventually(lambda: b.ec().get("loaded", 0) == 1)
+            second = metrics(f"http://127.0.0.1:{nodes[1].metrics_port}/metrics")
+            assert second["mmcache_l2_read_bytes_total"] > 0
+            # A new image: B asks its sidecar, which has it nowhere; B encodes.
+            assert chat(b.port, "blue")[0] == 200
+            assert b.encoder_calls() == 1
