@@ -99,6 +99,9 @@ class CacheMetrics:
         )
         # Label children by modality, bound once: labels() locks and checks.
         self._by_modality: dict[str, tuple[Counter, Counter]] = {}
+        # Their sums, for Info (`mmcache stats`) to read without a scrape.
+        self.total_queries = 0
+        self.total_hits = 0
         # At 0 from the start, so a dashboard's hit rate has series to divide.
         for modality in STARTING_MODALITIES:
             self.queried(modality, hit=False, count=0)
@@ -118,6 +121,8 @@ class CacheMetrics:
         children[0].inc(count)
         # inc(0) too, so that the hits series exists from the first query on.
         children[1].inc(count if hit else 0)
+        self.total_queries += count
+        self.total_hits += count if hit else 0
 
 
 class StoreGauges(Collector):

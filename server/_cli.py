@@ -20,6 +20,7 @@ from ._config import (
     config_from_args,
     unknown_variables,
 )
+from ._inspect import Connection, clear, locate, stats
 
 __all__ = ["main"]
 
@@ -35,16 +36,75 @@ def _parser() -> argparse.ArgumentParser:
     probe = commands.add_parser(
         "health", help="exit 0 when the server at TARGET reports SERVING (a health check)"
     )
-    probe.add_argument("target", nargs="?", default="127.0.0.1:50051", help="host:port")
     probe.add_argument("--service", default="", help="service name; empty: the whole server")
-    probe.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
-    probe.add_argument("--tls-ca", help="PEM file of the CA to verify a TLS server with")
-    probe.add_argument("--tls-cert", help="PEM client certificate, for a server asking for one")
-    probe.add_argument("--tls-key", help="PEM key of --tls-cert")
-    probe.add_argument(
+    _add_connection(probe, token=False)
+    shown = commands.add_parser(
+        "stats", help="items, bytes, hit ratio, leases, namespaces and L2 state of a server"
+    )
+    shown.add_argument(
+        "--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+        help="refresh in the terminal every SECONDS (2 when none is given)",
+    )  # fmt: skip
+    _add_connection(shown)
+    where = commands.add_parser("locate", help="where each hash is held: here, only in L2, nowhere")
+    where.add_argument("hashes", nargs="+", metavar="HASH", help="keys as clients send them")
+    where.add_argument("--l2", action="store_true", help="also ask the L2 tier about the others")
+    _add_connection(where, target_positional=False)
+    wipe = commands.add_parser(
+        "clear", help="remove every item of a namespace (asks first; needs role admin)"
+    )
+    wipe.add_argument("--yes", action="store_true", help="do not ask")
+    _add_connection(wipe, target_positional=False)
+    return parser
+
+
+def _add_connection(
+    parser: argparse.ArgumentParser, *, token: bool = True, target_positional: bool = True
+) -> None:
+    """The server to call and how: as a client of it would (its variables too)."""
+    default_target = os.environ.get("MMCACHE_TARGET", "127.0.0.1:50051")
+    if target_positional:
+        parser.add_argument("target", nargs="?", default=default_target, help="host:port")
+    else:
+        parser.add_argument(
+            "--target", default=default_target, help="host:port [env MMCACHE_TARGET]"
+        )
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
+    if token:
+        parser.add_argument(
+            "--token-file",
+            default=os.environ.get("MMCACHE_TOKEN_FILE"),
+            metavar="FILE",
+            help="file holding the token [env MMCACHE_TOKEN_FILE, or MMCACHE_TOKEN]",
+        )
+        parser.add_argument(
+            "--namespace",
+            default=os.environ.get("MMCACHE_NAMESPACE", ""),
+            help="the namespace to look at [env MMCACHE_NAMESPACE; default: the default one]",
+        )
+    parser.add_argument("--tls-ca", help="PEM file of the CA to verify a TLS server with")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for a server asking for one")
+    parser.add_argument("--tls-key", help="PEM key of --tls-cert")
+    parser.add_argument(
         "--tls-server-name", help="the name the server's certificate carries, if not TARGET's"
     )
-    return parser
+
+
+def _connection(args: argparse.Namespace) -> Connection:
+    token = os.environ.get("MMCACHE_TOKEN") or None
+    if args.token_file:
+        with open(args.token_file, encoding="utf-8") as file:
+            token = file.read().strip()
+    return Connection(
+        args.target,
+        token=token,
+        namespace=args.namespace,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
+        timeout=args.timeout,
+    )
 
 
 class _EarlyStop:
@@ -70,6 +130,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if serving:
         _EarlyStop.install()  # first of all
     args = _parser().parse_args(argv)
+    if args.command in ("stats", "locate", "clear"):
+        try:
+            connection = _connection(args)
+        except OSError as exc:
+            print(f"mmcache {args.command}: {exc}", file=sys.stderr)
+            return 2
+        if args.command == "stats":
+            return asyncio.run(stats(connection, args.watch))
+        if args.command == "locate":
+            return asyncio.run(locate(connection, args.hashes, args.l2))
+        return asyncio.run(clear(connection, args.yes))
     if args.command == "health":
         from ._health import check
 

@@ -171,6 +171,11 @@ class CacheServicer:
             used_bytes=self._store.used,
             max_items=self._store.max_items,
             shared_tier=self._l2 is not None,
+            leases=self._store.leases,
+            queries=self._metrics.total_queries,
+            hits=self._metrics.total_hits,
+            namespaces=len(self._namespaces),
+            l2_up=self._l2 is not None and bool(self._l2.backend.up),
         )
         region = self._region()
         if region is not None:

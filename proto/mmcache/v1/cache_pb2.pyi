@@ -1046,6 +1046,11 @@ class InfoReply(_message.Message):
     MAX_ITEMS_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
     SHARED_TIER_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    QUERIES_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    L2_UP_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     capacity_bytes: _builtins.int
     version: _builtins.str
@@ -1062,6 +1067,15 @@ class InfoReply(_message.Message):
     hash absent from its feed may still be held there, so a frontend that
     wants every hit asks the server rather than trusting its mirror's "no".
     """
+    leases: _builtins.int
+    """How it is doing, for people (`mmcache stats`): leases held, queries and
+    hits since start (every namespace), namespaces in use, and whether the
+    L2 tier answers (with shared_tier).
+    """
+    queries: _builtins.int
+    hits: _builtins.int
+    namespaces: _builtins.int
+    l2_up: _builtins.bool
     @_builtins.property
     def shm(self) -> Global___ShmRegion:
         """Set when the server has a shared-memory region."""
@@ -1078,10 +1092,15 @@ class InfoReply(_message.Message):
         max_items: _builtins.int = ...,
         shm: Global___ShmRegion | None = ...,
         shared_tier: _builtins.bool = ...,
+        leases: _builtins.int = ...,
+        queries: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        namespaces: _builtins.int = ...,
+        l2_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "instance_id", b"instance_id", "items", b"items", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "shared_tier", b"shared_tier", "shm", b"shm", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "hits", b"hits", "instance_id", b"instance_id", "items", b"items", "l2_up", b"l2_up", "leases", b"leases", "max_chunk_bytes", b"max_chunk_bytes", "max_items", b"max_items", "namespaces", b"namespaces", "queries", b"queries", "shared_tier", b"shared_tier", "shm", b"shm", "used_bytes", b"used_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,69 @@
+"""`mmcache stats`, `mmcache locate`, `mmcache clear`: the commands a person
+runs against a live server, as processes, against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+from mmcache.client import MMCacheClient
+from mmcache.server import MMCacheServer
+
+from .conftest import MMCACHE, server_config
+from .items import image_item
+
+ADMIN, WRITE = "admin-token-0123456789", "write-token-0123456789"
+
+
+async def mmcache(
+    *args: str, stdin: str = "", env: dict[str, str] | None = None
+) -> tuple[int, str]:
+    """Run the `mmcache` command (off the event loop: the server runs on it)."""
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [MMCACHE, *args], input=stdin, capture_output=True, text=True, timeout=30, env=env
+        )
+
+    done = await asyncio.to_thread(run)
+    return done.returncode, done.stdout + done.stderr
+
+
+async def test_stats_locate_and_clear_look_inside_a_running_server() -> None:
+    async with MMCacheServer(server_config()) as server:
+        target = f"127.0.0.1:{server.port}"
+        async with MMCacheClient(target) as client:
+            await client.get_and_update([image_item(1), image_item(2)], ["a", "b"], lease=False)
+            await client.lookup(["a", "c"])  # a hit (leased), a miss
+
+        code, shown = await mmcache("stats", target)
+        assert code == 0
+        assert "items      2 (" in shown
+        assert "hit ratio  25.0% (1 hits of 4 queries since start)" in shown
+        assert "leases     1 (" in shown and "L2 tier    none" in shown
+
+        code, shown = await mmcache("locate", "--target", target, "a", "zzz")
+        assert code == 0
+        lines = shown.strip().splitlines()
+        assert lines[0].startswith("a  held here (") and lines[1] == "zzz  not held"
+
+        code, shown = await mmcache("clear", "--target", target, stdin="n\n")
+        assert code == 1 and "nothing removed" in shown and len(server.store) == 2
+        code, shown = await mmcache("clear", "--target", target, "--yes")
+        assert code == 0 and "removed 1 items" in shown and "1 leased ones stay" in shown
+        assert list(server.store._lru.keys()) == ["a"]  # leased: kept until read
+
+
+async def test_clear_needs_an_admin_token_and_says_so() -> None:
+    async with MMCacheServer(server_config(tokens=f"admin {ADMIN}; write {WRITE}")) as server:
+        target = f"127.0.0.1:{server.port}"
+        code, shown = await mmcache(
+            "clear", "--target", target, "--yes", env={"MMCACHE_TOKEN": WRITE, "PATH": ""}
+        )
+        assert code == 1 and "PERMISSION_DENIED" in shown and "admin" in shown
+        code, shown = await mmcache(
+            "clear", "--target", target, "--yes", env={"MMCACHE_TOKEN": ADMIN, "PATH": ""}
+        )
+        assert code == 0 and "removed 0 items" in shown
+        code, shown = await mmcache("stats", target, env={"MMCACHE_TOKEN": WRITE, "PATH": ""})
+        assert code == 0 and "hit ratio  no queries yet" in shown
