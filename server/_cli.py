@@ -20,7 +20,7 @@ from ._config import (
     config_from_args,
     unknown_variables,
 )
-from ._inspect import Connection, clear, locate, stats
+from ._inspect import Connection, clear, get, locate, stats
 
 __all__ = ["main"]
 
@@ -50,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("hashes", nargs="+", metavar="HASH", help="keys as clients send them")
     where.add_argument("--l2", action="store_true", help="also ask the L2 tier about the others")
     _add_connection(where, target_positional=False)
+    fetched = commands.add_parser(
+        "get", help="write an item's tensors and spec to a directory, to inspect"
+    )
+    fetched.add_argument("hash", metavar="HASH", help="the key as clients send it")
+    fetched.add_argument("--out", required=True, metavar="DIR", help="directory to write into")
+    _add_connection(fetched, target_positional=False)
     wipe = commands.add_parser(
         "clear", help="remove every item of a namespace (asks first; needs role admin)"
     )
@@ -130,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if serving:
         _EarlyStop.install()  # first of all
     args = _parser().parse_args(argv)
-    if args.command in ("stats", "locate", "clear"):
+    if args.command in ("stats", "locate", "get", "clear"):
         try:
             connection = _connection(args)
         except OSError as exc:
@@ -140,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(stats(connection, args.watch))
         if args.command == "locate":
             return asyncio.run(locate(connection, args.hashes, args.l2))
+        if args.command == "get":
+            return asyncio.run(get(connection, args.hash, args.out))
         return asyncio.run(clear(connection, args.yes))
     if args.command == "health":
         from ._health import check

@@ -1,23 +1,28 @@
 """Looking inside a running cache, for people: `mmcache stats`, `mmcache
-locate HASH...`, `mmcache clear`. Plain gRPC calls (Info, Locate, Clear) with
-the token, namespace and TLS settings of any client; no torch needed."""
+locate HASH...`, `mmcache get HASH --out DIR`, `mmcache clear`. Plain gRPC
+calls (Info, Locate, Fetch, Clear) with the token, namespace and TLS settings
+of any client; no torch needed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
+from google.protobuf import json_format
 
+from mmcache._dtypes import nbytes_of
 from mmcache._spec import NAMESPACE_KEY
 from mmcache.v1 import cache_pb2 as pb
 
 from ._auth import AUTHORIZATION_KEY
 
-__all__ = ["Connection", "clear", "locate", "stats"]
+__all__ = ["Connection", "clear", "get", "locate", "stats"]
 
 _SERVICE = "/mmcache.v1.MMCache"
 _TIERS = {pb.TIER_L1: "held here", pb.TIER_L2: "in L2 only", pb.TIER_NONE: "not held"}
@@ -158,6 +163,73 @@ async def clear(
     print(
         f"removed {reply.removed} items of {where}; {reply.kept_leased} leased ones stay "
         "until their engines read them",
+        file=out,
+    )
+    return 0
+
+
+def _leaves(spec: pb.ItemSpec) -> list[dict[str, Any]]:
+    """Each tensor of an item, where its bytes are in the payload (depth
+    first, fields in order: the wire's order)."""
+    found: list[dict[str, Any]] = []
+    offset = 0
+
+    def walk(node: pb.Node, path: str) -> None:
+        nonlocal offset
+        kind = node.WhichOneof("kind")
+        if kind == "tensor":
+            nbytes = nbytes_of(node.tensor.dtype, node.tensor.shape)
+            shape = list(node.tensor.shape)
+            found.append(
+                {"path": path, "dtype": node.tensor.dtype, "shape": shape, "offset": offset,
+                 "nbytes": nbytes}
+            )  # fmt: skip
+            offset += nbytes
+        elif kind in ("list", "tuple"):
+            for i, child in enumerate(getattr(node, kind).items):
+                walk(child, f"{path}[{i}]")
+
+    for field in spec.fields:
+        walk(field.data, field.key)
+    return found
+
+
+def _write(directory: Path, spec: str, payload: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "spec.json").write_text(spec)
+    (directory / "payload.bin").write_bytes(payload)
+
+
+async def get(connection: Connection, mm_hash: str, out_dir: str, out: TextIO = sys.stdout) -> int:
+    """Write an item to `out_dir`: `spec.json` (its fields, and each tensor's
+    dtype, shape and place in the payload) and `payload.bin` (the tensors'
+    bytes). A read: no query counted, nothing reordered or leased."""
+    request = pb.FetchRequest(mm_hashes=[mm_hash])
+    try:
+        async with connection.channel() as channel:
+            stub = channel.unary_stream(
+                f"{_SERVICE}/Fetch",
+                request_serializer=pb.FetchRequest.SerializeToString,
+                response_deserializer=pb.FetchFrame.FromString,
+            )
+            frames = [
+                frame
+                async for frame in stub(
+                    request, timeout=connection.timeout, metadata=connection.metadata()
+                )
+            ]
+    except grpc.aio.AioRpcError as exc:
+        return _failed(f"get {mm_hash}", exc, sys.stderr)
+    (item,) = frames[0].header.items
+    payload = b"".join(frame.chunk for frame in frames[1:])
+    described = json_format.MessageToDict(item.item)
+    described["tensors"] = _leaves(item.item)
+    directory = Path(out_dir)
+    _write(directory, json.dumps(described, indent=2) + "\n", payload)
+    print(
+        f"{mm_hash}: {len(described['tensors'])} tensors, {len(payload)} bytes -> "
+        f"{directory}/spec.json, {directory}/payload.bin (e.g. numpy.fromfile with each "
+        "tensor's dtype, count and offset)",
         file=out,
     )
     return 0

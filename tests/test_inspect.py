@@ -4,7 +4,11 @@ runs against a live server, as processes, against a real server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
+from pathlib import Path
+
+import torch
 
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
@@ -67,3 +71,26 @@ async def test_clear_needs_an_admin_token_and_says_so() -> None:
         assert code == 0 and "removed 0 items" in shown
         code, shown = await mmcache("stats", target, env={"MMCACHE_TOKEN": WRITE, "PATH": ""})
         assert code == 0 and "hit ratio  no queries yet" in shown
+
+
+async def test_get_writes_an_items_tensors_and_where_each_lies(tmp_path: Path) -> None:
+    item = image_item(3, numel=1000)
+    async with MMCacheServer(server_config()) as server:
+        target = f"127.0.0.1:{server.port}"
+        async with MMCacheClient(target) as client:
+            await client.get_and_update([item], ["cat"], lease=False)
+        code, shown = await mmcache("get", "cat", "--target", target, "--out", str(tmp_path))
+        assert code == 0 and "payload.bin" in shown
+        spec = json.loads((tmp_path / "spec.json").read_text())
+        payload = (tmp_path / "payload.bin").read_bytes()
+        # Every tensor, at its place in the payload, holds the bytes uploaded.
+        tensors = {t["path"]: t for t in spec["tensors"]}
+        for key, elem in item.items():
+            where = tensors[key]
+            data = elem.data
+            assert (where["dtype"], where["shape"]) == (str(data.dtype).removeprefix("torch."),
+                                                         list(data.shape))  # fmt: skip
+            got = payload[where["offset"] : where["offset"] + where["nbytes"]]
+            assert got == data.contiguous().view(torch.uint8).numpy().tobytes()
+        code, shown = await mmcache("get", "dog", "--target", target, "--out", str(tmp_path))
+        assert code == 1 and "NOT_FOUND" in shown
