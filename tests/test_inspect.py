@@ -46,6 +46,15 @@ async def test_stats_locate_and_clear_look_inside_a_running_server() -> None:
         assert "hit ratio  25.0% (1 hits of 4 queries since start)" in shown
         assert "leases     1 (" in shown and "L2 tier    none" in shown
 
+        # --watch: the view again and again, the terminal cleared before each.
+        watching = await asyncio.create_subprocess_exec(
+            MMCACHE, "stats", target, "--watch", "0.1", stdout=asyncio.subprocess.PIPE
+        )
+        await asyncio.sleep(1.5)
+        watching.terminate()
+        seen, _ = await watching.communicate()
+        assert seen.decode().count("\x1b[H\x1b[2J") >= 2 and b"hit ratio  25.0%" in seen
+
         code, shown = await mmcache("locate", "--target", target, "a", "zzz")
         assert code == 0
         lines = shown.strip().splitlines()
