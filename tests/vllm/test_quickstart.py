@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +21,13 @@ from .serve import post_chat
 from .tiny_model import REAL_PIXELS, build
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.engine
+pytestmark = [
+    pytest.mark.engine,
+    # The quick start builds and runs .venv-vllm: once, from that environment.
+    pytest.mark.skipif(
+        Path(sys.prefix).name != ".venv-vllm", reason="the quick start runs .venv-vllm"
+    ),
+]
 
 
 def quick_start() -> str:
