@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mmcache.client.vllm_plugin._releases import PLUGIN_RELEASES
 from tests.deploy.checks import (
     COMPOSE_FILE,
     DASHBOARD,
@@ -428,6 +429,18 @@ def _sidecar(pod: dict[str, Any]) -> dict[str, Any]:
     ]
     assert len(sidecars) == 1, "mmcache must be one of the initContainers"
     return sidecars[0]
+
+
+def test_the_engine_is_a_vllm_the_plugin_supports_with_mmcache_in_it(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    recipe = (ROOT / "deploy" / "docker" / "engine.Dockerfile").read_text()
+    base = re.search(r"^ARG VLLM_IMAGE=vllm/vllm-openai:v(\d+)\.(\d+)\.\d+$", recipe, re.M)
+    assert base is not None and (int(base[1]), int(base[2])) in PLUGIN_RELEASES
+    assert 'pip install --no-cache-dir ".[client]"' in recipe
+    for name, objects in rendered.items():
+        images = [c["image"] for c in _pod(objects)["containers"]]
+        assert images == ["mmcache-vllm:0.1.0"], name
 
 
 def test_mmcache_is_a_native_sidecar_with_grpc_probes(
