@@ -62,6 +62,8 @@ bench: $(VENV)/.test
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
 	.venv-vllm/bin/python -m bench.models
+	scripts/dynamo-env.sh
+	.venv-dynamo/bin/python -m bench.dynamo
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-0.31 .venv-vllm-0.33 .venv-dynamo build .mypy_cache .ruff_cache .pytest_cache

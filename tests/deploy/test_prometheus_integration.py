@@ -78,7 +78,7 @@ def test_prometheus_reads_back_the_counts_the_traffic_implies(
             labels["modality"]: value
             for labels, value in prom.query(f"mmcache_queries_total{{{job}}}")
         }
-        assert by_modality == {"image": 6, "video": 1}
+        assert by_modality == {"image": 6, "video": 1, "audio": 0}  # audio: at 0 from the start
         assert prom.query_value(f'mmcache_hits_total{{{job},modality="video"}}') == 0
         assert prom.query_value(f"mmcache_items{{{job}}}") == 4
         referenced = f'mmcache_encoder_referenced_tokens{{{job},engine="engine-0"}}'

@@ -45,9 +45,12 @@ class Answer:
 class Frontend:
     port: int
 
-    def chat(self, color: str, timeout: float = 120) -> Answer:
-        body = {"model": "tiny", "max_tokens": 8, "temperature": 0,
-                "messages": chat_messages(color)}  # fmt: skip
+    def chat(self, color: str, timeout: float = 120, image_url: str | None = None) -> Answer:
+        """A chat about a `color` image (or the image at `image_url`)."""
+        messages = chat_messages(color)
+        if image_url is not None:
+            messages[0]["content"][0]["image_url"]["url"] = image_url
+        body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": messages}
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions",
             json.dumps(body).encode(),
@@ -100,7 +103,7 @@ class Stack:
         self.procs.append(proc)
         return proc
 
-    def worker(self, mmcache: str | None) -> None:
+    def worker(self, mmcache: str | None, max_model_len: int = 256) -> None:
         """A vLLM worker (its own sidecar at `mmcache`, or none); returns once
         it registered its endpoint."""
         env: dict[str, str] = {}
@@ -110,8 +113,8 @@ class Stack:
             "worker",
             [
                 *("dynamo.vllm", "--model", str(self.model), "--served-model-name", "tiny"),
-                *("--enable-multimodal", "--enforce-eager", "--max-model-len", "256"),
-                *("--max-num-seqs", "4", "--max-num-batched-tokens", "256"),
+                *("--enable-multimodal", "--enforce-eager", "--max-model-len", str(max_model_len)),
+                *("--max-num-seqs", "4", "--max-num-batched-tokens", str(max_model_len)),
                 *("--limit-mm-per-prompt", '{"image": 1}', "--dtype", "bfloat16"),
             ],
             env,
