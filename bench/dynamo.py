@@ -78,7 +78,7 @@ def main() -> None:
         with sidecars(1) as [sidecar], stack(model) as dynamo:
             dynamo.worker(sidecar.target, max_model_len=4096)
             frontends = [dynamo.frontend(sidecar.target), dynamo.frontend(sidecar.target)]
-            warm = ["warm-a", "warm-b"]
+            warm = ["cyan", "magenta"]  # keys only: their images are the photos below
             warm_urls = {w: data_url(width, height, 1000 + i) for i, w in enumerate(warm)}
             replay(frontends, warm, warm_urls)
             before = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
