@@ -76,7 +76,10 @@ def _add_connection(
             "--target", default=default_target, help="host:port [env MMCACHE_TARGET]"
         )
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default %(default)s)")
-    if token:
+    if not token:  # (parser-level defaults beat an argument's: only where there is none)
+        parser.set_defaults(sends_token=False, token_file=None, namespace="")
+    else:
+        parser.set_defaults(sends_token=True)
         parser.add_argument(
             "--token-file",
             default=os.environ.get("MMCACHE_TOKEN_FILE"),
@@ -97,7 +100,7 @@ def _add_connection(
 
 
 def _connection(args: argparse.Namespace) -> Connection:
-    token = os.environ.get("MMCACHE_TOKEN") or None
+    token = (os.environ.get("MMCACHE_TOKEN") or None) if args.sends_token else None
     if args.token_file:
         with open(args.token_file, encoding="utf-8") as file:
             token = file.read().strip()
@@ -152,17 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "health":
         from ._health import check
 
-        return asyncio.run(
-            check(
-                args.target,
-                args.service,
-                args.timeout,
-                tls_ca=args.tls_ca,
-                tls_cert=args.tls_cert,
-                tls_key=args.tls_key,
-                tls_server_name=args.tls_server_name,
-            )
-        )
+        return asyncio.run(check(_connection(args), args.service))
     try:
         config = config_from_args(args)
     except ConfigError as exc:

@@ -214,9 +214,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # vLLM may ask more than once per request: each hash is looked up once.
         # Behind a shared tier (L2) the mirror's "no" is not the fleet's: every
         # hash is asked about (the server reads the tier through), in the same call.
-        known = client.is_cached(keys, pending=True)
         if client.shared_tier and client.following:  # (not while out of touch)
             known = [True] * len(keys)
+        else:
+            known = client.is_cached(keys, pending=True)
         candidates = [
             i for i, held in enumerate(known) if held and mm_hashes[i] not in request.looked_up
         ]
