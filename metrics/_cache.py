@@ -105,6 +105,8 @@ class CacheMetrics:
         # At 0 from the start, so a dashboard's hit rate has series to divide.
         for modality in STARTING_MODALITIES:
             self.queried(modality, hit=False, count=0)
+            self.resends.labels(modality)
+            self.uncached.labels(modality)
 
     def evicted(self, size: int) -> None:
         self.evictions.inc()

@@ -8,6 +8,8 @@
 #   prometheus, promtool           prometheus 2.42.0                real-Prometheus tests
 #   redis-server, redis-cli        redis-server 7.0.15              the L2 tier's Redis Cluster
 #   podman, mmdebstrap             podman 4.3, mmdebstrap 1.3       the image, built and run
+#   podman-compose (+ dnsname)     podman-compose 1.0.3             the local stack on podman
+#                                  (and CNI's dnsname plugin: services find each other by name)
 #
 # A kubectl that is already on PATH (e.g. the Google Cloud SDK's `kubectl` package,
 # v1.32 with kustomize v5) is kept: the manifests render with either. The offline
@@ -29,18 +31,21 @@ declare -A package_for=(
     # With what the image checks use of its recommends (rootful, host network).
     [podman]="podman uidmap slirp4netns fuse-overlayfs"
     [mmdebstrap]=mmdebstrap
+    [podman-compose]="podman-compose golang-github-containernetworking-plugin-dnsname"
 )
 
 have() {
     case "$1" in
         # `kubectl kustomize` exists since kubectl 1.14; check the subcommand, not just the binary.
         kubectl) command -v kubectl >/dev/null 2>&1 && kubectl kustomize --help >/dev/null 2>&1 ;;
+        # Podman's CNI backend resolves service names only with the dnsname plugin.
+        podman-compose) command -v podman-compose >/dev/null 2>&1 && [ -x /usr/lib/cni/dnsname ] ;;
         *) command -v "$1" >/dev/null 2>&1 ;;
     esac
 }
 
 missing=()
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose; do
     if ! have "$program"; then
         package=${package_for[$program]}
         if [[ " ${missing[*]-} " != *" $package "* ]]; then
@@ -51,7 +56,7 @@ for program in kubectl docker-compose prometheus promtool redis-server redis-cli
 done
 
 if ((${#missing[@]} == 0)); then
-    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis, podman, mmdebstrap all present"
+    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis, podman, mmdebstrap, podman-compose all present"
     exit 0
 fi
 
@@ -78,7 +83,7 @@ export DEBIAN_FRONTEND=noninteractive
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
     "${missing[@]}"
 
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose; do
     if ! have "$program"; then
         echo "install-system-deps: $program still missing after installing ${missing[*]}" >&2
         exit 1

@@ -31,11 +31,11 @@ podman_can_run() {
         PODMAN_WHY="podman is not installed (scripts/install-system-deps.sh installs it)"
         return 1
     fi
-    if out=$(podman run --rm "${PODMAN_FLAGS[@]}" "$image" true 2>&1); then
+    if out=$(podman run --rm "${PODMAN_FLAGS[@]}" --entrypoint true "$image" 2>&1); then
         return 0
     fi
     if [[ $out == *"hybrid mode"* ]] && _move_v2_controllers_to_v1 \
-        && out=$(podman run --rm "${PODMAN_FLAGS[@]}" "$image" true 2>&1); then
+        && out=$(podman run --rm "${PODMAN_FLAGS[@]}" --entrypoint true "$image" 2>&1); then
         return 0
     fi
     PODMAN_WHY=$out

@@ -65,13 +65,10 @@ def scrape_config(
 
 
 @dataclass
-class Prometheus:
-    url: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
+class PrometheusAPI:
+    """Any Prometheus's HTTP API at `url` (e.g. one in a container)."""
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    url: str
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/PATH; the `data` of a successful answer."""
@@ -132,6 +129,17 @@ class Prometheus:
             {k: t.get(k) for k in ("scrapePool", "scrapeUrl", "health", "lastError")}
             for t in self.api("targets")["activeTargets"]
         ]
+
+
+@dataclass
+class Prometheus(PrometheusAPI):
+    """One these helpers started, with its process and log."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
 
 def _wait_ready(prom: Prometheus, timeout: float) -> None:

@@ -5,49 +5,17 @@ health, /metrics, its user, SIGTERM, an early SIGTERM, and its size."""
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import MMCACHE, ROOT, parse_samples, sample, scrape_text
+from tests.conftest import MMCACHE, parse_samples, sample, scrape_text
+from tests.deploy.podman import podman, podman_flags
 from tests.test_process import free_port
 
-IMAGE = "localhost/mmcache:ci"
 GRACE_S = 3
-
-
-def _podman_flags() -> list[str]:
-    """PODMAN_FLAGS of scripts/podman-flags.sh, the one place they are kept."""
-    flags = shlex.quote(str(ROOT / "scripts/podman-flags.sh"))
-    script = f'. {flags}; printf "%s\\n" "${{PODMAN_FLAGS[@]}}"'
-    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    return done.stdout.split()
-
-
-@pytest.fixture(scope="module")
-def image() -> str:
-    done = subprocess.run(
-        [str(ROOT / "scripts/image-build.sh")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-        env={"PYTHON": str(ROOT / ".venv/bin/python"), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
-    )
-    if done.returncode == 77:
-        pytest.skip(done.stderr.strip())
-    assert done.returncode == 0, done.stdout + done.stderr
-    print(done.stdout.strip())  # the image's size, in the test log
-    return IMAGE
-
-
-def podman(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["podman", *args], capture_output=True, text=True, timeout=timeout, check=False
-    )
 
 
 def healthy(port: int) -> bool:
@@ -59,7 +27,7 @@ def healthy(port: int) -> bool:
 def container(image: str) -> Iterator[tuple[str, int, int]]:
     port, metrics_port = free_port(), free_port()
     started = podman(
-        "run", "-d", *_podman_flags(),
+        "run", "-d", *podman_flags(),
         "-e", "MMCACHE_HOST=127.0.0.1", "-e", f"MMCACHE_PORT={port}",
         "-e", f"MMCACHE_METRICS_PORT={metrics_port}", "-e", "MMCACHE_CAPACITY_GB=0.0625",
         "-e", f"MMCACHE_GRACE_S={GRACE_S}", "-e", "MMCACHE_SHM=0",
@@ -98,7 +66,7 @@ def test_the_image_serves_runs_unprivileged_and_stops_cleanly(
 def test_a_sigterm_right_after_the_start_stops_the_container(image: str) -> None:
     port, metrics_port = free_port(), free_port()
     started = podman(
-        "run", "-d", *_podman_flags(),
+        "run", "-d", *podman_flags(),
         "-e", "MMCACHE_HOST=127.0.0.1", "-e", f"MMCACHE_PORT={port}",
         "-e", f"MMCACHE_METRICS_PORT={metrics_port}", "-e", "MMCACHE_SHM=0",
         "-e", f"MMCACHE_GRACE_S={GRACE_S}", image,
