@@ -31,8 +31,12 @@ plugin say so with an ERROR and leave Dynamo's transfer as it is):
 `._prepare_mm_routing` (the media always forwarded), and
 `dynamo.vllm.multimodal_utils.request_processor`'s
 `VllmMultimodalRequestProcessor.try_receive_mm_kwargs` and the module's
-`decode_mm_kwargs_item`. Keys are the frontend's: vLLM's full `mm_hash` in
-the plugin's scope (the worker's 64-bit routing hashes never reach them).
+`decode_mm_kwargs_item`; and the frontend's media connector, registered as
+`dynamo` in vLLM's registry, is the plugin's (vLLM's own, decoding lazily).
+Keys are the frontend's: vLLM's full `mm_hash` in the plugin's scope (the
+worker's 64-bit routing hashes never reach them). An image is named by its
+encoded bytes, as `vllm serve` names it, so Dynamo frontends and `vllm
+serve` API servers on one sidecar share items.
 Misses travel by shared memory: with `DYNAMO_MM_TRANSFER=nixl` (workers on
 other nodes) Dynamo's own transfer is left in place.
 """
@@ -55,6 +59,7 @@ TESTED_DYNAMO = ("1.6.1",)
 EXTRA_KEY = "mm_kwargs_mmcache"  # the request's extra_args entry of this transport
 FRONTEND_MODULE = "dynamo.frontend.main"
 WORKER_MODULE = "dynamo.vllm.main"
+DYNAMO_CONNECTOR = "dynamo"  # the media connector name Dynamo's frontend sets
 
 
 class MMCacheItem(BaseModel):  # type: ignore[misc]
@@ -102,14 +107,26 @@ def install() -> None:
 
 
 def _install_frontend() -> None:
+    from dynamo.common.multimodal import media_connector
     from dynamo.common.multimodal.mm_kwargs_transfer import (
         MmKwargsSender,
         MmKwargsShmSender,
         encode_mm_kwargs_item,
     )
     from dynamo.frontend import vllm_processor
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
     from .vllm_plugin._caches import MMCacheProcessorCache
+    from .vllm_plugin._media import MMCacheMediaConnector
+
+    # The frontend loads media through the connector it registers as "dynamo"
+    # (it sets VLLM_MEDIA_CONNECTOR=dynamo), which hands vLLM decoded images:
+    # vLLM then names an image by its pixels, where `vllm serve` names it by
+    # its encoded bytes, and the two never share an item. Registered after
+    # Dynamo's (imported above, so its own registration is done), that name
+    # now gives vLLM's connector decoding lazily, as `vllm serve` with the plugin has.
+    del media_connector
+    MEDIA_CONNECTOR_REGISTRY.register(DYNAMO_CONNECTOR)(MMCacheMediaConnector)
 
     class _Leased:
         """A request's hits: their leases end with it."""

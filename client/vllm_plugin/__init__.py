@@ -54,6 +54,7 @@ from typing import Any
 __all__ = ["client_for", "connection_settings", "ec_scope_of", "register", "scope_of"]
 
 from ._metrics import plugin_metrics
+from ._naming import model_identity
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -65,11 +66,12 @@ def scope_of(vllm_config: Any) -> str:
     """The key scope of a model: a digest of what shapes its processed items."""
     model = vllm_config.model_config
     multimodal = model.get_multimodal_config()
+    tokenizer = getattr(model, "tokenizer", None) or model.model
     return _digest(
         {
-            "model": str(model.model),
+            "model": model_identity(str(model.model)),
             "revision": str(getattr(model, "revision", None)),
-            "tokenizer": str(getattr(model, "tokenizer", None)),
+            "tokenizer": model_identity(str(tokenizer)),
             "mm_processor_kwargs": getattr(multimodal, "mm_processor_kwargs", None),
             # The digest vLLM names items with (blake3, sha256, sha512): keys
             # made under one are never read under another.
@@ -92,6 +94,8 @@ def ec_scope_of(vllm_config: Any) -> str:
         {
             "kind": "encoder_output",
             "processed": scope_of(vllm_config),
+            # Fine-tunes share processing files, not encoders: the path too.
+            "model": str(model.model),
             "dtype": str(getattr(model, "dtype", None)),
             "quantization": str(getattr(model, "quantization", None)),
             "code_revision": str(getattr(model, "code_revision", None)),
@@ -215,7 +219,10 @@ def register() -> None:
     for module in (factories, cache_package, engine_core):
         module.engine_receiver_cache_from_config = engine_receiver_cache_from_config
     from ._media import CONNECTOR_NAME, register_connector
+    from ._naming import name_models_by_content
 
+    # One model's items are named alike wherever it is loaded from (_naming.py).
+    name_models_by_content()
     # A hit skips the image's decode (_media.py), unless another connector was chosen.
     if register_connector():
         os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)

@@ -14,18 +14,20 @@ Runs in .venv-dynamo (scripts/dynamo-env.sh; `make test-dynamo`).
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.redis_cluster import redis_available, redis_cluster
-from tests.vllm.conftest import sidecars
-from tests.vllm.serve import metrics
+from tests.vllm.conftest import free_port, sidecars
+from tests.vllm.images import chat_messages
+from tests.vllm.serve import metrics, post_chat, serve_command, wait_healthy
 from tests.vllm.test_caches import eventually
 from tests.vllm.tiny_model import build
 
-from .stack import Answer, stack
+from .stack import ROOT, Answer, stack
 
 COLORS = ("red", "red", "blue")
 
@@ -126,3 +128,40 @@ def test_two_nodes_of_frontends_and_workers_process_each_image_once(
             processed = queries - sum(s["mmcache_hits_total"] for s in served)
             assert (queries, processed) == (6, 2)  # each image processed once
             assert all(s["mmcache_leases"] == 0 for s in served)
+
+
+def test_a_dynamo_frontend_and_vllm_serve_share_an_item(
+    model: Path, alone: list[Answer], tmp_path: Path
+) -> None:
+    # Dynamo's frontend loads the model from its own copies of its files (its
+    # model card's cache) and its images through the connector it registers:
+    # without the plugin's naming (_naming.py) and connector, vLLM names one
+    # image two ways there and under `vllm serve`. Here the frontend processes
+    # red; `vllm serve` on the same sidecar then finds it and runs no processor.
+    with sidecars(1) as [sidecar], stack(model) as dynamo:
+        dynamo.worker(sidecar.target)
+        frontend = dynamo.frontend(sidecar.target)
+        assert same([frontend.chat("red")], alone[:1]), dynamo.tail()
+        port = free_port()
+        env = {**dynamo.env, "MMCACHE_TARGET": sidecar.target}
+        with (tmp_path / "serve.log").open("wb") as log:
+            serve = subprocess.Popen(
+                serve_command(str(model), port, "--served-model-name", "tiny",
+                              "--limit-mm-per-prompt", '{"image": 1}'),
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        try:
+            wait_healthy(port, serve, timeout=300)
+            body = {"model": "tiny", "max_tokens": 8, "temperature": 0,
+                    "messages": chat_messages("red")}  # fmt: skip
+            status, answer = post_chat(port, body)
+            assert status == 200, (tmp_path / "serve.log").read_text()[-3000:]
+            assert answer["usage"]["prompt_tokens"] == alone[0].prompt_tokens
+            assert answer["choices"][0]["message"]["content"] == alone[0].text
+            served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+            assert (served["mmcache_items"], served["mmcache_hits_total"]) == (1, 1)
+            vllm = metrics(f"http://127.0.0.1:{port}/metrics")
+            assert vllm["mmcache_vllm_processed_items_total"] == 0
+        finally:
+            serve.terminate()
+            serve.wait(60)
