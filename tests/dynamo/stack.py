@@ -153,6 +153,15 @@ class Stack:
                 raise RuntimeError(f"the worker did not start: {self.tail()}")
             time.sleep(1)
 
+    def cards(self) -> list[dict[str, Any]]:
+        """The model cards the workers registered (file discovery's records)."""
+        found = []
+        for path in (self.work / "discovery").rglob("*"):
+            if path.is_file() and "/mdc/" in str(path):
+                record = json.loads(path.read_text())
+                found.append(record.get("card_json", record))
+        return found
+
     def tail(self) -> str:
         return "\n".join(
             f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in self.logs

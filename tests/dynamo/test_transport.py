@@ -63,6 +63,17 @@ def test_a_repeat_crosses_as_its_key_and_answers_as_dynamo_alone(
         frontend = dynamo.frontend(sidecar.target)
         answers = [frontend.chat(color) for color in COLORS]
         assert same(answers, alone), dynamo.tail()
+        # Why no router hints (docs/dynamo.md): Dynamo 1.6.1 indexes image
+        # events only for cards asking for multimodal cache routing (an Encode
+        # worker or need, a media decoder, an Images/Videos model); a vLLM
+        # worker's card asks for none. A release whose card does wants a look.
+        (card,) = dynamo.cards()
+        assert (card["model_type"], card["worker_type"], card["needs"]) == (
+            "Chat | Completions",
+            "aggregated",
+            [],
+        ), card
+        assert card.get("media_decoder") is None
         time.sleep(0.5)  # the last request's leases end after its stream
         served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
         # Red and blue were uploaded once each (by the frontend); the repeat
