@@ -47,7 +47,7 @@ from ._pool import BufferPool
 from ._reports import Reports
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
-from ._shm import ClientRegion, attach
+from ._shm import ClientRegion, ClientRing, attach
 from ._slots import Size, WriteSlots, size_of
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
@@ -218,7 +218,9 @@ class MMCacheClient:
         self._sessions = sessions
         self._region: ClientRegion | None = None
         self._shared_tier = False
-        self._reports = Reports(lambda request: self._rpc.report(request), self._answered)
+        self._reports = Reports(
+            lambda request: self._rpc.report(request), self._answered, self._open_report_ring
+        )
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
         self._write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
@@ -795,6 +797,19 @@ class MMCacheClient:
         self._detach()
         if self._shm and info.HasField("shm"):
             self._region = attach(info.instance_id, info.shm)
+
+    async def _open_report_ring(self, token: bytes) -> ClientRing | None:
+        """A report ring in the region of `token`, if the server gives one."""
+        region = self._region
+        if region is None or region.token != token:
+            return None
+        reply = await self._rpc.open_report_ring(token)
+        if reply.instance_id != region.instance_id or len(reply.slots) != 1:
+            return None
+        try:
+            return region.ring(reply.slots[0])
+        except ValueError:
+            return None
 
     def _detach(self) -> None:
         if self._region is not None:

@@ -11,6 +11,11 @@ next. Best effort: a lease or a hold never given back ends by itself.
 Any client reports the same way the queries it answered itself (misses it
 neither looked up nor uploaded), so the server counts every query its
 callers count.
+
+A client that maps the region writes its reports in a report ring there
+instead (mmcache._rings), once the server gave it one: no call at all, and
+the server reads the ring before it next acts on its store. A report the
+ring cannot take (full, retired, too large) goes by call as before.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -25,11 +31,14 @@ from mmcache._errors import MMCacheError
 from mmcache._spec import MAX_HASHES_PER_CALL, MAX_MODALITIES_PER_REPORT
 from mmcache.v1 import cache_pb2 as pb
 
+from ._shm import ClientRing
+
 __all__ = ["Reports"]
 
 _LOGGER = logging.getLogger(__name__)
 
 MAX_PENDING = 4 * MAX_HASHES_PER_CALL
+RING_RETRY_S = 30.0  # after a ring was refused or retired, reports go by call this long
 
 
 class Reports:
@@ -39,9 +48,15 @@ class Reports:
         self,
         send: Callable[[pb.ReleaseRequest], Awaitable[pb.ReleaseReply]],
         answered: Callable[[str], None],
+        open_ring: Callable[[bytes], Awaitable[ClientRing | None]] | None = None,
     ) -> None:
         self._send = send
         self._answered = answered  # with the instance id of each reply
+        self._open_ring = open_ring
+        self._ring: ClientRing | None = None
+        self._ring_token = b""
+        self._opening: asyncio.Task[None] | None = None
+        self._no_ring_until = 0.0
         self._token = b""
         self._released: list[str] = []
         self._done: list[int] = []
@@ -62,6 +77,10 @@ class Reports:
             self._done.clear()
             self._read_bytes = 0
             self._token = token
+        released, done = list(released), list(done)
+        report = pb.ReleaseRequest(mm_hashes=released, shm_done=done, shm_read_bytes=read_bytes)
+        if self._by_ring(token, report):
+            return
         self._released.extend(released)
         self._done.extend(done)
         # A server out of reach for long: the oldest leases end by themselves.
@@ -72,13 +91,48 @@ class Reports:
 
     def add_misses(self, modalities: Iterable[str]) -> None:
         """Queries answered here as misses, one per modality named."""
-        self._misses.update(modalities)
+        counted = Counter(modalities)
+        if len(counted) <= MAX_MODALITIES_PER_REPORT and self._by_ring(
+            self._ring_token, pb.ReleaseRequest(misses=counted)
+        ):
+            return
+        self._misses.update(counted)
         if len(self._misses) > MAX_MODALITIES_PER_REPORT:  # the rest as unknown
             kept = dict(self._misses.most_common(MAX_MODALITIES_PER_REPORT - 1))
             unknown = self._misses.total() - sum(kept.values())
             self._misses = Counter(kept)
             self._misses[""] += unknown
         self._start()
+
+    def _by_ring(self, token: bytes, report: pb.ReleaseRequest) -> bool:
+        """Whether `report` went in this region's report ring (opened on first use)."""
+        ring = self._ring
+        if ring is not None and token == self._ring_token:
+            if ring.write(report.SerializeToString()):
+                return True
+            if not ring.region.live_ring(ring):  # retired: by call, and another later
+                self._ring = None
+                self._no_ring_until = time.monotonic() + RING_RETRY_S
+            return False
+        if self._may_open(token):
+            self._opening = asyncio.get_running_loop().create_task(self._open(token))
+        return False
+
+    def _may_open(self, token: bytes) -> bool:
+        opening = self._opening is not None and not self._opening.done()
+        wanted = bool(token) and self._open_ring is not None and not opening
+        return wanted and time.monotonic() >= self._no_ring_until
+
+    async def _open(self, token: bytes) -> None:
+        assert self._open_ring is not None
+        self._no_ring_until = time.monotonic() + RING_RETRY_S  # one try at a time
+        try:
+            ring = await self._open_ring(token)
+        except MMCacheError as exc:
+            _LOGGER.debug("no report ring (reports go by call): %s", exc)
+            return
+        if ring is not None:
+            self._ring, self._ring_token = ring, token
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
@@ -123,6 +177,13 @@ class Reports:
                 await asyncio.wait_for(asyncio.shield(task), timeout)
 
     def cancel(self) -> None:
+        """At the client's close: nothing more is sent, and the ring goes back."""
+        if self._ring is not None:
+            self._ring.write(b"")  # an empty record: the server retires the ring
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        if self._opening is not None:
+            self._opening.cancel()
+            self._opening = None
+        self._ring = None

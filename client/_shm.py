@@ -29,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from mmcache._errors import MMCacheError
 from mmcache._items import Item
+from mmcache._rings import write_record
 from mmcache._shm_layout import (
     BUCKET,
     EXTENT_HEAD,
@@ -48,7 +49,7 @@ from mmcache.v1 import cache_pb2 as pb
 from ._codec import EncodedItem, ItemDecoder, copy_payload
 from ._pool import BufferPool
 
-__all__ = ["ClientRegion", "attach"]
+__all__ = ["ClientRegion", "ClientRing", "attach"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -144,6 +145,15 @@ class ClientRegion:
                 return start, generation, length, spec
         return None
 
+    def live_ring(self, ring: ClientRing) -> bool:
+        """Whether the server still keeps `ring` (it retires an idle or broken one)."""
+        return self.live(ring.slot)
+
+    def ring(self, slot: pb.ShmSlot) -> ClientRing:
+        """The report ring the server gave this client (ShmAllocate `reports`)."""
+        self._payload(slot)  # within the region, or ValueError
+        return ClientRing(self, slot)
+
     def write(self, slot: pb.ShmSlot, encoded: EncodedItem) -> None:
         """Copy an item's payload into a write slot; ValueError for a slot that does
         not fit it or is no longer its lease's (the caller sends over gRPC)."""
@@ -159,6 +169,24 @@ class ClientRegion:
         with contextlib.suppress(BufferError):
             self._view.release()
             self._map.close()
+
+
+class ClientRing:
+    """This client's report ring in the region (mmcache._rings): its reports
+    go there instead of in a Release call, while the server keeps it."""
+
+    def __init__(self, region: ClientRegion, slot: pb.ShmSlot) -> None:
+        self.region = region
+        self.slot = slot
+
+    def write(self, report: bytes) -> bool:
+        """Append a serialised ReleaseRequest; False when the ring is full, or
+        retired (the caller sends a Release instead)."""
+        try:
+            ring = self.region.view(self.slot)
+        except ValueError:  # retired
+            return False
+        return write_record(ring, report)
 
 
 def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:

@@ -116,6 +116,11 @@ class CacheTransport:
             request_serializer=pb.ShmAllocateRequest.SerializeToString,
             response_deserializer=pb.ShmAllocateReply.FromString,
         )
+        self._open_report_ring = channel.unary_unary(
+            f"{_SERVICE}/OpenReportRing",
+            request_serializer=pb.OpenReportRingRequest.SerializeToString,
+            response_deserializer=pb.ShmAllocateReply.FromString,
+        )
         self._subscribe = channel.unary_stream(
             f"{_SERVICE}/Subscribe",
             request_serializer=pb.SubscribeRequest.SerializeToString,
@@ -200,6 +205,14 @@ class CacheTransport:
             reply: pb.ShmAllocateReply = await self._shm_allocate(
                 pb.ShmAllocateRequest(shm_token=token, lengths=lengths, trailers=trailers),
                 timeout=timeout or self._timeout,
+            )
+        return reply
+
+    async def open_report_ring(self, token: bytes) -> pb.ShmAllocateReply:
+        """A report ring in the region of `token` (one slot, or none)."""
+        with translate_errors():
+            reply: pb.ShmAllocateReply = await self._open_report_ring(
+                pb.OpenReportRingRequest(shm_token=token), timeout=self._timeout
             )
         return reply
 

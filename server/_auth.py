@@ -69,6 +69,7 @@ def _methods() -> dict[str, frozenset[str]]:
         "Fetch": frozenset({"read"}),
         "ReadShm": frozenset({"read"}),
         "Release": frozenset({"read", "write"}),
+        "OpenReportRing": frozenset({"read", "write"}),  # what Release does, through the region
         "Subscribe": frozenset({"read", "write"}),
         "Locate": frozenset({"read", "write"}),
         "Clear": frozenset({"admin"}),

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
 from mmcache._lockfiles import unlocked
+from mmcache._rings import reset_ring
 from mmcache._shm_layout import (
     BUCKET,
     EXTENT_HEAD,
@@ -76,6 +77,7 @@ from mmcache._shm_layout import (
 __all__ = [
     "ITEM",
     "READ",
+    "RING",
     "WRITE",
     "Region",
     "Resident",
@@ -94,6 +96,7 @@ _SUFFIX = ".shm"
 WRITE = "write"
 ITEM = "item"
 READ = "read"  # a transient extent: one read's copy of an item in the heap
+RING = "ring"  # a client's report ring (mmcache._rings), until the server retires it
 
 # How long a resident is safe from items read again (`read_again`): reads
 # change the region's content at most at that pace (a copy out, one in), so
@@ -421,6 +424,22 @@ class Region:
         self._writes.pop(slot.lease, None)
         WORD.pack_into(self._map, slot.start, 0)  # readers of the old generation see it gone
         self._reuse(slot)
+
+    def open_ring(self, length: int) -> Slot | None:
+        """A report ring of `length` bytes, emptied, or None when there is no room."""
+        slot = self.allocate(length, RING)
+        if slot is not None:
+            slot.expires = float("inf")  # until retired
+            reset_ring(self.payload(slot))
+        return slot
+
+    def retire(self, slot: Slot) -> None:
+        """End a report ring. Its memory waits a lease before it is used again,
+        as an expired write slot's does: its client may be writing a record it
+        found the ring live for."""
+        if self._slots.pop(slot.lease, None) is slot:
+            WORD.pack_into(self._map, slot.start, 0)
+            self._quarantine.append((self._clock() + self._lease_s, slot))
 
     def expire(self) -> int:
         """End the write slots and holds past their lease (a client that died or

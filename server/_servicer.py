@@ -49,6 +49,7 @@ from ._region import (
     region_frames,
 )
 from ._replays import Replays, batch_key
+from ._report_rings import ReportRings
 from ._sessions import Sessions, skip_batch
 from ._status import failure_code, guard, protobuf_method, write
 from ._store import BatchResult, ItemStore, StoredItem
@@ -122,6 +123,7 @@ class CacheServicer:
         self._pending = PendingUploads(namespaces.emit)
         self._replays = Replays()
         self._region = region
+        self._rings: ReportRings | None = None
 
     @property
     def pending(self) -> list[str]:
@@ -153,6 +155,9 @@ class CacheServicer:
             "ShmAllocate": protobuf_method(
                 self.shm_allocate, pb.ShmAllocateRequest, self._instance_id
             ),
+            "OpenReportRing": protobuf_method(
+                self.open_report_ring, pb.OpenReportRingRequest, self._instance_id
+            ),
             "ReadShm": protobuf_method(self.read_shm, pb.FetchRequest, self._instance_id),
             "Locate": protobuf_method(self.locate, pb.LocateRequest, self._instance_id),
             # The feed serialises each message once for every subscriber.
@@ -162,6 +167,7 @@ class CacheServicer:
 
     async def info(self, request: pb.InfoRequest, context: Context) -> pb.InfoReply:
         self._namespace(context)  # a bad or one-too-many namespace fails at connect
+        self.drain_reports()  # its counts include what the rings hold
         reply = pb.InfoReply(
             instance_id=self._instance_id,
             capacity_bytes=self._store.capacity,
@@ -188,9 +194,19 @@ class CacheServicer:
         self, request: pb.ShmAllocateRequest, context: Context
     ) -> pb.ShmAllocateReply:
         region = self._region_of(request.shm_token)
-        sizes = slot_sizes("ShmAllocate", request.lengths, request.trailers)
+        self.drain_reports()
         reply = pb.ShmAllocateReply(instance_id=self._instance_id)
+        sizes = slot_sizes("ShmAllocate", request.lengths, request.trailers)
         reply.slots.extend(slot_message(s) for s in self._write_slots(region, sizes))
+        return reply
+
+    async def open_report_ring(
+        self, request: pb.OpenReportRingRequest, context: Context
+    ) -> pb.ShmAllocateReply:
+        region = self._region_of(request.shm_token)
+        ring = self._rings_of(region).open(self._namespace(context))
+        reply = pb.ShmAllocateReply(instance_id=self._instance_id)
+        reply.slots.extend([] if ring is None else [slot_message(ring)])
         return reply
 
     def _write_slots(
@@ -281,21 +297,46 @@ class CacheServicer:
         )
 
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
-        keys = self._keys(self._namespace(context), request.mm_hashes)
+        namespace = self._namespace(context)
+        self.drain_reports()  # what came before this call, first
+        region = self._region()
+        # Only a client that maps the region reports; one of a region gone is
+        # too late, but its leases are still given back.
+        mapped = region is not None and region.matches(request.shm_token)
+        released = self._report(namespace, request, region if mapped else None)
+        return pb.ReleaseReply(instance_id=self._instance_id, released=released)
+
+    def _report(
+        self, namespace: Namespace, request: pb.ReleaseRequest, region: Region | None
+    ) -> int:
+        """Apply a Release, or a report ring's record; the leases it ended.
+        `region`: the client maps it (its holds and its bytes read count)."""
+        keys = self._keys(namespace, request.mm_hashes)
         check_count("shm_done", len(request.shm_done))
         check_misses(request.misses)
         # Queries a client answered itself count as lookups that missed would.
         for modality, count in request.misses.items():
             self._metrics.queried(modality, hit=False, count=count)
-        region = self._region()
-        # Only a client that maps the region reports; one of a region gone is
-        # too late, but its leases are still given back.
-        if region is not None and region.matches(request.shm_token):
+        if region is not None:
             for hold in request.shm_done:
                 region.release(hold)
             self._metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
             self._metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
-        return pb.ReleaseReply(instance_id=self._instance_id, released=self._store.release(keys))
+        return self._store.release(keys)
+
+    def _rings_of(self, region: Region) -> ReportRings:
+        if self._rings is None or self._rings.region is not region:
+
+            def apply(namespace: Namespace, report: pb.ReleaseRequest) -> None:
+                self._report(namespace, report, region)
+
+            self._rings = ReportRings(region, apply)
+        return self._rings
+
+    def drain_reports(self) -> int:
+        """Apply what co-located clients wrote in their report rings; how many reports."""
+        region = self._region()
+        return 0 if region is None or self._rings is None else self._rings_of(region).drain()
 
     async def locate(self, request: pb.LocateRequest, context: Context) -> pb.LocateReply:
         keys = self._keys(self._namespace(context), request.mm_hashes)
@@ -387,6 +428,7 @@ class CacheServicer:
         last: bool = True,
     ) -> bytes:
         """Apply one batch; its serialised reply. `last`: no frame may follow it."""
+        self.drain_reports()  # leases given back before anything is evicted
         entries = parse_header(request, namespace.key)
         spare_sizes = slot_sizes(
             "the upload's spares", request.shm_spare_lengths, request.shm_spare_trailers
@@ -634,6 +676,7 @@ class CacheServicer:
     async def read_shm(self, request: pb.FetchRequest, context: Context) -> pb.FetchHeader:
         region = self._region_of(request.shm_token)
         check_count("shm_done", len(request.shm_done))
+        self.drain_reports()
         # The client's earlier reads first: their transient extents are free for this one.
         for hold in request.shm_done:
             region.release(hold)

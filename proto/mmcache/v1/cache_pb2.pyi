@@ -1009,6 +1009,31 @@ class ShmAllocateRequest(_message.Message):
 Global___ShmAllocateRequest: _TypeAlias = ShmAllocateRequest  # noqa: Y015
 
 @_typing.final
+class OpenReportRingRequest(_message.Message):
+    """A report ring (mmcache._rings): this client's reports (what a Release
+    carries) then reach the server through the region, with no call. Bound to
+    the caller's namespace. The reply holds one slot, or none (no room, or
+    the server's rings are all taken): report by Release then.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHM_TOKEN_FIELD_NUMBER: _builtins.int
+    shm_token: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        shm_token: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shm_token", b"shm_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenReportRingRequest: _TypeAlias = OpenReportRingRequest  # noqa: Y015
+
+@_typing.final
 class ShmAllocateReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -1,0 +1,128 @@
+"""The server's end of the report rings (mmcache._rings): co-located clients'
+reports, read with no call.
+
+A client that maps the region asks once (ShmAllocate with `reports`) for a
+ring, bound to the namespace it asked in; what it would send as a Release
+(leases given back, holds done, bytes read, queries it answered itself) it
+then writes there. The server reads every ring before it acts on its store
+(each call that may evict, allocate or count), and on a short timer, so a
+lease given back is never held for longer than that; a report it reads is
+applied exactly as the Release it stands for.
+
+A client that closes writes an empty record: its ring is retired then. One
+whose client has gone quiet for `idle_s` (one that died) is retired (its memory
+waits a lease before reuse, server/_region.py): the client finds it so and
+reports by call until it asks for another. So is a ring that is corrupt, or
+stuck on a record that never becomes whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import MMCacheError
+from mmcache._rings import RING_BYTES, RingCorrupt, read_records
+from mmcache.v1 import cache_pb2 as pb
+
+from ._namespaces import Namespace
+from ._region import Region, Slot
+
+__all__ = ["ReportRings"]
+
+_LOGGER = logging.getLogger(__name__)
+
+MAX_RINGS = 256  # 16 MiB of region at most
+IDLE_S = 600.0  # a ring unused this long goes back
+STUCK_S = 2.0  # a record that does not become whole within this is no record
+
+
+@dataclass(slots=True)
+class _Ring:
+    slot: Slot
+    namespace: Namespace
+    tail: int = 0
+    used: float = 0.0  # when a record was last read
+    stuck: float = 0.0  # since when records wait that never became whole (0: none)
+
+
+class ReportRings:
+    """The rings of one region; `apply` takes each report as the Release it stands for."""
+
+    def __init__(
+        self,
+        region: Region,
+        apply: Callable[[Namespace, pb.ReleaseRequest], None],
+        *,
+        most: int = MAX_RINGS,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.region = region
+        self._apply = apply
+        self._most = most
+        self._idle_s = idle_s
+        self._clock = clock
+        self._rings: dict[int, _Ring] = {}
+
+    def __len__(self) -> int:
+        return len(self._rings)
+
+    def open(self, namespace: Namespace) -> Slot | None:
+        """A new ring for a client of `namespace`, or None (all taken, or no room)."""
+        if len(self._rings) >= self._most:
+            return None
+        slot = self.region.open_ring(RING_BYTES)
+        if slot is not None:
+            self._rings[slot.lease] = _Ring(slot, namespace, used=self._clock())
+        return slot
+
+    def drain(self) -> int:
+        """Apply every whole report written since the last drain; how many."""
+        if not self._rings:
+            return 0
+        now = self._clock()
+        applied = 0
+        for lease, ring in list(self._rings.items()):
+            try:
+                payloads, ring.tail = read_records(self.region.payload(ring.slot), ring.tail)
+            except RingCorrupt as exc:
+                self._retire(lease, f"corrupt: {exc}")
+                continue
+            if payloads:
+                ring.used, ring.stuck = now, 0.0
+            for payload in payloads:
+                applied += self._report(ring, payload) if payload else 0
+            if b"" in payloads:  # its client closed: no record follows
+                self._retire(lease, "its client closed")
+            elif self._waiting(ring):
+                ring.stuck = ring.stuck or now
+                if now - ring.stuck > STUCK_S:
+                    self._retire(lease, "a record never became whole")
+            elif now - ring.used > self._idle_s:
+                self._retire(lease, "unused")
+        return applied
+
+    def _waiting(self, ring: _Ring) -> bool:
+        head = int.from_bytes(self.region.payload(ring.slot)[:8], "little")
+        return head > ring.tail
+
+    def _report(self, ring: _Ring, payload: bytes) -> int:
+        try:
+            self._apply(ring.namespace, pb.ReleaseRequest.FromString(payload))
+        except (DecodeError, MMCacheError) as exc:  # its client's mistake: the rest go on
+            _LOGGER.warning("a report in a shared-memory ring was refused: %s", exc)
+            return 0
+        return 1
+
+    def _retire(self, lease: int, why: str) -> None:
+        ring = self._rings.pop(lease)
+        self.region.retire(ring.slot)
+        _LOGGER.info("retired a report ring (%s): its client reports by call", why)
+
+    def close(self) -> None:
+        self._rings.clear()
