@@ -46,6 +46,15 @@ def metrics(url: str) -> dict[str, float]:
     return sums
 
 
+def sidecar_metrics(port: int) -> dict[str, float]:
+    """A sidecar's /metrics once what its clients wrote in their report rings
+    is in: the sidecar reads the rings within 200 ms when no call makes it
+    sooner (docs/shm.md), so a read's lease given back and its bytes show
+    only then."""
+    time.sleep(0.3)
+    return metrics(f"http://127.0.0.1:{port}/metrics")
+
+
 def post_chat(port: int, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
     """POST a chat completion: the HTTP status and the answer (None on an error)."""
     request = urllib.request.Request(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import Sidecar
-from .serve import metrics
+from .serve import sidecar_metrics
 from .test_engine import ENGINE_ENV, ROOT, model  # noqa: F401  (a fixture)
 
 EXAMPLE = ROOT / "docs" / "examples" / "dynamo_flow.py"
@@ -38,6 +38,6 @@ def test_frontend_uploads_worker_fetches_and_injects_with_vllms_counters_right(
     assert seen["held"] == [True, True] and seen["fetched_equal"] is True
     # Two items injected (queries, not hits), then one new image chatted about.
     assert seen["vllm"] == {"vllm:mm_cache_queries": 3, "vllm:mm_cache_hits": 0}
-    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    served = sidecar_metrics(sidecar.metrics_port)
     assert served["mmcache_leases"] == 0  # the worker's read released the frontend's leases
     assert served["mmcache_sent_bytes_total"] == served["mmcache_received_bytes_total"] > 0

@@ -30,7 +30,7 @@ from bench.photos import jpeg
 
 from .conftest import Sidecar, free_port
 from .images import chat_messages
-from .serve import metrics, post_chat, serve_command, wait_healthy
+from .serve import metrics, post_chat, serve_command, sidecar_metrics, wait_healthy
 from .tiny_model import build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     assert isinstance(tokens, list) and tokens[0] != tokens[2]  # the image matters
     assert cached["tokens"] == tokens
     assert cached["metrics"] == {"vllm:mm_cache_queries": 4, "vllm:mm_cache_hits": 2}
-    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    served = sidecar_metrics(sidecar.metrics_port)
     assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
     # Two images uploaded once each; the two hits read through by the engine.
     assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
@@ -144,12 +144,11 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
     with serving(model, sidecar, "--api-server-count", "2") as vllm_serve:
         port = vllm_serve.port
         vllm_metrics = f"http://127.0.0.1:{port}/metrics"
-        sidecar_metrics = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
         assert [chat(port, c) for c in ("red", "red", "blue", "red")] == [200] * 4
         seen = metrics(vllm_metrics)
         # vLLM alone counts 1 hit here: each API process keeps its own cache.
         assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (4, 2)
-        served = metrics(sidecar_metrics)
+        served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
         assert served["mmcache_feed_subscribers"] == 3  # two API processes and the engine
         # Red and blue were uploaded once each; the engine read both hits.
@@ -191,7 +190,7 @@ def test_data_parallel_engines_read_through_what_either_engine_was_sent(
         assert [chat(port, c) for c in colors] == [200] * 6
         seen = metrics(f"http://127.0.0.1:{port}/metrics")
         assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (6, 3)
-        served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+        served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (6, 3)
         # Three images uploaded once each; the engines read the three hits.
         assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
