@@ -77,10 +77,12 @@ class Reports:
             self._done.clear()
             self._read_bytes = 0
             self._token = token
-        released, done = list(released), list(done)
-        report = pb.ReleaseRequest(mm_hashes=released, shm_done=done, shm_read_bytes=read_bytes)
-        if self._by_ring(token, report):
-            return
+        ring = self._ring_for(token)
+        if ring is not None:
+            released, done = list(released), list(done)
+            report = pb.ReleaseRequest(mm_hashes=released, shm_done=done, shm_read_bytes=read_bytes)
+            if self._written(ring, report):
+                return
         self._released.extend(released)
         self._done.extend(done)
         # A server out of reach for long: the oldest leases end by themselves.
@@ -92,9 +94,9 @@ class Reports:
     def add_misses(self, modalities: Iterable[str]) -> None:
         """Queries answered here as misses, one per modality named."""
         counted = Counter(modalities)
-        if len(counted) <= MAX_MODALITIES_PER_REPORT and self._by_ring(
-            self._ring_token, pb.ReleaseRequest(misses=counted)
-        ):
+        ring = self._ring
+        fits = len(counted) <= MAX_MODALITIES_PER_REPORT
+        if ring is not None and fits and self._written(ring, pb.ReleaseRequest(misses=counted)):
             return
         self._misses.update(counted)
         if len(self._misses) > MAX_MODALITIES_PER_REPORT:  # the rest as unknown
@@ -104,28 +106,27 @@ class Reports:
             self._misses[""] += unknown
         self._start()
 
-    def _by_ring(self, token: bytes, report: pb.ReleaseRequest) -> bool:
-        """Whether `report` went in this region's report ring (opened on first use)."""
-        ring = self._ring
-        if ring is not None and token == self._ring_token:
-            if ring.write(report.SerializeToString()):
-                return True
-            if not ring.region.live_ring(ring):  # retired: by call, and another later
-                self._ring = None
-                self._no_ring_until = time.monotonic() + RING_RETRY_S
-            return False
-        if self._may_open(token):
+    def _ring_for(self, token: bytes) -> ClientRing | None:
+        """The report ring of the region of `token`; None while there is none
+        (one is asked for on first use, and again RING_RETRY_S after a refusal)."""
+        if self._ring is not None and token == self._ring_token:
+            return self._ring
+        if token and self._open_ring is not None and time.monotonic() >= self._no_ring_until:
+            self._no_ring_until = time.monotonic() + RING_RETRY_S  # one try at a time
             self._opening = asyncio.get_running_loop().create_task(self._open(token))
-        return False
+        return None
 
-    def _may_open(self, token: bytes) -> bool:
-        opening = self._opening is not None and not self._opening.done()
-        wanted = bool(token) and self._open_ring is not None and not opening
-        return wanted and time.monotonic() >= self._no_ring_until
+    def _written(self, ring: ClientRing, report: pb.ReleaseRequest) -> bool:
+        """Whether `report` went in `ring`; one retired is dropped (by call, and another later)."""
+        if ring.write(report.SerializeToString()):
+            return True
+        if not ring.live():
+            self._ring = None
+            self._no_ring_until = time.monotonic() + RING_RETRY_S
+        return False
 
     async def _open(self, token: bytes) -> None:
         assert self._open_ring is not None
-        self._no_ring_until = time.monotonic() + RING_RETRY_S  # one try at a time
         try:
             ring = await self._open_ring(token)
         except MMCacheError as exc:

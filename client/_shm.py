@@ -145,12 +145,8 @@ class ClientRegion:
                 return start, generation, length, spec
         return None
 
-    def live_ring(self, ring: ClientRing) -> bool:
-        """Whether the server still keeps `ring` (it retires an idle or broken one)."""
-        return self.live(ring.slot)
-
     def ring(self, slot: pb.ShmSlot) -> ClientRing:
-        """The report ring the server gave this client (ShmAllocate `reports`)."""
+        """The report ring the server gave this client (OpenReportRing)."""
         self._payload(slot)  # within the region, or ValueError
         return ClientRing(self, slot)
 
@@ -178,6 +174,10 @@ class ClientRing:
     def __init__(self, region: ClientRegion, slot: pb.ShmSlot) -> None:
         self.region = region
         self.slot = slot
+
+    def live(self) -> bool:
+        """Whether the server still keeps the ring (it retires an idle or broken one)."""
+        return self.region.live(self.slot)
 
     def write(self, report: bytes) -> bool:
         """Append a serialised ReleaseRequest; False when the ring is full, or

@@ -107,7 +107,7 @@ def install() -> None:
 
 
 def _install_frontend() -> None:
-    from dynamo.common.multimodal import media_connector
+    import dynamo.common.multimodal.media_connector  # noqa: F401  (Dynamo's "dynamo" registered now)
     from dynamo.common.multimodal.mm_kwargs_transfer import (
         MmKwargsSender,
         MmKwargsShmSender,
@@ -125,7 +125,6 @@ def _install_frontend() -> None:
     # its encoded bytes, and the two never share an item. Registered after
     # Dynamo's (imported above, so its own registration is done), that name
     # now gives vLLM's connector decoding lazily, as `vllm serve` with the plugin has.
-    del media_connector
     MEDIA_CONNECTOR_REGISTRY.register(DYNAMO_CONNECTOR)(MMCacheMediaConnector)
 
     class _Leased:

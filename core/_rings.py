@@ -30,6 +30,7 @@ __all__ = [
     "RingCorrupt",
     "read_records",
     "reset_ring",
+    "ring_head",
     "write_record",
 ]
 
@@ -53,6 +54,13 @@ def _crc(position: int, payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(_WORD.pack(position)))
 
 
+def ring_head(ring: memoryview) -> int:
+    """The bytes its writer has written so far (the reader's tail equals it
+    when nothing is new)."""
+    head: int = _WORD.unpack_from(ring, 0)[0]
+    return head
+
+
 def reset_ring(ring: memoryview) -> None:
     """A fresh ring: no records, nothing left of the memory's last use."""
     ring[:] = bytes(len(ring))
@@ -63,7 +71,7 @@ def write_record(ring: memoryview, payload: bytes) -> bool:
     has not read that far yet) or could never hold it."""
     capacity = len(ring) - RING_HEAD_BYTES
     need = _padded(RECORD.size + len(payload))
-    head = _WORD.unpack_from(ring, 0)[0]
+    head = ring_head(ring)
     tail = _WORD.unpack_from(ring, _TAIL_AT)[0]
     at = head % capacity
     skip = capacity - at if capacity - at < need else 0
@@ -85,7 +93,7 @@ def read_records(ring: memoryview, tail: int) -> tuple[list[bytes], int]:
     also written back for the writer. RingCorrupt for a ring no writer of this
     module made."""
     capacity = len(ring) - RING_HEAD_BYTES
-    head = _WORD.unpack_from(ring, 0)[0]
+    head = ring_head(ring)
     if head < tail or head - tail > capacity or head % 8:
         raise RingCorrupt(f"head {head} is not within a ring's length of tail {tail}")
     payloads: list[bytes] = []

@@ -108,7 +108,6 @@ up() {
 
 down() {
     command -v podman-compose >/dev/null 2>&1 || die "podman-compose is not installed"
-    export MMCACHE_IMAGE=$image
     compose down -v >/dev/null 2>&1 || true
     # podman-compose 1.0.3's `down -v` leaves the project's volumes and network.
     local volumes

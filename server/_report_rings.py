@@ -1,13 +1,14 @@
 """The server's end of the report rings (mmcache._rings): co-located clients'
 reports, read with no call.
 
-A client that maps the region asks once (ShmAllocate with `reports`) for a
-ring, bound to the namespace it asked in; what it would send as a Release
-(leases given back, holds done, bytes read, queries it answered itself) it
-then writes there. The server reads every ring before it acts on its store
-(each call that may evict, allocate or count), and on a short timer, so a
-lease given back is never held for longer than that; a report it reads is
-applied exactly as the Release it stands for.
+A client that maps the region asks once (OpenReportRing) for a ring, bound
+to the namespace it asked in; what it would send as a Release (leases given
+back, holds done, bytes read, queries it answered itself) it then writes
+there. The server reads every ring before it acts on its store (each call
+that may evict, allocate or count), and on a short timer, so a lease given
+back is never held for longer than that; a report it reads is applied
+exactly as the Release it stands for. A ring with nothing new costs a drain
+one word's read.
 
 A client that closes writes an empty record: its ring is retired then. One
 whose client has gone quiet for `idle_s` (one that died) is retired (its memory
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from mmcache._errors import MMCacheError
-from mmcache._rings import RING_BYTES, RingCorrupt, read_records
+from mmcache._rings import RING_BYTES, RingCorrupt, read_records, ring_head
 from mmcache.v1 import cache_pb2 as pb
 
 from ._namespaces import Namespace
@@ -44,6 +45,7 @@ STUCK_S = 2.0  # a record that does not become whole within this is no record
 @dataclass(slots=True)
 class _Ring:
     slot: Slot
+    view: memoryview  # the slot's payload: the ring itself
     namespace: Namespace
     tail: int = 0
     used: float = 0.0  # when a record was last read
@@ -78,7 +80,8 @@ class ReportRings:
             return None
         slot = self.region.open_ring(RING_BYTES)
         if slot is not None:
-            self._rings[slot.lease] = _Ring(slot, namespace, used=self._clock())
+            ring = _Ring(slot, self.region.payload(slot), namespace, used=self._clock())
+            self._rings[slot.lease] = ring
         return slot
 
     def drain(self) -> int:
@@ -88,8 +91,12 @@ class ReportRings:
         now = self._clock()
         applied = 0
         for lease, ring in list(self._rings.items()):
+            if ring_head(ring.view) == ring.tail:  # nothing new: the usual case, kept cheap
+                if now - ring.used > self._idle_s:
+                    self._retire(lease, "unused")
+                continue
             try:
-                payloads, ring.tail = read_records(self.region.payload(ring.slot), ring.tail)
+                payloads, ring.tail = read_records(ring.view, ring.tail)
             except RingCorrupt as exc:
                 self._retire(lease, f"corrupt: {exc}")
                 continue
@@ -99,17 +106,11 @@ class ReportRings:
                 applied += self._report(ring, payload) if payload else 0
             if b"" in payloads:  # its client closed: no record follows
                 self._retire(lease, "its client closed")
-            elif self._waiting(ring):
+            elif ring_head(ring.view) > ring.tail:  # a record that is not whole yet
                 ring.stuck = ring.stuck or now
                 if now - ring.stuck > STUCK_S:
                     self._retire(lease, "a record never became whole")
-            elif now - ring.used > self._idle_s:
-                self._retire(lease, "unused")
         return applied
-
-    def _waiting(self, ring: _Ring) -> bool:
-        head = int.from_bytes(self.region.payload(ring.slot)[:8], "little")
-        return head > ring.tail
 
     def _report(self, ring: _Ring, payload: bytes) -> int:
         try:
@@ -123,6 +124,3 @@ class ReportRings:
         ring = self._rings.pop(lease)
         self.region.retire(ring.slot)
         _LOGGER.info("retired a report ring (%s): its client reports by call", why)
-
-    def close(self) -> None:
-        self._rings.clear()
