@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import ceil
@@ -45,6 +46,7 @@ from ._feed import FeedFollower
 from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reports import Reports
+from ._resident import ResidentHits
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
 from ._shm import ClientRegion, ClientRing, attach
@@ -222,6 +224,7 @@ class MMCacheClient:
             lambda request: self._rpc.report(request), self._answered, self._open_report_ring
         )
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
+        self._resident = ResidentHits(namespace, self._reports, self._pool)
         self._write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
         server_name = (
@@ -240,6 +243,7 @@ class MMCacheClient:
         self._in_touch = False
         self._fail_opens = 0
         self._stats = CacheInfo()
+        self._stats_lock = threading.Lock()  # lease_resident counts from callers' threads
         self._last_delta = CacheInfo()
 
     # -- lifecycle ---------------------------------------------------------
@@ -615,6 +619,45 @@ class MMCacheClient:
             self._mirror.forget(exc.missing_hashes)
             raise
 
+    def lease_resident(self, mm_hashes: Sequence[str]) -> list[bool]:
+        """Lease, with no call and on the caller's thread, the hashes whose items
+        are resident in the server's shared-memory region; False for the rest
+        (and for all without a region): ask those with `lookup`. Each True is
+        a lookup's hit (counted, touched, leased for the engine's read).
+        Thread-safe: for a frontend on its own thread, skipping the hop to the
+        client's loop. Usage::
+
+            held = client.lease_resident(hashes)
+            rest = [h for h, ok in zip(hashes, held) if not ok]
+            found = await client.lookup(rest) if rest else None
+        """
+        _check_hashes(mm_hashes)
+        region = self._region
+        if region is None or self._caching_disabled():
+            return [False] * len(mm_hashes)
+        held = self._resident.lease(region, mm_hashes)
+        self._counted(sum(held), sum(held))  # the rest are the lookup's to count
+        return held
+
+    def _counted(self, hits: int, total: int) -> None:
+        with self._stats_lock:
+            self._stats = CacheInfo(self._stats.hits + hits, self._stats.total + total)
+
+    def fetch_resident(
+        self, mm_hashes: Sequence[str], *, release: bool = True
+    ) -> list[Item] | None:
+        """`fetch`, with no call and on the caller's thread, where every item is
+        resident in the server's shared-memory region; None otherwise (then
+        `fetch`, which reads what is not). Thread-safe. Usage, an engine::
+
+            items = client.fetch_resident(hashes)
+            if items is None:
+                items = await client.fetch(hashes)
+        """
+        _check_hashes(mm_hashes)
+        region = self._region
+        return None if region is None else self._resident.read(region, mm_hashes, release)
+
     def _read_resident(
         self, region: ClientRegion, mm_hashes: Sequence[str]
     ) -> tuple[list[Item | None], int]:
@@ -797,6 +840,8 @@ class MMCacheClient:
         self._detach()
         if self._shm and info.HasField("shm"):
             self._region = attach(info.instance_id, info.shm)
+            if self._region is not None:  # a ring now: leases with no call need one
+                self._reports.open(self._region.token)
 
     async def _open_report_ring(self, token: bytes) -> ClientRing | None:
         """A report ring in the region of `token`, if the server gives one."""
@@ -987,7 +1032,7 @@ class MMCacheClient:
         )
         outcomes = reply.outcomes
         hits = sum(o in _HELD for o in outcomes)
-        self._stats = CacheInfo(self._stats.hits + hits, self._stats.total + len(outcomes))
+        self._counted(hits, len(outcomes))
         # Drift: the mirror thought the server held these, and it did not.
         # Send the data now: a miss the caller could not foresee never fails.
         drifted = [

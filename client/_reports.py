@@ -16,6 +16,11 @@ A client that maps the region writes its reports in a report ring there
 instead (mmcache._rings), once the server gave it one: no call at all, and
 the server reads the ring before it next acts on its store. A report the
 ring cannot take (full, retired, too large) goes by call as before.
+
+Reports come from the client's event loop, and (`post`) from its callers'
+own threads: the hits and reads it made there with no call
+(client/_resident.py). A ring write takes the ring's lock; what the ring
+cannot take is handed to the loop.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Reports:
         self._open_ring = open_ring
         self._ring: ClientRing | None = None
         self._ring_token = b""
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._opening: asyncio.Task[None] | None = None
         self._no_ring_until = 0.0
         self._token = b""
@@ -63,6 +69,8 @@ class Reports:
         self._sending: list[int] = []  # the holds done in the Release in flight
         self._read_bytes = 0
         self._misses: Counter[str] = Counter()
+        self._hits: Counter[str] = Counter()
+        self._cpu_ns = 0
         self._task: asyncio.Task[None] | None = None
 
     def add(
@@ -98,13 +106,37 @@ class Reports:
         fits = len(counted) <= MAX_MODALITIES_PER_REPORT
         if ring is not None and fits and self._written(ring, pb.ReleaseRequest(misses=counted)):
             return
-        self._misses.update(counted)
-        if len(self._misses) > MAX_MODALITIES_PER_REPORT:  # the rest as unknown
-            kept = dict(self._misses.most_common(MAX_MODALITIES_PER_REPORT - 1))
-            unknown = self._misses.total() - sum(kept.values())
-            self._misses = Counter(kept)
-            self._misses[""] += unknown
+        self._misses = _folded(self._misses + counted)
         self._start()
+
+    def ring(self, token: bytes) -> ClientRing | None:
+        """The live report ring of the region of `token`, from any thread; None
+        while there is none (`open` asks for one)."""
+        ring = self._ring
+        return ring if ring is not None and self._ring_token == token and ring.live() else None
+
+    def open(self, token: bytes) -> None:
+        """Ask for a ring in the region of `token` now, before the first report
+        (a client that leases with no call needs one first)."""
+        self._loop = asyncio.get_running_loop()
+        if token != self._ring_token:  # a new region (a restarted server): ask at once
+            self._no_ring_until = 0.0
+        self._ring_for(token)
+
+    def post(self, token: bytes, report: pb.ReleaseRequest) -> None:
+        """`add` from any thread: into the ring, or else to the loop, which sends it."""
+        ring = self.ring(token)
+        if ring is not None and ring.write(report.SerializeToString()):
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # a loop closing meanwhile
+                loop.call_soon_threadsafe(self._merge, token, report)
+
+    def _merge(self, token: bytes, report: pb.ReleaseRequest) -> None:
+        self._hits = _folded(self._hits + Counter(report.hits))
+        self._cpu_ns += report.client_cpu_ns
+        self.add(token, released=report.mm_hashes, read_bytes=report.shm_read_bytes)
 
     def _ring_for(self, token: bytes) -> ClientRing | None:
         """The report ring of the region of `token`; None while there is none
@@ -148,7 +180,14 @@ class Reports:
         return [*self._sending, *self._done][-MAX_HASHES_PER_CALL:]
 
     async def _run(self) -> None:
-        while self._released or self._done or self._read_bytes or self._misses:
+        while (
+            self._released
+            or self._done
+            or self._read_bytes
+            or self._misses
+            or self._hits
+            or self._cpu_ns
+        ):
             self._sending = self._done[:MAX_HASHES_PER_CALL]
             request = pb.ReleaseRequest(
                 mm_hashes=self._released[:MAX_HASHES_PER_CALL],
@@ -156,11 +195,13 @@ class Reports:
                 shm_read_bytes=self._read_bytes,
                 shm_done=self._sending,
                 misses=self._misses,
+                hits=self._hits,
+                client_cpu_ns=self._cpu_ns,
             )
             del self._released[:MAX_HASHES_PER_CALL]
             del self._done[:MAX_HASHES_PER_CALL]
-            self._read_bytes = 0
-            self._misses = Counter()
+            self._read_bytes = self._cpu_ns = 0
+            self._misses, self._hits = Counter(), Counter()
             try:
                 reply = await self._send(request)
             except MMCacheError as exc:
@@ -188,3 +229,12 @@ class Reports:
             self._opening.cancel()
             self._opening = None
         self._ring = None
+
+
+def _folded(counts: Counter[str]) -> Counter[str]:
+    """Counts by modality within MAX_MODALITIES_PER_REPORT: the rest as unknown."""
+    if len(counts) <= MAX_MODALITIES_PER_REPORT:
+        return counts
+    kept = Counter(dict(counts.most_common(MAX_MODALITIES_PER_REPORT - 1)))
+    kept[""] += counts.total() - kept.total()
+    return kept

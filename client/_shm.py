@@ -25,9 +25,6 @@ import stat
 import struct
 import threading
 
-from google.protobuf.message import DecodeError
-
-from mmcache._errors import MMCacheError
 from mmcache._items import Item
 from mmcache._rings import write_record
 from mmcache._shm_layout import (
@@ -43,10 +40,10 @@ from mmcache._shm_layout import (
     fingerprint,
     index_buckets,
 )
-from mmcache._spec import item_size
 from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, ItemDecoder, copy_payload
+from ._plans import decode_from_region
 from ._pool import BufferPool
 
 __all__ = ["ClientRegion", "ClientRing", "attach"]
@@ -96,7 +93,7 @@ class ClientRegion:
         payload = self._payload(slot)
         if not self.live(slot):
             return False
-        decoder.feed_payload(payload, parallel=True)
+        decoder.feed_payload(payload)
         return self.live(slot)
 
     def read_resident(self, key: str, pool: BufferPool | None) -> tuple[Item, int] | None:
@@ -106,19 +103,22 @@ class ClientRegion:
         found = self._find(key)
         if found is None:
             return None
-        start, generation, length, spec_bytes = found
-        try:
-            spec = pb.ItemSpec.FromString(spec_bytes)
-            if item_size(spec).payload != length:
-                return None
-            decoder = ItemDecoder(spec, pool)
-        except (DecodeError, MMCacheError):
-            return None
+        start, generation, length, spec = found
         offset = start + HEAD_BYTES
-        decoder.feed_payload(self._view[offset : offset + length], parallel=True)
-        if self._word(start) != generation:
+        got = decode_from_region(spec, self._view[offset : offset + length], pool)
+        if got is None or self._word(start) != generation:
             return None
-        return decoder.finish(), length
+        return got
+
+    def locate(self, key: str) -> tuple[int, int, bytes] | None:
+        """(start, generation, spec) of the resident item under store key `key`,
+        or None; `still` tells later whether that extent is live yet."""
+        found = self._find(key)
+        return None if found is None else (found[0], found[1], found[3])
+
+    def still(self, start: int, generation: int) -> bool:
+        """Whether the extent at `start` is live under `generation` yet."""
+        return self._word(start) == generation
 
     def _find(self, key: str) -> tuple[int, int, int, bytes] | None:
         """(start, generation, payload bytes, spec) of the extent the index names
@@ -174,6 +174,7 @@ class ClientRing:
     def __init__(self, region: ClientRegion, slot: pb.ShmSlot) -> None:
         self.region = region
         self.slot = slot
+        self._lock = threading.Lock()  # one writer at a time: the loop, or a caller's thread
 
     def live(self) -> bool:
         """Whether the server still keeps the ring (it retires an idle or broken one)."""
@@ -186,7 +187,8 @@ class ClientRing:
             ring = self.region.view(self.slot)
         except ValueError:  # retired
             return False
-        return write_record(ring, report)
+        with self._lock:
+            return write_record(ring, report)
 
 
 def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:

@@ -21,6 +21,7 @@ there yet.
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "RING_BYTES",
     "RING_HEAD_BYTES",
     "RingCorrupt",
+    "commit_tail",
+    "fence",
     "read_records",
     "reset_ring",
     "ring_head",
@@ -87,11 +90,12 @@ def write_record(ring: memoryview, payload: bytes) -> bool:
     return True
 
 
-def read_records(ring: memoryview, tail: int) -> tuple[list[bytes], int]:
+def read_records(ring: memoryview, tail: int, *, commit: bool = True) -> tuple[list[bytes], int]:
     """The whole records from `tail` (the reader's own count, never the ring's
     word, which its writer could change) and the tail after them, which is
-    also written back for the writer. RingCorrupt for a ring no writer of this
-    module made."""
+    also written back for the writer (`commit`; without, the records are
+    only looked at, and read again next time). RingCorrupt for a ring no
+    writer of this module made."""
     capacity = len(ring) - RING_HEAD_BYTES
     head = ring_head(ring)
     if head < tail or head - tail > capacity or head % 8:
@@ -116,5 +120,28 @@ def read_records(ring: memoryview, tail: int) -> tuple[list[bytes], int]:
             break  # not whole yet
         payloads.append(payload)
         tail += _padded(RECORD.size + length)
-    _WORD.pack_into(ring, _TAIL_AT, tail)
+    if commit:
+        commit_tail(ring, tail)
     return payloads, tail
+
+
+def commit_tail(ring: memoryview, tail: int) -> None:
+    """Tell the writer the records before `tail` are read: their room is its again."""
+    _WORD.pack_into(ring, _TAIL_AT, tail)
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """Order this thread's writes to shared memory before its reads after it.
+
+    A leases record and the index it is checked against are a Dekker pair:
+    the client writes its record then reads the extent's word; the server
+    zeroes the word then reads the rings. Each side's read must not pass its
+    write. A lock's acquire is an atomic read-modify-write (lock cmpxchg on
+    x86-64), which orders every access before it against every one after;
+    Python has no barrier of its own.
+    """
+    with _FENCE:
+        pass

@@ -30,7 +30,7 @@ __all__ = [
     "NAMESPACE_SEP",
     "SpecSize",
     "check_count",
-    "check_misses",
+    "check_counts",
     "check_name",
     "check_namespace",
     "item_size",
@@ -80,14 +80,14 @@ def check_name(what: str, value: str, *, allow_empty: bool = False) -> None:
             raise InvalidArgumentError(f"{what} {value[:64]!r} is not valid UTF-8") from None
 
 
-def check_misses(misses: Mapping[str, int]) -> None:
-    """A report of client-answered misses: few modalities, each a valid name."""
-    if len(misses) > MAX_MODALITIES_PER_REPORT:
+def check_counts(what: str, counts: Mapping[str, int]) -> None:
+    """A report's counts by modality (`misses`, `hits`): few modalities, each a valid name."""
+    if len(counts) > MAX_MODALITIES_PER_REPORT:
         raise InvalidArgumentError(
-            f"the report counts misses of {len(misses)} modalities; the limit is "
+            f"the report counts {what} of {len(counts)} modalities; the limit is "
             f"{MAX_MODALITIES_PER_REPORT}: report the rest as modality '' (unknown)"
         )
-    for modality in misses:
+    for modality in counts:
         check_name("modality", modality, allow_empty=True)
 
 

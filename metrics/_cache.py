@@ -67,6 +67,12 @@ class CacheMetrics:
         )
         for direction in ("read", "write"):  # exported from the start, as 0
             self.shm_bytes.labels(direction)
+        self.shm_client_cpu = Counter(
+            "mmcache_shm_client_cpu_seconds",
+            "CPU seconds co-located clients spent, on their own threads, on what they "
+            "did in the shared-memory region with no call (reads, leases), as they report it.",
+            registry=registry,
+        )
         self.shm_copies = Counter(
             "mmcache_shm_item_copies",
             "Items the server copied between its heap and the shared-memory region, by "

@@ -35,6 +35,13 @@ a hold, which keeps the extent from being freed until the client gives it
 back or the hold expires. Handles from a client are checked here: the lease
 must be live, of the right kind, and its range inside the region.
 
+A co-located client may also lease a resident item with no call, by writing
+the generation it found into its report ring (server/_report_rings.py). An
+extent whose item leaves the store is therefore unindexed and its word
+zeroed first, then the rings' unread records are looked at (`keep_leased`):
+one that names its generation keeps the extent, indexed again, under a hold
+that the client's release (`end_orphan`) or the lease's end gives back.
+
 Transport-free; one event loop uses it.
 """
 
@@ -59,7 +66,7 @@ from dataclasses import dataclass
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
 from mmcache._lockfiles import unlocked
-from mmcache._rings import reset_ring
+from mmcache._rings import fence, reset_ring
 from mmcache._shm_layout import (
     BUCKET,
     EXTENT_HEAD,
@@ -200,6 +207,11 @@ class Region:
         # Items read from transient extents: store key -> when, oldest first.
         self._rereads: OrderedDict[str, float] = OrderedDict()
         self.expired = 0  # slots and holds ended by expiry: clients that never said "done"
+        # Whether an unread report-ring record leases the extent of this
+        # generation (and item key) with no call: then it is kept (`drop`).
+        self.keep_leased: Callable[[int, str], bool] | None = None
+        # Extents kept so, by store key: the holds that keep them, oldest first.
+        self._orphans: dict[str, list[int]] = {}
 
     @property
     def slots(self) -> int:
@@ -414,10 +426,38 @@ class Region:
         return True
 
     def drop(self, slot: Slot) -> None:
-        """Free a resident item's or a transient extent (its last reference went)."""
-        if not self._closed and self._slots.get(slot.lease) is slot:
-            self._unindex(slot.lease)
-            self._free_slot(slot)
+        """Free a resident item's or a transient extent (its last reference went),
+        unless a client leased the item with no call in a record not read yet:
+        it then stays, indexed, under a hold (an orphan: the store has it no more)."""
+        if self._closed or self._slots.get(slot.lease) is not slot:
+            return
+        self._unindex(slot.lease)
+        WORD.pack_into(self._map, slot.start, 0)  # a client's check after its lease fails now
+        if slot.kind == ITEM and self.keep_leased is not None:
+            fence()  # the word's zero before the rings are read: see mmcache._rings.fence
+            if self.keep_leased(slot.lease, slot.key):
+                WORD.pack_into(self._map, slot.start, slot.lease)
+                self._index(fingerprint(slot.key), slot)
+                self._orphans.setdefault(slot.key, []).append(self.hold(Resident(self, slot)))
+                return
+        self._free_slot(slot)
+
+    @property
+    def orphans(self) -> int:
+        """Extents kept for leases taken with no call after their item left the store."""
+        return sum(len(holds) for holds in self._orphans.values())
+
+    def end_orphan(self, key: str) -> bool:
+        """A lease of `key` given back that the store did not hold: end the oldest
+        hold of an extent kept for it; False when there is none."""
+        holds = self._orphans.get(key)
+        while holds:
+            if self._holds.pop(holds.pop(0), None) is not None:
+                if not holds:
+                    del self._orphans[key]
+                return True
+        self._orphans.pop(key, None)
+        return False
 
     def _free_slot(self, slot: Slot) -> None:
         del self._slots[slot.lease]
@@ -455,6 +495,13 @@ class Region:
         holds = [hold for hold, (_, ends) in self._holds.items() if ends <= now]
         for hold in holds:
             del self._holds[hold]
+        if holds and self._orphans:
+            for key in list(self._orphans):
+                kept = [hold for hold in self._orphans[key] if hold in self._holds]
+                if kept:
+                    self._orphans[key] = kept
+                else:
+                    del self._orphans[key]
         while self._quarantine and self._quarantine[0][0] <= now:
             self._reuse(self._quarantine.pop(0)[1])
         self.expired += len(late) + len(holds)
@@ -468,6 +515,7 @@ class Region:
     def close(self) -> None:
         self._closed = True
         self._holds.clear()
+        self._orphans.clear()
         # Mappings outlive the file: a client still reading sees the region closed.
         with contextlib.suppress(ValueError):
             self._map[: len(MAGIC)] = bytes(len(MAGIC))

@@ -10,6 +10,10 @@ back is never held for longer than that; a report it reads is applied
 exactly as the Release it stands for. A ring with nothing new costs a drain
 one word's read.
 
+A client may also lease a resident item with no call: it writes the extent's
+generation in its ring, then checks the extent is still live. The region,
+freeing an extent, first asks `leased` whether an unread record names it.
+
 A client that closes writes an empty record: its ring is retired then. One
 whose client has gone quiet for `idle_s` (one that died) is retired (its memory
 waits a lease before reuse, server/_region.py): the client finds it so and
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from mmcache._errors import MMCacheError
-from mmcache._rings import RING_BYTES, RingCorrupt, read_records, ring_head
+from mmcache._rings import RING_BYTES, RingCorrupt, commit_tail, read_records, ring_head
 from mmcache.v1 import cache_pb2 as pb
 
 from ._namespaces import Namespace
@@ -96,14 +100,19 @@ class ReportRings:
                     self._retire(lease, "unused")
                 continue
             try:
-                payloads, ring.tail = read_records(ring.view, ring.tail)
+                payloads, tail = read_records(ring.view, ring.tail, commit=False)
             except RingCorrupt as exc:
                 self._retire(lease, f"corrupt: {exc}")
                 continue
             if payloads:
                 ring.used, ring.stuck = now, 0.0
+            # The records stay the ring's, and `leased` sees them, until all
+            # are applied: a release applied first may free an extent that a
+            # lease after it in the same ring keeps.
             for payload in payloads:
                 applied += self._report(ring, payload) if payload else 0
+            ring.tail = tail
+            commit_tail(ring.view, tail)
             if b"" in payloads:  # its client closed: no record follows
                 self._retire(lease, "its client closed")
             elif ring_head(ring.view) > ring.tail:  # a record that is not whole yet
@@ -111,6 +120,26 @@ class ReportRings:
                 if now - ring.stuck > STUCK_S:
                     self._retire(lease, "a record never became whole")
         return applied
+
+    def leased(self, generation: int) -> bool:
+        """Whether a record not read yet leases the extent of `generation` (a
+        client's lease with no call, server/_region.py's `keep_leased`). Reads
+        nothing for good: the records are applied at the next drain."""
+        for ring in self._rings.values():
+            if ring_head(ring.view) == ring.tail:
+                continue
+            try:
+                payloads, _ = read_records(ring.view, ring.tail, commit=False)
+            except RingCorrupt:
+                continue  # the next drain retires it
+            for payload in payloads:
+                try:
+                    leases = pb.ReleaseRequest.FromString(payload).shm_leases
+                except DecodeError:
+                    continue
+                if any(lease.generation == generation for lease in leases):
+                    return True
+        return False
 
     def _report(self, ring: _Ring, payload: bytes) -> int:
         try:

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from mmcache._errors import AbortedError, CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._frames import MAX_CHUNK_BYTES, UPDATE_HEADER_KEY, header_frame
 from mmcache._lru import Outcome
-from mmcache._spec import check_count, check_misses, check_name
+from mmcache._spec import check_count, check_counts, check_name
 from mmcache.metrics import CacheMetrics, RequestMetrics
 from mmcache.v1 import cache_pb2 as pb
 
@@ -313,15 +313,28 @@ class CacheServicer:
         `region`: the client maps it (its holds and its bytes read count)."""
         keys = self._keys(namespace, request.mm_hashes)
         check_count("shm_done", len(request.shm_done))
-        check_misses(request.misses)
-        # Queries a client answered itself count as lookups that missed would.
+        check_count("shm_leases", len(request.shm_leases))
+        check_counts("misses", request.misses)
+        check_counts("hits", request.hits)
+        # Queries a client answered itself count as lookups would.
         for modality, count in request.misses.items():
             self._metrics.queried(modality, hit=False, count=count)
-        if region is not None:
-            for hold in request.shm_done:
-                region.release(hold)
-            self._metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
-            self._metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
+        for modality, count in request.hits.items():
+            self._metrics.queried(modality, hit=True, count=count)
+        if region is None:
+            return self._store.release(keys)
+        for hold in request.shm_done:
+            region.release(hold)
+        self._metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
+        self._metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
+        self._metrics.shm_client_cpu.inc(request.client_cpu_ns / 1e9)
+        if request.shm_leases:  # taken with no call: as a lookup's hits are
+            leased = [lease.mm_hash for lease in request.shm_leases]
+            self._store.lease(self._keys(namespace, leased))
+        if region.orphans:  # a lease of an extent kept after its item left
+            orphaned = [key for key in keys if not self._store.is_leased(key)]
+            for key in orphaned:
+                region.end_orphan(key)
         return self._store.release(keys)
 
     def _rings_of(self, region: Region) -> ReportRings:
@@ -330,7 +343,13 @@ class CacheServicer:
             def apply(namespace: Namespace, report: pb.ReleaseRequest) -> None:
                 self._report(namespace, report, region)
 
-            self._rings = ReportRings(region, apply)
+            rings = self._rings = ReportRings(region, apply)
+
+            def keep_leased(generation: int, key: str) -> bool:
+                # An item still in the store (moved to the heap) is leased there.
+                return key not in self._store and rings.leased(generation)
+
+            region.keep_leased = keep_leased
         return self._rings
 
     def drain_reports(self) -> int:

@@ -257,6 +257,17 @@ class ItemStore:
             del item  # the last reference to the extent, unless a read holds it
             yield moved
 
+    def lease(self, mm_hashes: Sequence[str]) -> int:
+        """Touch and lease the held ones of `mm_hashes`, as a lookup's hits are
+        (a co-located client's leases taken with no call); how many were held."""
+        self.expire()
+        held = [h for h in mm_hashes if self._lru.touch(h)]
+        self._leases.grant(held, self._clock())
+        return len(held)
+
+    def is_leased(self, mm_hash: str) -> bool:
+        return mm_hash in self._leases
+
     def release(self, mm_hashes: Iterable[str]) -> int:
         """Give back one lease of each hash; how many were leased."""
         return self._leases.release(mm_hashes)

@@ -302,12 +302,13 @@ async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale
         item = {"x": tensor(torch.float32, 1 << 20, 6)}
         await c.get_and_update([item], ["m"], lease=False)
 
-        class EvictedMidCopy(ItemDecoder):
-            def feed_payload(self, src: memoryview, *, parallel: bool = False) -> None:
-                server.store.clear()  # the server frees the extent under the copy
-                super().feed_payload(src, parallel=parallel)
+        decode = _shm.decode_from_region
 
-        monkeypatch.setattr(_shm, "ItemDecoder", EvictedMidCopy)
+        def evicted_mid_copy(spec: bytes, payload: memoryview, pool: object) -> object:
+            server.store.clear()  # the server frees the extent under the copy
+            return decode(spec, payload, pool)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_shm, "decode_from_region", evicted_mid_copy)
         with pytest.raises(CacheMissError):
             await c.fetch(["m"])
 

@@ -5,9 +5,12 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 `release_sender_touches` once, in a `finally`. So:
 
 - `is_cached`: the mirror names the candidates (behind a sidecar with an L2
-  tier, every item is one: another node's sidecar may hold it); one `lookup` round trip
-  confirms them with the server, leases them for the engine's read (hits
-  only) and brings the prompt updates of those this process never processed.
+  tier, every item is one: another node's sidecar may hold it). Those whose
+  prompt updates this process knows and whose items are resident in the
+  sidecar's shared memory are leased there, on vLLM's thread, with no call
+  (client/_resident.py); one `lookup` round trip confirms the rest with the
+  server, leases them for the engine's read (hits only) and brings the prompt
+  updates of those this process never processed.
   A candidate whose upload is still in flight (another API process's) is
   waited for at most about what processing it here takes (this process's
   processor time per item, measured on its own requests): past that it is
@@ -34,8 +37,10 @@ flight end. Per-request state is thread-local: vLLM runs requests on a thread po
 Counters are vLLM's: one query per item, a hit per item sent without data.
 
 P1 (`MMCacheReceiverCache`, in the engine core): features that came with data
-are used as they are (P0 uploaded them); those without are read through in
-one `fetch` per request, releasing their leases. Hashes the server does not
+are used as they are (P0 uploaded them); those without are copied out of the
+sidecar's shared memory on the engine's thread, with no call, where all are
+resident there, or else read through in one `fetch` per request; either
+releases their leases. Hashes the server does not
 hold raise vLLM's `MultiModalCacheMissError` naming each, in request order,
 so vLLM's own retry path has P0 invalidate them and the client re-send.
 """
@@ -228,6 +233,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             ask = [i for i in candidates if self._local_updates(mm_hashes[i]) is not None]
             request.held_elsewhere.update(mm_hashes[i] for i in candidates if i not in ask)
         if ask:
+            ask = self._lease_resident(request, mm_hashes, keys, ask)
+        if ask:
             try:
                 wait_s = self._processing.wait_for(len(ask))
                 found = self._sync.call(
@@ -254,6 +261,22 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 self._sync.submit(client.release(unusable))
         request.asked = _stamp()
         return [h in request.confirmed for h in mm_hashes]
+
+    def _lease_resident(
+        self, request: _Request, mm_hashes: list[str], keys: list[str], ask: list[int]
+    ) -> list[int]:
+        """Confirm with no call, on this thread, the hits whose updates this process
+        knows and whose items are resident in the sidecar's shared memory; the
+        rest of `ask`, to look up by call."""
+        known = [(i, u) for i in ask if (u := self._local_updates(mm_hashes[i])) is not None]
+        if not known:
+            return ask
+        held = self._sync.client.lease_resident([keys[i] for i, _ in known])
+        for (i, updates), ok in zip(known, held, strict=True):
+            if ok:
+                request.looked_up.add(mm_hashes[i])
+                request.confirmed[mm_hashes[i]] = updates
+        return [i for i in ask if mm_hashes[i] not in request.confirmed]
 
     @override
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
@@ -448,6 +471,10 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
 
     def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
         keys = [f"{self._scope}:{h}" for h in hashes]
+        # Resident in the sidecar's shared memory: read on this thread, with no call.
+        resident = self._sync.client.fetch_resident(keys)
+        if resident is not None:
+            return [to_vllm(item) for item in resident]
         try:
             items = self._sync.call(self._sync.client.fetch(keys, release=True))
         except CacheMissError as exc:

@@ -1243,17 +1243,45 @@ class ReleaseRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class HitsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MM_HASHES_FIELD_NUMBER: _builtins.int
     SHM_TOKEN_FIELD_NUMBER: _builtins.int
     SHM_READ_BYTES_FIELD_NUMBER: _builtins.int
     SHM_DONE_FIELD_NUMBER: _builtins.int
     MISSES_FIELD_NUMBER: _builtins.int
+    SHM_LEASES_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    CLIENT_CPU_NS_FIELD_NUMBER: _builtins.int
     shm_token: _builtins.bytes
     """A co-located client's report, with its region's token: the payload bytes
     it read from items resident in the region, with no call, since its last
     report (counted in mmcache_shm_bytes_total{direction="read"}).
     """
     shm_read_bytes: _builtins.int
+    client_cpu_ns: _builtins.int
+    """CPU the client spent, on its own threads, on what it did with no call
+    since its last report (reads and leases in the region): counted in
+    mmcache_shm_client_cpu_seconds_total, so what a hit costs is seen whole.
+    """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """one lease of each is released"""
@@ -1271,6 +1299,22 @@ class ReleaseRequest(_message.Message):
         MAX_MODALITIES_PER_REPORT entries.
         """
 
+    @_builtins.property
+    def shm_leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShmLease]:
+        """Leases a co-located client took with no call (docs/shm.md, "Hits with no
+        call"): each hash it found resident in the region, with the generation
+        of the extent it found it in. A held hash is touched and leased, as a
+        lookup's hit is; the server keeps an extent it is freeing whose
+        generation an unread record names.
+        """
+
+    @_builtins.property
+    def hits(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Hits the client answered itself, by modality: leases above that it
+        confirmed (counted as hits in mmcache_queries_total and
+        mmcache_hits_total). At most MAX_MODALITIES_PER_REPORT entries.
+        """
+
     def __init__(
         self,
         *,
@@ -1279,14 +1323,39 @@ class ReleaseRequest(_message.Message):
         shm_read_bytes: _builtins.int = ...,
         shm_done: _abc.Iterable[_builtins.int] | None = ...,
         misses: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        shm_leases: _abc.Iterable[Global___ShmLease] | None = ...,
+        hits: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        client_cpu_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["misses", b"misses", "mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_cpu_ns", b"client_cpu_ns", "hits", b"hits", "misses", b"misses", "mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_leases", b"shm_leases", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ShmLease(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MM_HASH_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    mm_hash: _builtins.str
+    generation: _builtins.int
+    def __init__(
+        self,
+        *,
+        mm_hash: _builtins.str = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "mm_hash", b"mm_hash"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmLease: _TypeAlias = ShmLease  # noqa: Y015
 
 @_typing.final
 class ReleaseReply(_message.Message):

@@ -1,0 +1,110 @@
+"""Items read straight out of shared memory, decoded by a plan made once per spec.
+
+An engine reads items of a few shapes over and over (one per image size), and
+their specs are the same bytes each time. Working a spec out (parsing it,
+checking it, sizing and typing each tensor, decoding each field) cost more
+than copying a 1.2 MB item's bytes, so a plan of it is kept, by the spec's
+bytes: a read is then one lookup, one allocation and one copy per tensor,
+and the item's objects.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import InvalidArgumentError, MMCacheError
+from mmcache._items import Field, FieldElem, Item, MMItem
+from mmcache._memory import advise_hugepages
+from mmcache._spec import item_size
+from mmcache.v1 import cache_pb2 as pb
+
+from ._codec import _DTYPES, _assemble, _decode_field, _leaves
+from ._pool import MIN_POOLED_BYTES, BufferPool
+
+__all__ = ["decode_from_region"]
+
+MAX_PLANS = 256  # distinct specs kept (a few hundred bytes each)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    spec: pb.ItemSpec
+    payload: int
+    leaves: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]  # bytes, dtype, shape
+    # (key, modality, field) per field, where every field's data is one tensor
+    # of an MMItem: the item is built from them with no walk of the spec.
+    flat: tuple[tuple[str, str, Field], ...] | None
+
+
+_plans: OrderedDict[bytes, _Plan] = OrderedDict()
+_lock = threading.Lock()  # engines read on their own threads
+
+
+def _plan(spec_bytes: bytes) -> _Plan:
+    with _lock:
+        plan = _plans.get(spec_bytes)
+        if plan is not None:
+            _plans.move_to_end(spec_bytes)
+            return plan
+    try:
+        spec = pb.ItemSpec.FromString(spec_bytes)
+    except DecodeError:
+        raise InvalidArgumentError("an item spec that does not parse") from None
+    payload = item_size(spec).payload  # checks the spec
+    leaves = tuple((n, _DTYPES[t.dtype], tuple(t.shape)) for _, t, n in _leaves(spec))
+    flat = None
+    if spec.form == pb.ItemSpec.FORM_ITEM and all(
+        e.data.WhichOneof("kind") == "tensor" for e in spec.fields
+    ):
+        flat = tuple((e.key, e.modality, _decode_field(e)) for e in spec.fields)
+    plan = _Plan(spec, payload, leaves, flat)
+    with _lock:
+        _plans[spec_bytes] = plan
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+    return plan
+
+
+def decode_from_region(
+    spec_bytes: bytes, payload: memoryview, pool: BufferPool | None
+) -> tuple[Item, int] | None:
+    """The item of `spec_bytes` with its tensors copied out of `payload` (fresh
+    tensors, the caller's own), and its payload bytes; None when the spec is
+    not one (or does not match the payload's length), or memory for the
+    tensors cannot be had: the caller reads the item by call, which says why."""
+    try:
+        plan = _plan(spec_bytes)
+    except MMCacheError:
+        return None
+    if plan.payload != len(payload):
+        return None
+    raw: list[torch.Tensor] = []
+    pos = 0
+    for n, _, _ in plan.leaves:
+        try:
+            if pool is not None and n >= MIN_POOLED_BYTES:
+                tensor = pool.take(n)
+            else:
+                tensor = torch.empty(n, dtype=torch.uint8)
+                advise_hugepages(tensor.data_ptr(), n)
+        except (RuntimeError, MemoryError):
+            return None
+        tensor.numpy().data[:] = payload[pos : pos + n]
+        raw.append(tensor)
+        pos += n
+    if plan.flat is None:
+        return _assemble(plan.spec, iter(raw)), plan.payload
+    item = MMItem(
+        {
+            key: FieldElem(modality, key, tensor.view(dtype).reshape(shape), field)
+            for (key, modality, field), tensor, (_, dtype, shape) in zip(
+                plan.flat, raw, plan.leaves, strict=True
+            )
+        }
+    )
+    return item, plan.payload

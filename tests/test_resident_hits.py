@@ -1,0 +1,163 @@
+"""Hits with no call (client/_resident.py): a co-located client leases an item
+resident in the region by a record in its report ring, checked against the
+extent's word; an engine copies it out on its own thread and gives the lease
+back in its ring. Real servers, region files and clients: the hit is counted
+once, holds the item against eviction, and an extent whose item leaves the
+store before the server read the lease is kept until the lease ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from mmcache._rings import read_records, write_record
+from mmcache.client import MMCacheClient
+from mmcache.server import MMCacheServer
+from mmcache.v1 import cache_pb2 as pb
+
+from .conftest import MIB, eventually, sample, scrape
+from .test_shm import tensor
+from .test_shm_reads import client, shm_config
+
+
+def item(seed: int, elements: int = 1 << 18) -> dict[str, torch.Tensor]:
+    return {"x": tensor(torch.float32, elements, seed)}
+
+
+async def calls(server: MMCacheServer, method: str) -> float:
+    samples = await scrape(server.metrics_port)
+    found = [
+        value
+        for (name, labels), value in samples.items()
+        if name == "grpc_server_started_total" and ("grpc_method", method) in labels
+    ]
+    return sum(found)
+
+
+async def counted(server: MMCacheServer) -> tuple[float, float]:
+    """Queries and hits, over every modality."""
+    samples = await scrape(server.metrics_port)
+
+    def total(metric: str) -> float:
+        return sum(value for (name, _), value in samples.items() if name == metric)
+
+    return total("mmcache_queries_total"), total("mmcache_hits_total")
+
+
+async def with_ring(*clients: MMCacheClient) -> None:
+    await eventually(lambda: all(c._reports._ring is not None for c in clients))
+
+
+async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path) -> None:
+    async with (
+        MMCacheServer(shm_config(tmp_path)) as server,
+        client(server) as api,
+        client(server) as engine,
+    ):
+        await api.get_and_update([item(1)], ["a"], lease=False)
+        await with_ring(api, engine)
+        before = await counted(server)
+        lookups = await calls(server, "GetAndUpdate") + await calls(server, "GetAndUpdateOne")
+        assert api.lease_resident(["a", "absent"]) == [True, False]
+        await eventually(lambda: server.store.leases == 1, timeout=2)  # the ring was read
+        got = engine.fetch_resident(["a"])
+        assert got is not None and torch.equal(got[0]["x"], item(1)["x"])
+        await eventually(lambda: server.store.leases == 0, timeout=2)  # given back in the ring
+        assert await counted(server) == (before[0] + 1, before[1] + 1)
+        after = await calls(server, "GetAndUpdate") + await calls(server, "GetAndUpdateOne")
+        assert after == lookups
+        assert await calls(server, "ReadShm") == 0 and await calls(server, "Release") == 0
+        assert api.make_stats().hits == 1
+        samples = await scrape(server.metrics_port)
+        assert (sample(samples, "mmcache_shm_client_cpu_seconds_total") or 0) > 0
+        # Not all resident: the engine reads by call instead.
+        assert engine.fetch_resident(["a", "absent"]) is None
+
+
+async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(tmp_path: Path) -> None:
+    # 4 MiB of cache, 2 MiB items: the third upload evicts the oldest unleased.
+    async with (
+        MMCacheServer(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
+        client(server) as api,
+        client(server) as engine,
+    ):
+        server._drainer.cancel()  # type: ignore[union-attr]  # no timer: only calls read rings
+        await api.get_and_update([item(1, 1 << 19)], ["a"], lease=False)
+        await api.get_and_update([item(2, 1 << 19)], ["b"], lease=False)
+        await with_ring(api, engine)
+        assert api.lease_resident(["a"]) == [True]  # in the ring, unread
+        await api.get_and_update([item(3, 1 << 19)], ["c"], lease=False)  # reads it first
+        assert "a" in server.store and "b" not in server.store
+        got = engine.fetch_resident(["a"])
+        assert got is not None and torch.equal(got[0]["x"], item(1, 1 << 19)["x"])
+
+
+async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: Path) -> None:
+    # The race the record and the check close: the item leaves the store after
+    # the client checked its lease, before the server read the record.
+    async with (
+        MMCacheServer(shm_config(tmp_path)) as server,
+        client(server) as api,
+        client(server) as engine,
+    ):
+        server._drainer.cancel()  # type: ignore[union-attr]
+        await api.get_and_update([item(4), item(5)], ["a", "b"], lease=False)
+        await with_ring(api, engine)
+        region = server.region
+        assert region is not None
+        assert api.lease_resident(["a"]) == [True]
+        server.store.clear()  # no ring is read: the lease of "a" waits in the ring
+        assert "a" not in server.store
+        assert region.orphans == 1  # "b" went; "a"'s extent is kept, indexed
+        got = engine.fetch_resident(["a"])
+        assert got is not None and torch.equal(got[0]["x"], item(4)["x"])
+        assert engine.fetch_resident(["b"]) is None
+        server._cache.drain_reports()  # the lease (of nothing held), then its release
+        assert region.orphans == 0
+        assert engine.fetch_resident(["a"]) is None  # freed now
+        assert api.lease_resident(["a"]) == [False]
+
+
+async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as api:
+        server._drainer.cancel()  # type: ignore[union-attr]
+        await api.get_and_update([item(6)], ["a"], lease=False)
+        await with_ring(api)
+        ring = api._reports._ring
+        assert ring is not None
+        while ring.write(b"x" * 200):  # records the server has not read
+            pass
+        before = await counted(server)
+        assert api.lease_resident(["a"]) == [False]
+        assert (await api.lookup(["a"])).held == [True]  # by call: it reads the ring first
+        assert await counted(server) == (before[0] + 1, before[1] + 1)
+
+
+async def test_a_report_counting_hits_of_too_many_modalities_is_refused(tmp_path: Path) -> None:
+    async with MMCacheServer(shm_config(tmp_path)) as server:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        release = channel.unary_unary(
+            "/mmcache.v1.MMCache/Release",
+            request_serializer=pb.ReleaseRequest.SerializeToString,
+            response_deserializer=pb.ReleaseReply.FromString,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await release(pb.ReleaseRequest(hits={f"m{i}": 1 for i in range(17)}))
+        await channel.close()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "counts hits of 17 modalities; the limit is 16" in str(refused.value.details())
+
+
+def test_a_torn_lease_record_is_not_read_as_one() -> None:
+    # The server looks at unread records for leases: only whole ones count.
+    ring = memoryview(bytearray(64 + 1024))
+    lease = pb.ReleaseRequest(shm_leases=[pb.ShmLease(mm_hash="a", generation=7)])
+    assert write_record(ring, lease.SerializeToString())
+
+    assert read_records(ring, 0, commit=False)[0] == [lease.SerializeToString()]
+    assert read_records(ring, 0, commit=False)[0] == [lease.SerializeToString()]  # still unread
+    ring[64 + 16] ^= 0xFF
+    assert read_records(ring, 0, commit=False)[0] == []
