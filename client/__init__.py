@@ -45,6 +45,7 @@ from ._encoder import (
     OpResult,
     ResetOp,
 )
+from ._resident import ResidentLeases
 from ._stats import CacheInfo
 
 __all__ = [
@@ -82,6 +83,7 @@ __all__ = [
     "OpResult",
     "PermissionDeniedError",
     "ResetOp",
+    "ResidentLeases",
     "ResourceExhaustedError",
     "SharedField",
     "UnauthenticatedError",

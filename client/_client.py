@@ -46,7 +46,7 @@ from ._feed import FeedFollower
 from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reports import Reports
-from ._resident import ResidentHits
+from ._resident import ResidentHits, ResidentLeases
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
 from ._shm import ClientRegion, ClientRing, attach
@@ -619,25 +619,30 @@ class MMCacheClient:
             self._mirror.forget(exc.missing_hashes)
             raise
 
-    def lease_resident(self, mm_hashes: Sequence[str]) -> list[bool]:
+    def lease_resident(
+        self, mm_hashes: Sequence[str], *, usable: Callable[[int, bytes], bool] | None = None
+    ) -> ResidentLeases:
         """Lease, with no call and on the caller's thread, the hashes whose items
-        are resident in the server's shared-memory region; False for the rest
-        (and for all without a region): ask those with `lookup`. Each True is
-        a lookup's hit (counted, touched, leased for the engine's read).
-        Thread-safe: for a frontend on its own thread, skipping the hop to the
-        client's loop. Usage::
+        are resident in the server's shared-memory region, with the metadata
+        stored with them; not held for the rest (and for all without a
+        region): ask those with `lookup`. Each held hash is a lookup's hit
+        (counted, touched, leased for the engine's read). `usable(i, metadata)`
+        may refuse hash i before it is leased (say, metadata it cannot use:
+        the lookup then says why). Thread-safe: for a frontend on its own
+        thread, skipping the hop to the client's loop. Usage::
 
-            held = client.lease_resident(hashes)
-            rest = [h for h, ok in zip(hashes, held) if not ok]
-            found = await client.lookup(rest) if rest else None
+            leased = client.lease_resident(hashes)
+            rest = [h for h, held in zip(hashes, leased.held) if not held]
+            found = await client.lookup(rest, want_metadata=True) if rest else None
         """
         _check_hashes(mm_hashes)
         region = self._region
         if region is None or self._caching_disabled():
-            return [False] * len(mm_hashes)
-        held = self._resident.lease(region, mm_hashes)
-        self._counted(sum(held), sum(held))  # the rest are the lookup's to count
-        return held
+            return ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
+        leased = self._resident.lease(region, mm_hashes, usable)
+        hits = sum(leased.held)
+        self._counted(hits, hits)  # the rest are the lookup's to count
+        return leased
 
     def _counted(self, hits: int, total: int) -> None:
         with self._stats_lock:
@@ -947,11 +952,11 @@ class MMCacheClient:
             self._reports.add(region.token, done=leases)
 
     def _trailer(self, entry: Entry) -> int:
-        """Room after an upload's payload for its store key and spec (the item
-        becomes resident where it is written)."""
+        """Room after an upload's payload for its store key, spec and metadata
+        (the item becomes resident where it is written)."""
         assert entry.data is not None
         key = store_key(self.namespace, entry.mm_hash)
-        return len(key.encode()) + entry.data.spec.ByteSize()
+        return len(key.encode()) + entry.data.spec.ByteSize() + len(entry.metadata)
 
     def _caching_disabled(self) -> bool:
         # Known only once the server has answered: out of touch, ask it.

@@ -25,7 +25,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from google.protobuf.message import DecodeError
 
@@ -38,7 +39,15 @@ from ._pool import BufferPool
 from ._reports import Reports
 from ._shm import ClientRegion
 
-__all__ = ["ResidentHits"]
+__all__ = ["ResidentHits", "ResidentLeases"]
+
+
+class ResidentLeases(NamedTuple):
+    """What `lease_resident` took: per hash, whether it is held (leased), and
+    the metadata stored with it (empty when none, or not held)."""
+
+    held: list[bool]
+    metadata: list[bytes]
 
 
 class ResidentHits:
@@ -66,32 +75,43 @@ class ResidentHits:
         with self._carry_lock:
             self._carried_ns += spent
 
-    def lease(self, region: ClientRegion, mm_hashes: Sequence[str]) -> list[bool]:
-        """Lease each hash resident in `region`, counted as a lookup's hit; False
-        where it is not (or the client has no ring): ask those by call."""
+    def lease(
+        self,
+        region: ClientRegion,
+        mm_hashes: Sequence[str],
+        usable: Callable[[int, bytes], bool] | None = None,
+    ) -> ResidentLeases:
+        """Lease each hash resident in `region` (and `usable`, given its index
+        and stored metadata), counted as a lookup's hit; not held where it is
+        not (or the client has no ring): ask those by call."""
         started = time.thread_time_ns()
-        held = [False] * len(mm_hashes)
+        leased = ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
         ring = self._reports.ring(region.token)
         if ring is None or not region.open():
-            return held
+            return leased
         found = [region.locate(store_key(self._namespace, h)) for h in mm_hashes]
+        if usable is not None:
+            found = [
+                f if f is not None and usable(i, f.metadata) else None for i, f in enumerate(found)
+            ]
         leases = [
-            pb.ShmLease(mm_hash=h, generation=f[1])
+            pb.ShmLease(mm_hash=h, generation=f.generation)
             for h, f in zip(mm_hashes, found, strict=True)
             if f is not None
         ]
         if not leases or not ring.write(pb.ReleaseRequest(shm_leases=leases).SerializeToString()):
             self._carry(time.thread_time_ns() - started)  # reported with the next report
-            return held
+            return leased
         fence()  # the record before the check: see mmcache._rings.fence
         hits: Counter[str] = Counter()
         for i, f in enumerate(found):
-            if f is not None and region.still(f[0], f[1]):
-                held[i] = True
-                hits[_modality(f[2])] += 1
+            if f is not None and region.still(f.start, f.generation):
+                leased.held[i] = True
+                leased.metadata[i] = f.metadata
+                hits[_modality(f.spec)] += 1
         # A lease whose check failed is kept, if the server took it, until it expires.
         self._post(region.token, pb.ReleaseRequest(hits=hits), started)
-        return held
+        return leased
 
     def read(
         self, region: ClientRegion, mm_hashes: Sequence[str], release: bool

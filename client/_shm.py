@@ -24,6 +24,7 @@ import os
 import stat
 import struct
 import threading
+from typing import NamedTuple
 
 from mmcache._items import Item
 from mmcache._rings import write_record
@@ -46,9 +47,19 @@ from ._codec import EncodedItem, ItemDecoder, copy_payload
 from ._plans import decode_from_region
 from ._pool import BufferPool
 
-__all__ = ["ClientRegion", "ClientRing", "attach"]
+__all__ = ["ClientRegion", "ClientRing", "Extent", "attach"]
 
 _LOGGER = logging.getLogger(__name__)
+
+
+class Extent(NamedTuple):
+    """A resident item's extent, as the index and its head say."""
+
+    start: int
+    generation: int
+    length: int  # payload bytes
+    spec: bytes
+    metadata: bytes  # empty: none stored, or no room for it
 
 
 class ClientRegion:
@@ -103,27 +114,24 @@ class ClientRegion:
         found = self._find(key)
         if found is None:
             return None
-        start, generation, length, spec = found
-        offset = start + HEAD_BYTES
-        got = decode_from_region(spec, self._view[offset : offset + length], pool)
-        if got is None or self._word(start) != generation:
+        offset = found.start + HEAD_BYTES
+        got = decode_from_region(found.spec, self._view[offset : offset + found.length], pool)
+        if got is None or self._word(found.start) != found.generation:
             return None
         return got
 
-    def locate(self, key: str) -> tuple[int, int, bytes] | None:
-        """(start, generation, spec) of the resident item under store key `key`,
-        or None; `still` tells later whether that extent is live yet."""
-        found = self._find(key)
-        return None if found is None else (found[0], found[1], found[3])
+    def locate(self, key: str) -> Extent | None:
+        """The extent of the resident item under store key `key`, or None;
+        `still` tells later whether it is live yet."""
+        return self._find(key)
 
     def still(self, start: int, generation: int) -> bool:
         """Whether the extent at `start` is live under `generation` yet."""
         return self._word(start) == generation
 
-    def _find(self, key: str) -> tuple[int, int, int, bytes] | None:
-        """(start, generation, payload bytes, spec) of the extent the index names
-        for `key`, checked: a bucket caught half written, or naming a freed
-        extent, matches nothing."""
+    def _find(self, key: str) -> Extent | None:
+        """The extent the index names for `key`, checked: a bucket caught half
+        written, or naming a freed extent, matches nothing."""
         fp = fingerprint(key)
         wanted = key.encode()
         size = len(self._map)
@@ -134,15 +142,17 @@ class ClientRegion:
                 continue
             if start < self._data or start % PAGE or start + HEAD_BYTES > size:
                 continue
-            word, length, key_len, spec_len = EXTENT_HEAD.unpack_from(self._map, start)
+            word, length, key_len, spec_len, meta_len = EXTENT_HEAD.unpack_from(self._map, start)
             end = start + HEAD_BYTES + length
-            if word != generation or end + key_len + spec_len > size:
+            if word != generation or end + key_len + spec_len + meta_len > size:
                 continue
             if key_len != len(wanted) or self._map[end : end + key_len] != wanted:
                 continue
-            spec = self._map[end + key_len : end + key_len + spec_len]
-            if self._word(start) == generation:  # the spec was read whole while live
-                return start, generation, length, spec
+            end += key_len
+            spec = self._map[end : end + spec_len]
+            metadata = self._map[end + spec_len : end + spec_len + meta_len]
+            if self._word(start) == generation:  # read whole while live
+                return Extent(start, generation, length, spec, metadata)
         return None
 
     def ring(self, slot: pb.ShmSlot) -> ClientRing:

@@ -10,8 +10,9 @@ Every extent (a write slot, or an item resident in the region) starts on a
 page with a 64-byte head whose first word is its generation: a random
 63-bit number, written when the extent is handed out and zeroed when it is
 freed, before its memory can be used again. Its payload follows the head. An
-item's extent also holds, after the payload, the item's store key and its
-serialised spec, so a reader needs nothing but the region to rebuild it.
+item's extent also holds, after the payload, the item's store key, its
+serialised spec and its metadata (none, where the extent has no room for
+it), so a reader needs nothing but the region to rebuild it and use it.
 
 The index maps a store key's fingerprint to the extent of its resident item:
 a bucket is (fingerprint, extent start, generation, 0), and a key lives in
@@ -40,15 +41,15 @@ __all__ = [
     "index_buckets",
 ]
 
-MAGIC = b"MMCSHM02"
+MAGIC = b"MMCSHM03"
 PAGE = 4096
 HEADER_BYTES = PAGE
 # magic, region id (16 bytes), token (32 bytes), size, index offset, buckets
 HEADER = struct.Struct("<8s16s32sQQQ")
 BUCKET = struct.Struct("<QQQQ")  # fingerprint, extent start, generation, spare
-# An extent's head: generation, payload bytes, key bytes, spec bytes; then
-# padding, so payloads start cache-aligned.
-EXTENT_HEAD = struct.Struct("<QQII")
+# An extent's head: generation, payload bytes, key, spec and metadata bytes;
+# then padding, so payloads start cache-aligned.
+EXTENT_HEAD = struct.Struct("<QQIII")
 HEAD_BYTES = 64
 WORD = struct.Struct("<Q")
 PROBES = 8

@@ -319,17 +319,21 @@ class Region:
         slot.expires = float("inf")
         return slot
 
-    def settle(self, slot: Slot, key: str, spec: bytes) -> Resident | None:
+    def settle(self, slot: Slot, key: str, spec: bytes, metadata: bytes = b"") -> Resident | None:
         """Make a claimed write slot, or a fresh ITEM extent whose payload is
         written, the resident extent of the item under `key` (its spec
-        serialised): indexed, with a generation no client has seen. None when
-        the slot has no room for the key and spec after its payload."""
+        serialised, and its metadata where there is room for it): indexed,
+        with a generation no client has seen. None when the slot has no room
+        for the key and spec after its payload."""
         key_bytes = key.encode()
         end = slot.offset + slot.length
-        if end + len(key_bytes) + len(spec) > slot.start + slot.span:
+        room = slot.start + slot.span - end - len(key_bytes) - len(spec)
+        if room < 0:
             return None
-        self._map[end : end + len(key_bytes)] = key_bytes
-        self._map[end + len(key_bytes) : end + len(key_bytes) + len(spec)] = spec
+        if len(metadata) > room:
+            metadata = b""  # clients ask for it by call (a lookup's reply)
+        trailer = b"".join((key_bytes, spec, metadata))
+        self._map[end : end + len(trailer)] = trailer
         self._count(slot, -1)
         del self._slots[slot.lease]
         self._writes.pop(slot.lease, None)
@@ -338,7 +342,9 @@ class Region:
         self._slots[slot.lease] = slot
         self._count(slot, 1)
         # The generation last: a reader that sees it sees the rest written.
-        EXTENT_HEAD.pack_into(self._map, slot.start, 0, slot.length, len(key_bytes), len(spec))
+        EXTENT_HEAD.pack_into(
+            self._map, slot.start, 0, slot.length, len(key_bytes), len(spec), len(metadata)
+        )
         WORD.pack_into(self._map, slot.start, slot.lease)
         self._index(fingerprint(key), slot)
         return Resident(self, slot)

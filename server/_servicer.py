@@ -659,7 +659,7 @@ class CacheServicer:
         region = self._region()
         assert region is not None and entry.spec is not None
         self._metrics.shm_bytes.labels("write").inc(slot.length)
-        resident = region.settle(slot, entry.key, entry.spec.SerializeToString())
+        resident = region.settle(slot, entry.key, entry.spec.SerializeToString(), entry.metadata)
         if resident is not None:
             return (), resident
         try:
@@ -746,7 +746,7 @@ class CacheServicer:
                 residents.append(item.resident)
                 continue
             spec = item.spec.SerializeToString()
-            trailer = len(key.encode()) + len(spec)
+            trailer = len(key.encode()) + len(spec) + len(item.metadata)
             slot = self._extent_for(region, key, item.payload, trailer, keys, hold)
             if slot is None:
                 return None
@@ -756,7 +756,7 @@ class CacheServicer:
                 residents.append(Resident(region, slot))  # freed when its hold ends
                 continue
             self._metrics.shm_copies.labels("in").inc()
-            resident = region.settle(slot, key, spec)
+            resident = region.settle(slot, key, spec, item.metadata)
             assert resident is not None  # allocated with room for its trailer
             self._store.make_resident(key, item, resident)
             residents.append(resident)

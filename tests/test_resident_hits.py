@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from mmcache._rings import read_records, write_record
+from mmcache._shm_layout import EXTENT_HEAD, PAGE
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
+from mmcache.server._region import ITEM, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape
@@ -61,7 +63,7 @@ async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path
         await with_ring(api, engine)
         before = await counted(server)
         lookups = await calls(server, "GetAndUpdate") + await calls(server, "GetAndUpdateOne")
-        assert api.lease_resident(["a", "absent"]) == [True, False]
+        assert api.lease_resident(["a", "absent"]).held == [True, False]
         await eventually(lambda: server.store.leases == 1, timeout=2)  # the ring was read
         got = engine.fetch_resident(["a"])
         assert got is not None and torch.equal(got[0]["x"], item(1)["x"])
@@ -88,7 +90,7 @@ async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(tmp_path:
         await api.get_and_update([item(1, 1 << 19)], ["a"], lease=False)
         await api.get_and_update([item(2, 1 << 19)], ["b"], lease=False)
         await with_ring(api, engine)
-        assert api.lease_resident(["a"]) == [True]  # in the ring, unread
+        assert api.lease_resident(["a"]).held == [True]  # in the ring, unread
         await api.get_and_update([item(3, 1 << 19)], ["c"], lease=False)  # reads it first
         assert "a" in server.store and "b" not in server.store
         got = engine.fetch_resident(["a"])
@@ -108,7 +110,7 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: 
         await with_ring(api, engine)
         region = server.region
         assert region is not None
-        assert api.lease_resident(["a"]) == [True]
+        assert api.lease_resident(["a"]).held == [True]
         server.store.clear()  # no ring is read: the lease of "a" waits in the ring
         assert "a" not in server.store
         assert region.orphans == 1  # "b" went; "a"'s extent is kept, indexed
@@ -118,7 +120,7 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: 
         server._cache.drain_reports()  # the lease (of nothing held), then its release
         assert region.orphans == 0
         assert engine.fetch_resident(["a"]) is None  # freed now
-        assert api.lease_resident(["a"]) == [False]
+        assert api.lease_resident(["a"]).held == [False]
 
 
 async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) -> None:
@@ -131,7 +133,7 @@ async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) 
         while ring.write(b"x" * 200):  # records the server has not read
             pass
         before = await counted(server)
-        assert api.lease_resident(["a"]) == [False]
+        assert api.lease_resident(["a"]).held == [False]
         assert (await api.lookup(["a"])).held == [True]  # by call: it reads the ring first
         assert await counted(server) == (before[0] + 1, before[1] + 1)
 
@@ -161,3 +163,49 @@ def test_a_torn_lease_record_is_not_read_as_one() -> None:
     assert read_records(ring, 0, commit=False)[0] == [lease.SerializeToString()]  # still unread
     ring[64 + 16] ^= 0xFF
     assert read_records(ring, 0, commit=False)[0] == []
+
+
+async def test_a_process_that_never_processed_an_item_leases_it_with_its_metadata(
+    tmp_path: Path,
+) -> None:
+    # The metadata (vLLM's prompt updates) lives in the extent with the item:
+    # another API process needs no lookup for it.
+    async with (
+        MMCacheServer(shm_config(tmp_path)) as server,
+        client(server) as one,
+        client(server) as other,
+    ):
+        await one.get_and_update([item(7)], ["a"], metadata=[b'{"v": 1}'], lease=False)
+        await one.get_and_update([item(8)], ["b"], lease=False)  # no metadata
+        await with_ring(other)
+        seen: list[tuple[int, bytes]] = []
+
+        def usable(i: int, metadata: bytes) -> bool:
+            seen.append((i, metadata))
+            return bool(metadata)  # b's is none: the lookup will say so
+
+        leased = other.lease_resident(["a", "b"], usable=usable)
+        assert leased.held == [True, False]
+        assert leased.metadata == [b'{"v": 1}', b""]
+        assert seen == [(0, b'{"v": 1}'), (1, b"")]
+        await eventually(lambda: server.store.leases == 1, timeout=2)  # b was not leased
+
+
+def test_metadata_without_room_in_the_extent_is_left_out_not_the_item(tmp_path: Path) -> None:
+    region = open_region(str(tmp_path), 1 << 20, lease_s=30.0)
+    try:
+        key, spec = "k", b"spec"
+        # A page holds the head and the payload, and 95 bytes after key and spec.
+        slot = region.allocate(PAGE - 64 - 100, ITEM, len(key) + len(spec))
+        assert slot is not None
+        resident = region.settle(slot, key, spec, b"m" * 200)
+        assert resident is not None
+        head = EXTENT_HEAD.unpack_from(region.view, slot.start)
+        assert head[2:] == (1, 4, 0)  # key and spec; no metadata
+        other = region.allocate(PAGE - 64 - 100, ITEM, 5)
+        assert other is not None
+        resident = region.settle(other, "j", spec, b"m" * 90)
+        assert resident is not None
+        assert EXTENT_HEAD.unpack_from(region.view, resident.slot.start)[2:] == (1, 4, 90)
+    finally:
+        region.close()

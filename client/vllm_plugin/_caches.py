@@ -5,12 +5,13 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 `release_sender_touches` once, in a `finally`. So:
 
 - `is_cached`: the mirror names the candidates (behind a sidecar with an L2
-  tier, every item is one: another node's sidecar may hold it). Those whose
-  prompt updates this process knows and whose items are resident in the
-  sidecar's shared memory are leased there, on vLLM's thread, with no call
-  (client/_resident.py); one `lookup` round trip confirms the rest with the
-  server, leases them for the engine's read (hits only) and brings the prompt
-  updates of those this process never processed.
+  tier, every item is one: another node's sidecar may hold it). Those
+  resident in the sidecar's shared memory are leased there, on vLLM's
+  thread, with no call (client/_resident.py), their prompt updates this
+  process's own or the metadata stored with them in the region; one
+  `lookup` round trip confirms the rest with the server, leases them for the
+  engine's read (hits only) and brings the prompt updates of those this
+  process never processed.
   A candidate whose upload is still in flight (another API process's) is
   waited for at most about what processing it here takes (this process's
   processor time per item, measured on its own requests): past that it is
@@ -265,17 +266,26 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def _lease_resident(
         self, request: _Request, mm_hashes: list[str], keys: list[str], ask: list[int]
     ) -> list[int]:
-        """Confirm with no call, on this thread, the hits whose updates this process
-        knows and whose items are resident in the sidecar's shared memory; the
-        rest of `ask`, to look up by call."""
-        known = [(i, u) for i in ask if (u := self._local_updates(mm_hashes[i])) is not None]
-        if not known:
-            return ask
-        held = self._sync.client.lease_resident([keys[i] for i, _ in known])
-        for (i, updates), ok in zip(known, held, strict=True):
-            if ok:
-                request.looked_up.add(mm_hashes[i])
-                request.confirmed[mm_hashes[i]] = updates
+        """Confirm with no call, on this thread, the hits resident in the
+        sidecar's shared memory whose prompt updates this process knows, or
+        can read from the metadata stored with them; the rest of `ask`, to
+        look up by call."""
+        updates: dict[int, Any] = {}
+
+        def usable(j: int, metadata: bytes) -> bool:
+            known = self._local_updates(mm_hashes[ask[j]])
+            if known is None and metadata and self._undescribed is None:
+                known = decode_updates(metadata)
+            if known is not None:
+                updates[j] = known
+            return known is not None
+
+        leased = self._sync.client.lease_resident([keys[i] for i in ask], usable=usable)
+        for j, held in enumerate(leased.held):
+            if held:
+                mm_hash = mm_hashes[ask[j]]
+                request.looked_up.add(mm_hash)
+                request.confirmed[mm_hash] = updates[j]
         return [i for i in ask if mm_hashes[i] not in request.confirmed]
 
     @override

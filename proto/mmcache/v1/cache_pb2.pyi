@@ -989,8 +989,8 @@ class ShmAllocateRequest(_message.Message):
 
     @_builtins.property
     def trailers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Per slot (or none): room after the payload for the item's store key and
-        spec, so the upload becomes resident where it was written.
+        """Per slot (or none): room after the payload for the item's store key,
+        spec and metadata, so the upload becomes resident where it was written.
         """
 
     def __init__(
