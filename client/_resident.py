@@ -17,11 +17,16 @@ thread, and gives their leases back in its ring. Both report the CPU they
 spent here, so the server's mmcache_shm_client_cpu_seconds_total shows
 what hits cost the callers' threads.
 
-Thread-safe: the region is only read here, the pool and the ring have locks.
+Thread-safe: the region is only read here, the pool and the ring have locks;
+a region the client's loop unmaps meanwhile (a restarted server) fails the
+lease or read, which the caller then makes by call. A server killed never
+says so: its heartbeat in the region stops, and after STALE_S nothing is
+leased or read there with no call.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from collections import Counter
@@ -40,6 +45,10 @@ from ._reports import Reports
 from ._shm import ClientRegion
 
 __all__ = ["ResidentHits", "ResidentLeases"]
+
+# What reading a region the client's loop has just unmapped raises (its
+# reads here are of an mmap and views of it, which fail cleanly once closed).
+_UNMAPPED = (ValueError, BufferError, struct.error)
 
 
 class ResidentLeases(NamedTuple):
@@ -84,11 +93,24 @@ class ResidentHits:
         """Lease each hash resident in `region` (and `usable`, given its index
         and stored metadata), counted as a lookup's hit; not held where it is
         not (or the client has no ring): ask those by call."""
-        started = time.thread_time_ns()
         leased = ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
+        try:
+            self._lease(region, mm_hashes, usable, leased)
+        except _UNMAPPED:  # the client's loop unmapped the region meanwhile (a new server)
+            return ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
+        return leased
+
+    def _lease(
+        self,
+        region: ClientRegion,
+        mm_hashes: Sequence[str],
+        usable: Callable[[int, bytes], bool] | None,
+        leased: ResidentLeases,
+    ) -> None:
+        started = time.thread_time_ns()
         ring = self._reports.ring(region.token)
-        if ring is None or not region.open():
-            return leased
+        if ring is None or not region.serving():
+            return
         found = [region.locate(store_key(self._namespace, h)) for h in mm_hashes]
         if usable is not None:
             found = [
@@ -101,7 +123,7 @@ class ResidentHits:
         ]
         if not leases or not ring.write(pb.ReleaseRequest(shm_leases=leases).SerializeToString()):
             self._carry(time.thread_time_ns() - started)  # reported with the next report
-            return leased
+            return
         fence()  # the record before the check: see mmcache._rings.fence
         hits: Counter[str] = Counter()
         for i, f in enumerate(found):
@@ -111,15 +133,22 @@ class ResidentHits:
                 hits[_modality(f.spec)] += 1
         # A lease whose check failed is kept, if the server took it, until it expires.
         self._post(region.token, pb.ReleaseRequest(hits=hits), started)
-        return leased
 
     def read(
         self, region: ClientRegion, mm_hashes: Sequence[str], release: bool
     ) -> list[Item] | None:
         """The items, copied out of `region`, their leases given back (`release`);
         None unless every one is resident (the caller reads them by call)."""
+        try:
+            return self._read(region, mm_hashes, release)
+        except _UNMAPPED:
+            return None
+
+    def _read(
+        self, region: ClientRegion, mm_hashes: Sequence[str], release: bool
+    ) -> list[Item] | None:
         started = time.thread_time_ns()
-        if not region.open():
+        if not region.serving():
             return None
         items: list[Item] = []
         nbytes = 0

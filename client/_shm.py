@@ -24,11 +24,13 @@ import os
 import stat
 import struct
 import threading
+import time
 from typing import NamedTuple
 
 from mmcache._items import Item
 from mmcache._rings import write_record
 from mmcache._shm_layout import (
+    BEAT_AT,
     BUCKET,
     EXTENT_HEAD,
     HEAD_BYTES,
@@ -37,6 +39,7 @@ from mmcache._shm_layout import (
     MAGIC,
     PAGE,
     PROBES,
+    STALE_S,
     WORD,
     fingerprint,
     index_buckets,
@@ -75,6 +78,9 @@ class ClientRegion:
         self._index = index
         self._mask = buckets - 1
         self._data = index + -(-buckets * BUCKET.size // PAGE) * PAGE
+        # The heartbeat last seen to move, and when (this process's clock).
+        self._beats = self._word(BEAT_AT)
+        self._beat_seen = time.monotonic()
 
     def _payload(self, slot: pb.ShmSlot) -> memoryview:
         if slot.offset < self._data + HEAD_BYTES or slot.offset + slot.length > len(self._view):
@@ -94,6 +100,19 @@ class ClientRegion:
     def open(self) -> bool:
         """Whether the server still serves the region (it blanks the magic when it stops)."""
         return self._map[: len(MAGIC)] == MAGIC
+
+    def serving(self) -> bool:
+        """`open`, and the server's heartbeat moved within STALE_S: a server
+        killed never blanks the magic (mmcache._shm_layout.BEAT_AT). For work
+        with no call, which would never hear that the server is gone."""
+        if not self.open():
+            return False
+        beats = self._word(BEAT_AT)
+        now = time.monotonic()
+        if beats != self._beats:
+            self._beats, self._beat_seen = beats, now
+            return True
+        return now - self._beat_seen < STALE_S
 
     def _word(self, start: int) -> int:
         word: int = WORD.unpack_from(self._map, start)[0]

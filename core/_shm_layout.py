@@ -28,6 +28,8 @@ import hashlib
 import struct
 
 __all__ = [
+    "BEAT_AT",
+    "BEAT_S",
     "BUCKET",
     "EXTENT_HEAD",
     "HEADER",
@@ -36,6 +38,7 @@ __all__ = [
     "MAGIC",
     "PAGE",
     "PROBES",
+    "STALE_S",
     "WORD",
     "fingerprint",
     "index_buckets",
@@ -46,6 +49,13 @@ PAGE = 4096
 HEADER_BYTES = PAGE
 # magic, region id (16 bytes), token (32 bytes), size, index offset, buckets
 HEADER = struct.Struct("<8s16s32sQQQ")
+# In the header page, past HEADER: a count the server advances every
+# BEAT_S while it serves. A client that sees it stand still for STALE_S
+# takes its server for gone (killed: it never blanked the magic) and stops
+# leasing and reading there with no call.
+BEAT_AT = 128
+BEAT_S = 0.2
+STALE_S = 2.0
 BUCKET = struct.Struct("<QQQQ")  # fingerprint, extent start, generation, spare
 # An extent's head: generation, payload bytes, key, spec and metadata bytes;
 # then padding, so payloads start cache-aligned.

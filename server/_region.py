@@ -68,6 +68,7 @@ from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
 from mmcache._lockfiles import unlocked
 from mmcache._rings import fence, reset_ring
 from mmcache._shm_layout import (
+    BEAT_AT,
     BUCKET,
     EXTENT_HEAD,
     HEAD_BYTES,
@@ -416,6 +417,12 @@ class Region:
         slot = self._writes.get(lease)
         return slot is not None and slot.expires != float("inf") and self.free(lease)
 
+    def beat(self) -> None:
+        """Tell co-located clients this server still serves (mmcache._shm_layout.BEAT_AT)."""
+        if not self._closed:
+            beats = WORD.unpack_from(self._map, BEAT_AT)[0]
+            WORD.pack_into(self._map, BEAT_AT, (beats + 1) & ((1 << 64) - 1))
+
     def matches(self, token: bytes) -> bool:
         """Whether a client's token is this region's (compared in constant time)."""
         return bool(token) and secrets.compare_digest(token, self.token)
@@ -441,12 +448,20 @@ class Region:
         WORD.pack_into(self._map, slot.start, 0)  # a client's check after its lease fails now
         if slot.kind == ITEM and self.keep_leased is not None:
             fence()  # the word's zero before the rings are read: see mmcache._rings.fence
-            if self.keep_leased(slot.lease, slot.key):
+            if self._kept(slot):
                 WORD.pack_into(self._map, slot.start, slot.lease)
                 self._index(fingerprint(slot.key), slot)
                 self._orphans.setdefault(slot.key, []).append(self.hold(Resident(self, slot)))
                 return
         self._free_slot(slot)
+
+    def _kept(self, slot: Slot) -> bool:
+        assert self.keep_leased is not None
+        try:
+            return self.keep_leased(slot.lease, slot.key)
+        except Exception:  # called from a finaliser: an error would leak the extent
+            _LOGGER.exception("could not look for leases of a freed extent; freeing it")
+            return False
 
     @property
     def orphans(self) -> int:

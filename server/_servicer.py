@@ -357,6 +357,13 @@ class CacheServicer:
         region = self._region()
         return 0 if region is None or self._rings is None else self._rings_of(region).drain()
 
+    def beat(self) -> None:
+        """The region's heartbeat, and its rings read (the server's timer, every BEAT_S)."""
+        region = self._region()
+        if region is not None:
+            region.beat()
+        self.drain_reports()
+
     async def locate(self, request: pb.LocateRequest, context: Context) -> pb.LocateReply:
         keys = self._keys(self._namespace(context), request.mm_hashes)
         sizes = [self._store.size_of(key) for key in keys]

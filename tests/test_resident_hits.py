@@ -7,6 +7,8 @@ store before the server read the lease is kept until the lease ends."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 
 import grpc
@@ -14,13 +16,14 @@ import pytest
 import torch
 
 from mmcache._rings import read_records, write_record
-from mmcache._shm_layout import EXTENT_HEAD, PAGE
+from mmcache._shm_layout import EXTENT_HEAD, PAGE, STALE_S
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.server._region import ITEM, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape
+from .test_process import MMCACHE, free_port, start, wait_serving
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
 
@@ -209,3 +212,34 @@ def test_metadata_without_room_in_the_extent_is_left_out_not_the_item(tmp_path: 
         assert EXTENT_HEAD.unpack_from(region.view, resident.slot.start)[2:] == (1, 4, 90)
     finally:
         region.close()
+
+
+async def test_a_killed_server_is_read_with_no_call_no_longer(tmp_path: Path) -> None:
+    # SIGKILL leaves the region mapped and its magic in place: only the
+    # heartbeat's standing still tells the client its server is gone.
+    port, metrics_port = free_port(), free_port()
+    proc = start(
+        [
+            MMCACHE,
+            "serve",
+            *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)),
+            *("--shm-dir", str(tmp_path), "--shm-mb", "64", "--capacity-gb", "0.25"),
+        ]
+    )
+    try:
+        wait_serving(port, proc)
+        async with MMCacheClient(f"127.0.0.1:{port}", follow=False) as api:
+            await api.get_and_update([item(9)], ["a"], lease=False)
+            await with_ring(api)
+            await asyncio.sleep(STALE_S + 0.5)  # idle, alive: its heartbeat goes on
+            assert api.lease_resident(["a"]).held == [True]
+            assert api.fetch_resident(["a"]) is not None
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            await asyncio.sleep(STALE_S + 0.5)
+            assert api.lease_resident(["a"]).held == [False]
+            assert api.fetch_resident(["a"]) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
