@@ -317,9 +317,14 @@ async def test_misses_answered_by_the_client_are_counted_as_queries(
     )
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await release(pb.ReleaseRequest(misses={f"m{i}": 1 for i in range(17)}))
-    await channel.close()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the limit is 16" in str(refused.value.details())
+    # So are the hits of leases a client took with no call (client/_resident.py).
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await release(pb.ReleaseRequest(hits={f"m{i}": 1 for i in range(17)}))
+    await channel.close()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "counts hits of 17 modalities; the limit is 16" in str(refused.value.details())
     assert await queries() == 24  # nothing of it counted
 
 

@@ -11,8 +11,6 @@ import asyncio
 import signal
 from pathlib import Path
 
-import grpc
-import pytest
 import torch
 
 from mmcache._rings import read_records, write_record
@@ -139,21 +137,6 @@ async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) 
         assert api.lease_resident(["a"]).held == [False]
         assert (await api.lookup(["a"])).held == [True]  # by call: it reads the ring first
         assert await counted(server) == (before[0] + 1, before[1] + 1)
-
-
-async def test_a_report_counting_hits_of_too_many_modalities_is_refused(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-        release = channel.unary_unary(
-            "/mmcache.v1.MMCache/Release",
-            request_serializer=pb.ReleaseRequest.SerializeToString,
-            response_deserializer=pb.ReleaseReply.FromString,
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await release(pb.ReleaseRequest(hits={f"m{i}": 1 for i in range(17)}))
-        await channel.close()
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "counts hits of 17 modalities; the limit is 16" in str(refused.value.details())
 
 
 def test_a_torn_lease_record_is_not_read_as_one() -> None:
