@@ -125,8 +125,11 @@ class Reports:
 
     def post(self, token: bytes, report: pb.ReleaseRequest) -> None:
         """`add` from any thread: into the ring, or else to the loop, which sends it."""
+        payload = report.SerializeToString()
+        if not payload:  # nothing to say; an empty record would say the client closed
+            return
         ring = self.ring(token)
-        if ring is not None and ring.write(report.SerializeToString()):
+        if ring is not None and ring.write(payload):
             return
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -134,9 +137,11 @@ class Reports:
                 loop.call_soon_threadsafe(self._merge, token, report)
 
     def _merge(self, token: bytes, report: pb.ReleaseRequest) -> None:
+        """On the loop: a report a caller's thread could not write in the ring."""
         self._hits = _folded(self._hits + Counter(report.hits))
         self._cpu_ns += report.client_cpu_ns
         self.add(token, released=report.mm_hashes, read_bytes=report.shm_read_bytes)
+        self._start()  # the hits and CPU go by call (`add` may have used a ring)
 
     def _ring_for(self, token: bytes) -> ClientRing | None:
         """The report ring of the region of `token`; None while there is none
@@ -150,7 +155,10 @@ class Reports:
 
     def _written(self, ring: ClientRing, report: pb.ReleaseRequest) -> bool:
         """Whether `report` went in `ring`; one retired is dropped (by call, and another later)."""
-        if ring.write(report.SerializeToString()):
+        payload = report.SerializeToString()
+        if not payload:  # nothing to say; an empty record would say the client closed
+            return True
+        if ring.write(payload):
             return True
         if not ring.live():
             self._ring = None

@@ -129,10 +129,7 @@ async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) 
         server._drainer.cancel()  # type: ignore[union-attr]
         await api.get_and_update([item(6)], ["a"], lease=False)
         await with_ring(api)
-        ring = api._reports._ring
-        assert ring is not None
-        while ring.write(b"x" * 200):  # records the server has not read
-            pass
+        fill(api)
         before = await counted(server)
         assert api.lease_resident(["a"]).held == [False]
         assert (await api.lookup(["a"])).held == [True]  # by call: it reads the ring first
@@ -226,3 +223,44 @@ async def test_a_killed_server_is_read_with_no_call_no_longer(tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def fill(client: MMCacheClient) -> None:
+    """Fill the client's ring with records the server has not read."""
+    ring = client._reports._ring
+    assert ring is not None
+    for size in (200, 1):  # to the last byte: no report fits
+        while ring.write(b"x" * size):
+            pass
+
+
+async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
+    tmp_path: Path,
+) -> None:
+    async with (
+        MMCacheServer(shm_config(tmp_path)) as server,
+        client(server) as api,
+        client(server) as engine,
+    ):
+        server._drainer.cancel()  # type: ignore[union-attr]  # only calls read rings
+        await api.get_and_update([item(10)], ["a"], lease=False)
+        await with_ring(api, engine)
+        assert api.lease_resident(["a"]).held == [True]
+        server._cache.drain_reports()
+        assert server.store.leases == 1
+        fill(engine)
+        # The engine's release, from its own thread, cannot go in its ring: by call.
+        assert engine.fetch_resident(["a"]) is not None
+        await eventually(lambda: server.store.leases == 0, timeout=2)
+        # Hits the ring could not take; by the time the loop sends them, it can
+        # (the server read it meanwhile): they still go, and the ring stays.
+        before = await counted(server)
+        region = api._region
+        assert region is not None
+        fill(api)
+        api._reports.post(region.token, pb.ReleaseRequest(hits={"image": 2}, client_cpu_ns=1))
+        server._cache.drain_reports()
+        await eventually(lambda: api._reports._task is not None and api._reports._task.done())
+        assert await counted(server) == (before[0] + 2, before[1] + 2)
+        rings = server._cache._rings
+        assert rings is not None and len(rings) == 2
