@@ -234,7 +234,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             ask = [i for i in candidates if self._local_updates(mm_hashes[i]) is not None]
             request.held_elsewhere.update(mm_hashes[i] for i in candidates if i not in ask)
         if ask:
-            ask = self._lease_resident(request, mm_hashes, keys, ask)
+            try:
+                ask = self._lease_resident(request, mm_hashes, keys, ask)
+            except MMCacheError as exc:  # a hash no server takes: the lookup says so
+                _LOGGER.debug("mmcache lease with no call failed: %s", exc)
         if ask:
             try:
                 wait_s = self._processing.wait_for(len(ask))
@@ -481,12 +484,11 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
 
     def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
         keys = [f"{self._scope}:{h}" for h in hashes]
-        # Resident in the sidecar's shared memory: read on this thread, with no call.
-        resident = self._sync.client.fetch_resident(keys)
-        if resident is not None:
-            return [to_vllm(item) for item in resident]
         try:
-            items = self._sync.call(self._sync.client.fetch(keys, release=True))
+            # Resident in the sidecar's shared memory: read on this thread, with no call.
+            items = self._sync.client.fetch_resident(keys)
+            if items is None:
+                items = self._sync.call(self._sync.client.fetch(keys, release=True))
         except CacheMissError as exc:
             missing = set(exc.missing_hashes)
             raise MultiModalCacheMissError(

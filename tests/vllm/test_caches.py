@@ -228,6 +228,18 @@ def test_p1_names_every_missing_hash_in_request_order(clients: Callable[[], Sync
     assert info.value.mm_hashes == ["z", "a"]
 
 
+def test_p1_takes_a_hash_no_server_takes_for_a_miss_not_an_error(
+    clients: Callable[[], SyncClient],
+) -> None:
+    # Read first with no call (shared memory), then by call: either refuses the
+    # hash (too long); the engine sees vLLM's miss, never mmcache's error.
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    eventually(lambda: p1._sync.client._region is not None)
+    with pytest.raises(MultiModalCacheMissError) as info:
+        p1.get_and_update_features([feature("x" * 300, None)])
+    assert info.value.mm_hashes == ["x" * 300]
+
+
 def test_is_cached_does_not_reorder_and_touching_a_missing_key_does_nothing(
     clients: Callable[[], SyncClient],
 ) -> None:
