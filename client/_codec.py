@@ -42,6 +42,7 @@ __all__ = [
     "decode_item",
     "encode_item",
     "iter_chunk_frames",
+    "leaf_buffer",
     "num_chunks",
     "view_item",
 ]
@@ -189,6 +190,18 @@ def decode_item(spec: pb.ItemSpec, frames: Sequence[bytes]) -> Item:
     return decoder.finish()
 
 
+def leaf_buffer(n: int, pool: BufferPool | None) -> tuple[torch.Tensor, bool]:
+    """Bytes for one tensor a read fills, the caller's own: from the pool when
+    large enough (memory a dropped tensor left, pages mapped), else fresh (huge
+    pages asked for); and whether fresh. RuntimeError or MemoryError when the
+    memory cannot be had."""
+    if pool is not None and n >= MIN_POOLED_BYTES:
+        return pool.take(n), False
+    raw = torch.empty(n, dtype=torch.uint8)
+    advise_hugepages(raw.data_ptr(), n)
+    return raw, True
+
+
 class ItemDecoder:
     """Rebuilds one item while its chunk frames arrive, one frame at a time.
 
@@ -213,18 +226,14 @@ class ItemDecoder:
             # Allocated as bytes and viewed as the dtype at the end: the
             # same fresh storage, and no "experimental" warning for complex32.
             try:
-                if pool is not None and n >= MIN_POOLED_BYTES:
-                    raw = pool.take(n)  # memory a dropped tensor left, pages mapped
-                else:
-                    raw = torch.empty(n, dtype=torch.uint8)
-                    advise_hugepages(raw.data_ptr(), n)
-                    if n >= _PREFAULT_BYTES:
-                        large.append((raw.data_ptr(), n))
+                raw, fresh = leaf_buffer(n, pool)
             except (RuntimeError, MemoryError):
                 raise ResourceExhaustedError(
                     f"cannot allocate {n} bytes for a {tensor_spec.dtype} tensor of "
                     f"field {elem.key!r}"
                 ) from None
+            if fresh and n >= _PREFAULT_BYTES:
+                large.append((raw.data_ptr(), n))
             self._buffers.append((raw, raw.numpy().data))
         prefault_in_background(large)
         self._leaf = 0

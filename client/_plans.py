@@ -19,14 +19,13 @@ from google.protobuf.message import DecodeError
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache._items import Field, FieldElem, Item, MMItem
-from mmcache._memory import advise_hugepages
 from mmcache._spec import item_size
 from mmcache.v1 import cache_pb2 as pb
 
-from ._codec import _DTYPES, _assemble, _decode_field, _leaves
-from ._pool import MIN_POOLED_BYTES, BufferPool
+from ._codec import _DTYPES, _assemble, _decode_field, _leaves, leaf_buffer
+from ._pool import BufferPool
 
-__all__ = ["decode_from_region"]
+__all__ = ["decode_from_region", "modality_of"]
 
 MAX_PLANS = 256  # distinct specs kept (a few hundred bytes each)
 
@@ -70,6 +69,16 @@ def _plan(spec_bytes: bytes) -> _Plan:
     return plan
 
 
+def modality_of(spec_bytes: bytes) -> str:
+    """An item's own modality (its first field's), as the server labels a
+    lookup's hit; "" for a spec that is not one. By the plan: no parse again."""
+    try:
+        fields = _plan(spec_bytes).spec.fields
+    except MMCacheError:
+        return ""
+    return fields[0].modality if fields else ""
+
+
 def decode_from_region(
     spec_bytes: bytes, payload: memoryview, pool: BufferPool | None
 ) -> tuple[Item, int] | None:
@@ -87,11 +96,7 @@ def decode_from_region(
     pos = 0
     for n, _, _ in plan.leaves:
         try:
-            if pool is not None and n >= MIN_POOLED_BYTES:
-                tensor = pool.take(n)
-            else:
-                tensor = torch.empty(n, dtype=torch.uint8)
-                advise_hugepages(tensor.data_ptr(), n)
+            tensor, _ = leaf_buffer(n, pool)
         except (RuntimeError, MemoryError):
             return None
         tensor.numpy().data[:] = payload[pos : pos + n]

@@ -33,13 +33,12 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from google.protobuf.message import DecodeError
-
 from mmcache._items import Item
 from mmcache._rings import fence
 from mmcache._spec import store_key
 from mmcache.v1 import cache_pb2 as pb
 
+from ._plans import modality_of
 from ._pool import BufferPool
 from ._reports import Reports
 from ._shm import ClientRegion
@@ -130,7 +129,7 @@ class ResidentHits:
             if f is not None and region.still(f.start, f.generation):
                 leased.held[i] = True
                 leased.metadata[i] = f.metadata
-                hits[_modality(f.spec)] += 1
+                hits[modality_of(f.spec)] += 1
         # A lease whose check failed is kept, if the server took it, until it expires.
         self._post(region.token, pb.ReleaseRequest(hits=hits), started)
 
@@ -162,12 +161,3 @@ class ResidentHits:
         report = pb.ReleaseRequest(mm_hashes=mm_hashes if release else (), shm_read_bytes=nbytes)
         self._post(region.token, report, started)
         return items
-
-
-def _modality(spec: bytes) -> str:
-    """An item's own modality, as the server labels a lookup's hit."""
-    try:
-        fields = pb.ItemSpec.FromString(spec).fields
-    except DecodeError:
-        return ""
-    return fields[0].modality if fields else ""

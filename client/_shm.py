@@ -95,7 +95,7 @@ class ClientRegion:
         return payload
 
     def live(self, slot: pb.ShmSlot) -> bool:
-        return self._word(slot.offset - HEAD_BYTES) == slot.lease
+        return self.still(slot.offset - HEAD_BYTES, slot.lease)
 
     def open(self) -> bool:
         """Whether the server still serves the region (it blanks the magic when it stops)."""
