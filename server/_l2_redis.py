@@ -20,6 +20,7 @@ answering again.
 from __future__ import annotations
 
 import hashlib
+import ssl
 from urllib.parse import unquote, urlsplit
 
 from redis.asyncio import Redis
@@ -27,7 +28,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from ._l2 import L2Record, Poll, Sighting, Want
-from ._redis_nodes import RedisNodes
+from ._redis_nodes import NodeClients, RedisNodes
+from ._resp_reads import BulkReader
 
 __all__ = ["RedisClusterL2", "parse_l2_url", "redis_key"]
 
@@ -170,8 +172,11 @@ class RedisClusterL2:
         self._prefix = prefix
         self._where = f"redis cluster {','.join(f'{h}:{p}' for h, p in seeds)}"
 
-        def connect(host: str, port: int) -> Redis:
-            return Redis(
+        # As redis-py's ssl=True: the system's CAs, the host name checked.
+        context = ssl.create_default_context() if tls else None
+
+        def connect(host: str, port: int) -> NodeClients:
+            commands = Redis(
                 host=host,
                 port=port,
                 username=user,
@@ -185,6 +190,15 @@ class RedisClusterL2:
                 max_connections=max_connections,
                 decode_responses=False,
             )
+            reads = BulkReader(
+                host,
+                port,
+                username=user,
+                password=password,
+                tls=context,
+                connect_timeout_s=timeout_s,
+            )
+            return NodeClients(commands, reads)
 
         self._nodes = RedisNodes(seeds, connect, timeout_s=timeout_s, where=self._where)
 
@@ -208,9 +222,12 @@ class RedisClusterL2:
 
     async def read(self, key: str) -> L2Record | None:
         name = self._key(key)
-        raw = await self._nodes.call(name, lambda r: r.hgetall(name))
-        # Bytes, as decode_responses=False gives them (the types allow str too).
-        fields = {k: v for k, v in raw.items() if isinstance(k, bytes) and isinstance(v, bytes)}
+        # By BulkReader: each chunk received straight into its bytes' buffer.
+        raw = await self._nodes.read(name, lambda r: r.command(b"HGETALL", name))
+        if not isinstance(raw, list) or len(raw) % 2:
+            return None  # not a hash's reply (another type under the key): a miss
+        pairs = zip(raw[::2], raw[1::2], strict=True)
+        fields = {k: v for k, v in pairs if isinstance(k, bytes) and isinstance(v, bytes)}
         manifest = fields.pop(_MANIFEST, None)
         if manifest is None:
             return None

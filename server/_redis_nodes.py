@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from redis.asyncio import Redis
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
@@ -32,6 +32,7 @@ from redis.exceptions import ClusterDownError, MovedError, RedisError, ResponseE
 from mmcache._breaker import Breaker
 
 from ._l2 import L2Error
+from ._resp_reads import BulkReader
 
 __all__ = ["RedisNodes"]
 
@@ -39,14 +40,22 @@ _LOGGER = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-Connect = Callable[[str, int], Redis]
+
+class NodeClients(NamedTuple):
+    """A master's two clients: redis-py for commands, and one for big reads."""
+
+    commands: Redis
+    reads: BulkReader
+
+
+Connect = Callable[[str, int], NodeClients]
 
 
 @dataclass(eq=False)
 class _Node:
     host: str
     port: int
-    client: Redis
+    clients: NodeClients
     breaker: Breaker
     probe: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -132,11 +141,19 @@ class RedisNodes:
                 continue
             watched = [self._nodes[n] for n in self._serving if not self._nodes[n].breaker.is_open]
             await asyncio.gather(
-                *(self._on(node, lambda c: c.ping()) for node in watched), return_exceptions=True
+                *(self._on(node, lambda c: c.commands.ping()) for node in watched),
+                return_exceptions=True,
             )
 
     async def call(self, name: str, command: Callable[[Redis], Awaitable[T]]) -> T:
         """`command` on the master serving the key `name`, within the timeout."""
+        return await self._route(name, lambda clients: command(clients.commands))
+
+    async def read(self, name: str, command: Callable[[BulkReader], Awaitable[T]]) -> T:
+        """`call`, for a command whose reply may be big (BulkReader's)."""
+        return await self._route(name, lambda clients: command(clients.reads))
+
+    async def _route(self, name: str, command: Callable[[NodeClients], Awaitable[T]]) -> T:
         await self._ensure_map()
         node = self._serving_node(name)
         try:
@@ -159,7 +176,8 @@ class RedisNodes:
             self._loading.cancel()
         for node in self._nodes.values():
             with contextlib.suppress(RedisError, OSError):
-                await node.client.aclose()
+                await node.clients.commands.aclose()
+            await node.clients.reads.close()
 
     # -- one node --
 
@@ -179,7 +197,7 @@ class RedisNodes:
             raise L2Error(f"{self._where}: no master serves slot {slot}")
         return self._nodes[node_name]
 
-    async def _on(self, node: _Node, command: Callable[[Redis], Awaitable[T]]) -> T:
+    async def _on(self, node: _Node, command: Callable[[NodeClients], Awaitable[T]]) -> T:
         """One command on `node`; MovedError passes through, for the caller.
 
         The command runs in a task of its own, bounded by the timeout, and the
@@ -187,7 +205,7 @@ class RedisNodes:
         gives up sooner, but a hung node still trips its breaker."""
         if node.breaker.is_open:
             raise L2Error(f"{node.name}: skipped, down since a failure: {node.breaker.reason}")
-        task = asyncio.ensure_future(asyncio.wait_for(command(node.client), self._timeout_s))
+        task = asyncio.ensure_future(asyncio.wait_for(command(node.clients), self._timeout_s))
         task.add_done_callback(partial(self._judge, node))
         try:
             return await asyncio.shield(task)
@@ -209,7 +227,8 @@ class RedisNodes:
 
     def _failed(self, node: _Node, reason: str) -> None:
         # Its connections may be half-closed (redis-py #4287): none is reused.
-        self._spawn(node.client.connection_pool.disconnect())
+        self._spawn(node.clients.commands.connection_pool.disconnect())
+        node.clients.reads.drop()
         if not node.breaker.trip(reason) or self._closed:
             return
         if node.name in self._serving:
@@ -231,7 +250,7 @@ class RedisNodes:
                 _LOGGER.info("L2 node %s serves no slots any more: not probed", node.name)
                 break
             try:
-                await asyncio.wait_for(node.client.ping(), self._timeout_s)
+                await asyncio.wait_for(node.clients.commands.ping(), self._timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -315,7 +334,7 @@ class RedisNodes:
         for name in candidates:
             node = self._nodes[name]
             try:
-                slots = node.client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+                slots = node.clients.commands.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
                 reply = await asyncio.wait_for(slots, self._timeout_s)
                 self._install(node, reply)
                 return
@@ -347,4 +366,5 @@ class RedisNodes:
             gone = self._nodes.pop(name)
             if gone.probe is not None:
                 gone.probe.cancel()
-            self._spawn(gone.client.aclose())
+            self._spawn(gone.clients.commands.aclose())
+            gone.clients.reads.drop()

@@ -48,12 +48,14 @@ class RedisCluster:
 
     directory: Path
     maxmemory_mb: int
+    password: str | None = None  # requirepass (and masterauth), when given
     ports: list[int] = field(default_factory=list)
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.ports[0]}"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.ports[0]}"
 
     def start_node(self, port: int) -> None:
         node_dir = self.directory / str(port)
@@ -88,6 +90,11 @@ class RedisCluster:
                 "no",
                 "--logfile",
                 str(node_dir / "redis.log"),
+                *(
+                    ["--requirepass", self.password, "--masterauth", self.password]
+                    if self.password
+                    else []
+                ),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -104,14 +111,17 @@ class RedisCluster:
 
     def cli(self, port: int, *args: str) -> str:
         done = subprocess.run(
-            ["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=30
+            ["redis-cli", "-p", str(port), *self._auth(), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
         return done.stdout
 
     def create(self) -> None:
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run(
-            ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0"],
+            ["redis-cli", *self._auth(), "--cluster", "create", *nodes, "--cluster-replicas", "0"],
             input="yes\n",
             capture_output=True,
             text=True,
@@ -140,6 +150,9 @@ class RedisCluster:
         self.start_node(port)
         self.wait_ok()
 
+    def _auth(self) -> list[str]:
+        return ["--no-auth-warning", "-a", self.password] if self.password else []
+
     def flushall(self) -> None:
         for port in self.procs:
             self.cli(port, "FLUSHALL")
@@ -156,10 +169,12 @@ class RedisCluster:
 
 
 @contextlib.contextmanager
-def redis_cluster(masters: int = 3, maxmemory_mb: int = 256) -> Iterator[RedisCluster]:
+def redis_cluster(
+    masters: int = 3, maxmemory_mb: int = 256, password: str | None = None
+) -> Iterator[RedisCluster]:
     """A fresh cluster of `masters` masters (three at least: Redis's minimum)."""
     with tempfile.TemporaryDirectory(prefix="mmcache-redis-") as directory:
-        cluster = RedisCluster(Path(directory), maxmemory_mb)
+        cluster = RedisCluster(Path(directory), maxmemory_mb, password)
         try:
             for _ in range(masters):
                 port = free_port()

@@ -1,0 +1,227 @@
+"""The L2 tier's big reads (server/_resp_reads.py): replies parsed as they
+arrive, each bulk string received into its own buffer, on real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import MovedError, ResponseError
+
+from mmcache.server._l2 import L2Record
+from mmcache.server._l2_redis import RedisClusterL2, redis_key
+from mmcache.server._resp_reads import BulkReader, Reply, _Replies, encode_command
+
+from .redis_cluster import RedisCluster, redis_available, redis_cluster
+
+pytestmark = pytest.mark.skipif(
+    not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
+)
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster() -> RedisCluster:
+    with redis_cluster() as running:
+        yield running  # type: ignore[misc]
+
+
+def _master_of(cluster: RedisCluster, name: str) -> int:
+    """The port of the master serving the key `name`."""
+    slot = int(cluster.cli(cluster.ports[0], "CLUSTER", "KEYSLOT", name))
+    for line in cluster.cli(cluster.ports[0], "CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if "master" not in fields[2]:
+            continue
+        for span in fields[8:]:
+            low, _, high = span.partition("-")
+            if int(low) <= slot <= int(high or low):
+                return int(fields[1].split(":")[1].split("@")[0])
+    raise AssertionError(f"no master serves slot {slot}")
+
+
+async def test_a_hash_with_big_and_small_fields_reads_as_redis_py_reads_it(
+    cluster: RedisCluster,
+) -> None:
+    name = "{t}big"
+    port = _master_of(cluster, name)
+    fields = {b"m": b"manifest", b"c0": os.urandom(3 * MIB + 7), b"c1": b"", b"c2": os.urandom(99)}
+    async with Redis(port=port) as plain:
+        await plain.delete(name)
+        await plain.hset(name, mapping=fields)  # type: ignore[arg-type]
+        reader = BulkReader("127.0.0.1", port)
+        try:
+            reply = await reader.command(b"HGETALL", name)
+            assert isinstance(reply, list)
+            assert dict(zip(reply[::2], reply[1::2], strict=True)) == fields
+            assert all(type(v) is bytes for v in reply)  # grpc sends bytes only
+            assert await reader.command("HGETALL", "{t}absent") == []
+            assert await reader.command("PING") == b"PONG"
+            assert await reader.command("HLEN", name) == 4
+            assert await reader.command("GET", "{t}absent") is None
+        finally:
+            await reader.close()
+
+
+async def test_many_commands_at_once_each_get_their_own_reply(cluster: RedisCluster) -> None:
+    """Pipelined on a few connections, big and small replies interleaved: each
+    waiter takes its own, in order."""
+    port = _master_of(cluster, "{p}0")
+    values = {f"{{p}}{i}": os.urandom((i % 3) * MIB + i) for i in range(30)}
+    async with Redis(port=port) as plain:
+        await plain.mset(values)  # type: ignore[arg-type]
+        reader = BulkReader("127.0.0.1", port, connections=2)
+        try:
+            replies = await asyncio.gather(*(reader.command("GET", key) for key in values))
+            assert replies == list(values.values())
+        finally:
+            await reader.close()
+
+
+async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: RedisCluster) -> None:
+    port = _master_of(cluster, "{g}big")
+    big = os.urandom(16 * MIB)
+    async with Redis(port=port) as plain:
+        await plain.set("{g}big", big)
+        await plain.set("{g}small", b"small")
+        reader = BulkReader("127.0.0.1", port, connections=1)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(reader.command("GET", "{g}big"), 0.0001)
+            # The big reply is read and dropped: this one gets its own.
+            assert await reader.command("GET", "{g}small") == b"small"
+            assert await reader.command("GET", "{g}big") == big
+        finally:
+            await reader.close()
+
+
+async def test_error_replies_are_redis_pys_exceptions_and_the_connection_stays(
+    cluster: RedisCluster,
+) -> None:
+    name = "{e}string"
+    port = _master_of(cluster, name)
+    other = next(p for p in cluster.ports if p != port)
+    async with Redis(port=port) as plain:
+        await plain.set(name, b"not a hash")
+    reader = BulkReader("127.0.0.1", port)
+    elsewhere = BulkReader("127.0.0.1", other)
+    try:
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await reader.command("HGETALL", name)
+        assert await reader.command("GET", name) == b"not a hash"
+        with pytest.raises(MovedError) as moved:
+            await elsewhere.command("GET", name)
+        assert moved.value.port == port
+    finally:
+        await reader.close()
+        await elsewhere.close()
+
+
+async def test_a_lost_connection_fails_its_waiters_and_the_next_command_reconnects() -> None:
+    with redis_cluster() as own:
+        port = own.ports[0]
+        reader = BulkReader("127.0.0.1", port, connect_timeout_s=0.5)
+        try:
+            assert await reader.command("PING") == b"PONG"
+            own.kill(port)
+            with pytest.raises(RedisConnectionError):
+                await reader.command("PING")
+            own.restart(port)
+            assert await reader.command("PING") == b"PONG"
+        finally:
+            await reader.close()
+
+
+async def test_an_l2_behind_a_password_reads_and_writes() -> None:
+    """The reads' own connections log in as redis-py's do (AUTH), or fail clearly."""
+    with redis_cluster(password="s3cret") as locked:
+        l2 = RedisClusterL2(locked.url, timeout_s=2.0)
+        record = L2Record(b"manifest", (os.urandom(2 * MIB), b"tail"))
+        try:
+            await l2.write("k", record, ttl_s=60)
+            assert await l2.read("k") == record
+        finally:
+            await l2.close()
+        name = redis_key("mmcache:", "k")
+        port = _master_of(locked, name)
+        for password, error in ((None, "NOAUTH"), ("wrong", "WRONGPASS|invalid password")):
+            reader = BulkReader("127.0.0.1", port, password=password)
+            try:
+                with pytest.raises(ResponseError, match=error):
+                    await reader.command("HGETALL", name)
+            finally:
+                await reader.close()
+
+
+# -- the parser alone, on replies cut at every place ------------------------------
+
+
+def _encode(reply: Reply | ResponseError) -> bytes:
+    if isinstance(reply, ResponseError):
+        return b"-%s\r\n" % str(reply).encode()
+    if reply is None:
+        return b"$-1\r\n"
+    if isinstance(reply, int):
+        return b":%d\r\n" % reply
+    if isinstance(reply, bytes):
+        return b"$%d\r\n%s\r\n" % (len(reply), reply)
+    return b"*%d\r\n" % len(reply) + b"".join(_encode(r) for r in reply)
+
+
+_replies = st.recursive(
+    st.none()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.binary(max_size=300)
+    # Larger than half the line buffer, full of what looks like RESP:
+    | st.integers(40_000, 140_000).map(lambda n: (b"\r\n$3\r\n*-:+" * (n // 11 + 1))[:n]),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replies=st.lists(_replies, min_size=1, max_size=6),
+    cuts=st.lists(st.integers(1, 70_000), max_size=30),
+)
+def test_replies_cut_anywhere_parse_to_what_was_sent(replies: list[Reply], cuts: list[int]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = _Replies()
+        waiters = [loop.create_future() for _ in replies]
+        protocol.waiters.extend(waiters)
+        wire = memoryview(b"".join(_encode(r) for r in replies))
+        at, turn = 0, 0
+        while at < len(wire):
+            buffer = protocol.get_buffer(-1)
+            want = cuts[turn % len(cuts)] if cuts else len(wire)
+            n = min(len(buffer), want, len(wire) - at)
+            buffer[:n] = wire[at : at + n]
+            protocol.buffer_updated(n)
+            at, turn = at + n, turn + 1
+        assert [w.result() for w in waiters] == replies
+        assert not protocol.waiters
+    finally:
+        loop.close()
+
+
+def test_an_error_inside_an_array_is_a_value_and_a_command_encodes_as_resp() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = _Replies()
+        waiter = loop.create_future()
+        protocol.waiters.append(waiter)
+        wire = b"*2\r\n-MOVED 12 127.0.0.1:7001\r\n:5\r\n"
+        protocol.get_buffer(-1)[: len(wire)] = wire
+        protocol.buffer_updated(len(wire))
+        moved, five = waiter.result()
+        assert isinstance(moved, MovedError) and moved.slot_id == 12 and five == 5
+    finally:
+        loop.close()
+    assert encode_command([b"HGETALL", "k", 7]) == b"*3\r\n$7\r\nHGETALL\r\n$1\r\nk\r\n$1\r\n7\r\n"
