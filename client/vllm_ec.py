@@ -47,6 +47,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,9 +71,10 @@ from mmcache._items import BatchedField, FieldElem, MMItem
 
 from .vllm_plugin import client_for, ec_scope_of
 from .vllm_plugin._releases import refusal, release_of
-from .vllm_plugin._staging import Staged, Staging, load_staged
+from .vllm_plugin._staging import Staged, Staging, load_staged, to_host
 
 if TYPE_CHECKING:
+    from ._client import MMCacheClient, UpdateResult
     from .vllm_plugin._sync import SyncClient
 
 __all__ = ["MMCacheECConnector", "MMCacheECMetadata", "MMCacheECStats"]
@@ -572,10 +574,20 @@ class MMCacheECConnector(ECConnectorBase):  # type: ignore[misc]
                 return
             self._uploads += 1
         # A copy of the engine's own: the upload runs after this step goes on.
-        data = encoder_cache[mm_hash].detach().to("cpu", copy=True)
+        # On a GPU it is queued behind the encoder's work, and the upload waits
+        # for it on a thread of its own: the engine's thread never does.
+        data, copied = to_host(encoder_cache[mm_hash])
         item = MMItem.from_elems([FieldElem(MODALITY, FIELD, data, BatchedField())])
-        future = self._sync.submit(client.get_and_update([item], [key], lease=False))
+        future = self._sync.submit(self._upload(client, item, key, copied))
         future.add_done_callback(lambda done: self._uploaded(done, data.nbytes))
+
+    @staticmethod
+    async def _upload(
+        client: MMCacheClient, item: MMItem, key: str, copied: Callable[[], None] | None
+    ) -> UpdateResult:
+        if copied is not None:  # a GPU's copy, still queued
+            await asyncio.to_thread(copied)
+        return await client.get_and_update([item], [key], lease=False)
 
     def _uploaded(self, future: Future[Any], nbytes: int) -> None:
         with self._uploads_lock:

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -136,13 +137,44 @@ class Staging:
 
 
 def load_staged(path: str, dtype: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
-    """The staged tensor, as a tensor of the worker's own on `device`."""
+    """The staged tensor, as a tensor of the worker's own on `device`.
+
+    On a GPU the copy is queued on the current stream from pinned memory, and
+    the worker's thread goes on: a copy from pageable memory would wait for
+    all the work queued before it (a whole forward pass, with vLLM's async
+    scheduling). What runs later on that stream sees the tensor whole."""
     torch_dtype = getattr(torch, dtype)
     nbytes = torch.Size(shape).numel() * torch_dtype.itemsize
-    raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
-    tensor = raw.view(torch_dtype).reshape(shape)
     # Owned memory: the scheduler removes the file once the request ends.
-    return tensor.clone() if device == "cpu" else tensor.to(device)
+    # A stream with nothing queued has nothing to wait for, and the driver's
+    # own copy from pageable memory is then the faster (3.7 against 4.6 ms
+    # for 22 MB on an H200: bench/gpu_copies.py).
+    if not device.startswith("cuda") or torch.cuda.current_stream(device).query():
+        raw = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+        tensor = raw.view(torch_dtype).reshape(shape)
+        return tensor.clone() if device == "cpu" else tensor.to(device)
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    with open(path, "rb") as staged:
+        if staged.readinto(pinned.numpy().data) != nbytes:
+            raise OSError(f"staged file {path} holds fewer than {nbytes} bytes")
+    # The caching host allocator keeps `pinned` from reuse until the copy is done.
+    return pinned.view(torch_dtype).reshape(shape).to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None] | None]:
+    """A copy of `tensor` on the CPU, and a wait that returns once it is
+    complete (None: it is). On a GPU the copy is queued behind the stream's work into
+    pinned memory, and the caller's thread does not wait for it (`.to("cpu")`
+    would, for all the work queued before it); the wait then belongs to
+    whoever reads the copy, off the engine's thread. Elsewhere a plain copy."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu", copy=True), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    copied.record()
+    return host, copied.synchronize
 
 
 def _default_parent() -> str | None:
