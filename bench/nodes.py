@@ -291,7 +291,7 @@ async def latency(args: argparse.Namespace, l2: str) -> None:
     from redis.asyncio.cluster import RedisCluster as BareCluster
 
     from mmcache.client import MMCacheClient
-    from mmcache.server._l2_redis import redis_key
+    from mmcache.server.cache._l2_redis import redis_key
 
     ports = [(free_port(), free_port()) for _ in range(2)]
     # A cache that fills and evicts within the run, as in service: what a read
@@ -409,8 +409,8 @@ async def heal(args: argparse.Namespace, cluster: RedisCluster) -> None:
     write of 200 KB records), a master SIGKILLed and restarted empty 3 s
     later: how many operations fail, before, during and after, by the time
     since the cluster was whole again."""
-    from mmcache.server._l2 import L2Record
-    from mmcache.server._l2_redis import RedisClusterL2
+    from mmcache.server.cache._l2 import L2Record
+    from mmcache.server.cache._l2_redis import RedisClusterL2
 
     backend = RedisClusterL2(cluster.url, timeout_s=1.0)
     record = L2Record(b"m" * 16, (b"x" * 200_000,))

@@ -7,7 +7,7 @@ the item, a frontend leases it itself: it finds the extent in the index,
 writes the extent's generation in its report ring (a lease record), and
 then checks the extent is live yet. The server, before it frees an extent,
 zeroes its word and then looks at the rings' unread records
-(server/_region.py): so either the client's check fails (it asks by call
+(server/cache/_region.py): so either the client's check fails (it asks by call
 instead) or the server sees the lease and keeps the extent (mmcache._rings.fence
 orders each side's write before its read). The hits it confirmed go in a
 second record, so the server counts each query once.

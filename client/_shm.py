@@ -1,4 +1,4 @@
-"""The client's end of the shared-memory fast path (server/_region.py).
+"""The client's end of the shared-memory fast path (server/cache/_region.py).
 
 When Info announces a region, the client maps its file and checks the
 header: the magic, and the id Info gave (a file of the same name on another

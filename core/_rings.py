@@ -1,6 +1,6 @@
 """Report rings: a co-located client's reports reach its server through the
 shared-memory region instead of a call (client/_reports.py writes,
-server/_report_rings.py reads).
+server/cache/_report_rings.py reads).
 
 A ring is an extent of the region that one client writes and its server
 reads, laid out as:

@@ -44,14 +44,14 @@ from ._config import ConfigError, ServerConfig, is_loopback
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._events import ItemEvents
 from ._feed import Feed
-from ._inflight import InflightBudget
 from ._namespaces import Namespaces
-from ._region import Region, open_region
 from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
-from ._store import ItemStore
-from ._tier import L2Settings, L2Tier
+from .cache._inflight import InflightBudget
+from .cache._region import Region, open_region
+from .cache._store import ItemStore
+from .cache._tier import L2Settings, L2Tier
 
 __all__ = ["MMCacheServer", "serve"]
 
@@ -343,7 +343,7 @@ def _l2_tier(
     if config.l2 is None:
         L2Metrics(registry)
         return None
-    from ._l2_redis import RedisClusterL2
+    from .cache._l2_redis import RedisClusterL2
 
     backend = RedisClusterL2(config.l2, prefix=config.l2_prefix, timeout_s=config.l2_timeout_s)
     settings = L2Settings(

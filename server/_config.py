@@ -127,7 +127,7 @@ class ServerConfig:
         if not 0 < self.lease_s <= 3600:
             raise ConfigError(f"lease_s must be more than 0 and at most 3600, got {self.lease_s}")
         if self.l2 is not None:
-            from ._l2_redis import parse_l2_url
+            from .cache._l2_redis import parse_l2_url
 
             try:
                 parse_l2_url(self.l2)

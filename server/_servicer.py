@@ -34,26 +34,10 @@ from mmcache.metrics import CacheMetrics, RequestMetrics
 from mmcache.v1 import cache_pb2 as pb
 
 from ._auth import Metadata
-from ._inflight import InflightBudget
 from ._namespaces import Namespace, Namespaces
-from ._pending import PendingUploads
-from ._region import (
-    ITEM,
-    READ,
-    WRITE,
-    Region,
-    Resident,
-    Slot,
-    copy_payload,
-    frame_count,
-    region_frames,
-)
 from ._replays import Replays, batch_key
-from ._report_rings import ReportRings
 from ._sessions import Sessions, skip_batch
 from ._status import failure_code, guard, protobuf_method, write
-from ._store import BatchResult, ItemStore, StoredItem
-from ._tier import L2Tier
 from ._upload import (
     EntryHeader,
     TruncatedUploadError,
@@ -71,6 +55,22 @@ from ._upload import (
     slot_sizes,
     upload_entry,
 )
+from .cache._inflight import InflightBudget
+from .cache._pending import PendingUploads
+from .cache._region import (
+    ITEM,
+    READ,
+    WRITE,
+    Region,
+    Resident,
+    Slot,
+    copy_payload,
+    frame_count,
+    region_frames,
+)
+from .cache._report_rings import ReportRings
+from .cache._store import BatchResult, ItemStore, StoredItem
+from .cache._tier import L2Tier
 
 __all__ = ["SERVICE_NAME", "UPLOAD_WAIT_S", "CacheServicer"]
 

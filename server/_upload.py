@@ -27,8 +27,8 @@ from mmcache._frames import (
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
-from ._region import Resident, Slot
-from ._store import BatchResult, StoredItem, UploadEntry
+from .cache._region import Resident, Slot
+from .cache._store import BatchResult, StoredItem, UploadEntry
 
 __all__ = [
     "EntryHeader",

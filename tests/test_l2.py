@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.server._config import ConfigError
-from mmcache.server._l2_redis import redis_key
+from mmcache.server.cache._l2_redis import redis_key
 
 from .conftest import MIB, eventually, server_config
 from .items import image_item

@@ -113,7 +113,7 @@ async def frontend(client: MMCacheClient, index: int, lane: int, stop: asyncio.E
 
 
 def l2_holds(cluster: RedisCluster, key: str) -> bool:
-    from mmcache.server._l2_redis import redis_key
+    from mmcache.server.cache._l2_redis import redis_key
 
     name = redis_key("mmcache:", key)
     for port in cluster.procs:
@@ -191,7 +191,7 @@ async def test_every_sidecar_reads_and_writes_l2_within_15s_of_a_master_restart(
         for sidecar in fleet[:4]:
             log = sidecar.log.read_text()
             down = log.count(
-                f"WARNING mmcache.server._redis_nodes: L2 node 127.0.0.1:{victim} is down ("
+                f"WARNING mmcache.server.cache._redis_nodes: L2 node 127.0.0.1:{victim} is down ("
             )
             back = log.count(f"L2 node 127.0.0.1:{victim} is back after")
             assert 1 <= down == back <= 2, log

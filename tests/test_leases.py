@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mmcache.server._leases import LeaseBook
+from mmcache.server.cache._leases import LeaseBook
 
 
 class Pins:

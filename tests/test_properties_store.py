@@ -36,7 +36,7 @@ from hypothesis.stateful import (
 
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
 from mmcache.client._mirror import Mirror
-from mmcache.server._store import ItemStore, StoredItem, UploadEntry
+from mmcache.server.cache._store import ItemStore, StoredItem, UploadEntry
 from mmcache.v1 import cache_pb2 as pb
 
 from .oracle import oracle_batch

@@ -48,7 +48,6 @@ from mmcache.client._codec import (
     iter_chunk_frames,
     num_chunks,
 )
-from mmcache.server._store import UploadEntry
 from mmcache.server._upload import (
     Context,
     EntryHeader,
@@ -58,6 +57,7 @@ from mmcache.server._upload import (
     read_request,
     upload_entry,
 )
+from mmcache.server.cache._store import UploadEntry
 from mmcache.v1 import cache_pb2 as pb
 
 # Few examples, no deadline (the first tensors warm torch up), and no example

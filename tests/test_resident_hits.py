@@ -17,7 +17,7 @@ from mmcache._rings import read_records, write_record
 from mmcache._shm_layout import EXTENT_HEAD, PAGE, STALE_S
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
-from mmcache.server._region import ITEM, open_region
+from mmcache.server.cache._region import ITEM, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape

@@ -1,4 +1,4 @@
-"""The L2 tier's big reads (server/_resp_reads.py): replies parsed as they
+"""The L2 tier's big reads (server/cache/_resp_reads.py): replies parsed as they
 arrive, each bulk string received into its own buffer, on real Redis."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MovedError, ResponseError
 
-from mmcache.server._l2 import L2Record
-from mmcache.server._l2_redis import RedisClusterL2, redis_key
-from mmcache.server._resp_reads import BulkReader, Reply, _Replies, encode_command
+from mmcache.server.cache._l2 import L2Record
+from mmcache.server.cache._l2_redis import RedisClusterL2, redis_key
+from mmcache.server.cache._resp_reads import BulkReader, Reply, _Replies, encode_command
 
 from .redis_cluster import RedisCluster, redis_available, redis_cluster
 

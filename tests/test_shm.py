@@ -488,7 +488,7 @@ def test_attach_refuses_a_path_it_cannot_open(tmp_path: Path) -> None:
 
 def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) -> None:
     """A writer stalled past its lease must not land in another client's slot."""
-    from mmcache.server._region import WRITE, open_region
+    from mmcache.server.cache._region import WRITE, open_region
 
     now = [0.0]
     region = open_region(str(tmp_path), 1 << 20, lease_s=1.0)

@@ -18,7 +18,7 @@ import torch
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig
-from mmcache.server._region import ITEM, READ, WRITE, Region, copy_payload, open_region
+from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape, server_config

@@ -1,5 +1,5 @@
 """The L2 tier on Redis Cluster: the commands, as Lua scripts and plain
-redis-py calls, routed to masters by server/_redis_nodes.py.
+redis-py calls, routed to masters by server/cache/_redis_nodes.py.
 
 One Redis hash per item, `{prefix}{<tag>}<store key>` (the tag a digest of
 the key: a Redis Cluster hash tag): field `m` the manifest,
@@ -12,7 +12,7 @@ sees a whole item or none, also while another sidecar writes the same hash.
 
 Every call is bounded by the timeout (sockets and an outer wait), makes no
 retries of its own, and raises L2Error only. Calls are routed to masters by
-server/_redis_nodes.py, which keeps a failure with its node: a dead or hung
+server/cache/_redis_nodes.py, which keeps a failure with its node: a dead or hung
 master costs one timeout, then its slots miss at once until a probe finds it
 answering again.
 """

@@ -2,7 +2,7 @@
 
 Items are kept as the chunk frames they arrived in, so a Fetch sends the very
 same `bytes` objects back: no copy on the way in or out; or resident in the
-shared-memory region (server/_region.py), where co-located clients read them. Every change to the
+shared-memory region (_region.py), where co-located clients read them. Every change to the
 key set is reported to `on_change` (the mirror feed), and a leased item is
 pinned: it counts in the capacity and is never evicted until its lease ends.
 """
@@ -17,7 +17,7 @@ from mmcache._errors import CacheMissError
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
 from mmcache.v1 import cache_pb2 as pb
 
-from ._feed import FeedState
+from .._feed import FeedState
 from ._leases import LeaseBook
 from ._region import Resident, region_frames
 

@@ -16,7 +16,7 @@ freeing an extent, first asks `leased` whether an unread record names it.
 
 A client that closes writes an empty record: its ring is retired then. One
 whose client has gone quiet for `idle_s` (one that died) is retired (its memory
-waits a lease before reuse, server/_region.py): the client finds it so and
+waits a lease before reuse, server/cache/_region.py): the client finds it so and
 reports by call until it asks for another. So is a ring that is corrupt, or
 stuck on a record that never becomes whole.
 """
@@ -34,7 +34,7 @@ from mmcache._errors import MMCacheError
 from mmcache._rings import RING_BYTES, RingCorrupt, commit_tail, read_records, ring_head
 from mmcache.v1 import cache_pb2 as pb
 
-from ._namespaces import Namespace
+from .._namespaces import Namespace
 from ._region import Region, Slot
 
 __all__ = ["ReportRings"]
@@ -123,7 +123,7 @@ class ReportRings:
 
     def leased(self, generation: int) -> bool:
         """Whether a record not read yet leases the extent of `generation` (a
-        client's lease with no call, server/_region.py's `keep_leased`). Reads
+        client's lease with no call, server/cache/_region.py's `keep_leased`). Reads
         nothing for good: the records are applied at the next drain."""
         for ring in self._rings.values():
             if ring_head(ring.view) == ring.tail:

@@ -1,5 +1,5 @@
 """Routing for the L2 tier's Redis Cluster: the slot map, one connection pool
-per master, and a breaker per master. The commands are server/_l2_redis.py's.
+per master, and a breaker per master. The commands are server/cache/_l2_redis.py's.
 
 Why not redis-py's asyncio `RedisCluster`: it turns one node's connection
 error into a reinitialisation shared by every node, and closes every node's

@@ -1,5 +1,5 @@
 """The L2 tier's store, as the sidecar sees it: a small interface a shared
-store implements (server/_l2_redis.py: Redis Cluster), and the one encoding
+store implements (server/cache/_l2_redis.py: Redis Cluster), and the one encoding
 of an item in it.
 
 An item is one record under its store key: a manifest (the serialised
@@ -22,9 +22,9 @@ from google.protobuf.message import DecodeError
 from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache.v1 import cache_pb2 as pb
 
+from .._upload import check_frames, parse_header, upload_entry
 from ._region import region_frames
 from ._store import StoredItem
-from ._upload import check_frames, parse_header, upload_entry
 
 __all__ = [
     "L2Backend",

@@ -36,7 +36,7 @@ back or the hold expires. Handles from a client are checked here: the lease
 must be live, of the right kind, and its range inside the region.
 
 A co-located client may also lease a resident item with no call, by writing
-the generation it found into its report ring (server/_report_rings.py). An
+the generation it found into its report ring (server/cache/_report_rings.py). An
 extent whose item leaves the store is therefore unindexed and its word
 zeroed first, then the rings' unread records are looked at (`keep_leased`):
 one that names its generation keeps the extent, indexed again, under a hold

@@ -1,0 +1,13 @@
+"""The server's data plane: what it holds and how it moves, behind one
+`ItemCache` (the gRPC servicer parses, calls it, and replies).
+
+- `_store`: the byte-bounded LRU of items, with their leases (`_leases`);
+- `_region`: the co-located clients' shared memory, allocation and index;
+  `_report_rings`: what those clients write back with no call;
+- `_placement`: where an item's bytes live (heap or region), and what a
+  read or an upload is given room by;
+- `_tier` with `_l2`: the L2 tier's rules; `_l2_redis`, `_redis_nodes` and
+  `_resp_reads`: its backend on Redis Cluster;
+- `_pending`, `_inflight`: uploads in flight, and the bytes they may hold;
+- `_deadline`: one call's time, for everything in it that waits.
+"""
