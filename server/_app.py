@@ -46,11 +46,10 @@ from ._events import ItemEvents
 from ._feed import Feed
 from ._namespaces import Namespaces
 from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
+from ._session_calls import SessionCalls
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
-from .cache._inflight import InflightBudget
-from .cache._region import Region, open_region
-from .cache._store import ItemStore
+from .cache import InflightBudget, ItemCache, ItemStore, Region, open_region
 from .cache._tier import L2Settings, L2Tier
 
 __all__ = ["MMCacheServer", "serve"]
@@ -88,8 +87,8 @@ class MMCacheServer:
         self.metrics = CacheMetrics(self.registry)
         self.namespaces = Namespaces(
             self.instance_id,
-            lambda: self.store.state(self._cache.pending),
-            lambda: self._cache.pending,
+            lambda: self.store.state(self.cache.pending),
+            lambda: self.cache.pending,
             max_namespaces=config.max_namespaces,
             ring_bytes=config.feed_buffer_bytes,
             on_snapshot=lambda reason: self.metrics.feed_snapshots.labels(reason).inc(),
@@ -116,19 +115,20 @@ class MMCacheServer:
         self.l2 = _l2_tier(config, self.instance_id, self.store, self.registry, self.events)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
-        self._cache = CacheServicer(
+        self.cache = ItemCache(
             self.store,
             self.inflight,
             self.metrics,
-            self.namespaces,
-            self.instance_id,
-            __version__,
             lambda: self.region,
-            sessions=self.sessions,
-            batch_metrics=self._grpc_metrics.requests(SESSION_METHOD),
-            authorize=self._check_session_batch,
-            l2=self.l2,
+            self.l2,
+            self.namespaces.emit,
         )
+        session_calls = SessionCalls(
+            self.sessions,
+            self._grpc_metrics.requests(SESSION_METHOD),
+            authorize=self._check_session_batch,
+        )
+        self._servicer = CacheServicer(self.cache, self.namespaces, self.instance_id, session_calls)
         self.registry.register(
             StoreGauges(
                 items=lambda: len(self.store),
@@ -181,7 +181,7 @@ class MMCacheServer:
         encoder = EncoderServicer(self.books, self.instance_id)
         names = [*self.service_names, HEALTH_SERVICE_NAME]
         handlers = [
-            self._cache.handler(),
+            self._servicer.handler(),
             encoder.handler(),
             health_handler(self.health, self.instance_id),
         ]
@@ -308,7 +308,7 @@ class MMCacheServer:
     async def _drain_reports(self) -> None:
         while True:
             await asyncio.sleep(REPORT_DRAIN_S)
-            self._cache.beat()
+            self.cache.beat()
 
     async def _expire_leases(self) -> None:
         # Calls expire leases as they come; this covers a server with none.

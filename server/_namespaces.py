@@ -22,7 +22,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from mmcache._errors import ResourceExhaustedError
-from mmcache._spec import NAMESPACE_KEY, NAMESPACE_SEP, check_namespace, store_key
+from mmcache._spec import (
+    NAMESPACE_KEY,
+    NAMESPACE_SEP,
+    check_count,
+    check_name,
+    check_namespace,
+    store_key,
+)
 from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import Feed, FeedState
@@ -64,6 +71,14 @@ class Namespace:
     def keys(self, mm_hashes: Iterable[str]) -> list[str]:
         prefix = self._prefix
         return [prefix + h for h in mm_hashes] if prefix else list(mm_hashes)
+
+    def checked_keys(self, mm_hashes: Sequence[str]) -> list[str]:
+        """The store keys of a request's hashes, each checked (InvalidArgumentError
+        names what is wrong: too many, or a hash no server takes)."""
+        check_count("mm_hashes", len(mm_hashes))
+        for h in mm_hashes:
+            check_name("mm_hash", h)
+        return self.keys(mm_hashes)
 
     def owns(self, key: str) -> bool:
         return key.startswith(self._prefix) if self._prefix else NAMESPACE_SEP not in key

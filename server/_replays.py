@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable
 
-from mmcache._errors import InvalidArgumentError
+from mmcache._errors import AbortedError, InvalidArgumentError
 
 __all__ = ["MAX_BATCH_ID_BYTES", "MIN_BATCH_ID_BYTES", "REPLAY_BYTES", "Replays", "batch_key"]
 
@@ -57,6 +57,31 @@ class Replays:
 
     def __len__(self) -> int:
         return len(self._done)
+
+    async def once(
+        self, key: Hashable, apply: Callable[[], Awaitable[bytes]], *, call: bool
+    ) -> bytes:
+        """The reply of the batch `key`, applied by `apply` unless it was
+        already (`call`: the batch came as a call, perhaps a copy of a batch
+        whose session lost its reply)."""
+        if call:
+            earlier = await self.earlier(key)
+            if earlier is not None:
+                return earlier
+        self.start(key)
+        reply = None
+        try:
+            reply = await apply()
+            return reply
+        except asyncio.CancelledError:
+            if not self.superseded():
+                raise
+            raise AbortedError(
+                "a copy of this batch (same batch_id) came as a call and took over: its "
+                "reply answers the batch; this stream ends here"
+            ) from None
+        finally:
+            self.end(key, reply)
 
     async def earlier(self, key: Hashable) -> bytes | None:
         """The reply this batch already got, if any. A run of it still under

@@ -9,6 +9,7 @@ other module reads or writes these wire messages.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from mmcache._frames import (
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
+from .cache._deadline import Deadline
 from .cache._region import Resident, Slot
 from .cache._store import BatchResult, StoredItem, UploadEntry
 
@@ -37,8 +39,8 @@ __all__ = [
     "check_frames",
     "check_no_surplus",
     "chunks_declared",
-    "data_hashes",
     "frames_of",
+    "grace_for_cancel",
     "header_metadata",
     "parse_header",
     "read_chunks",
@@ -46,10 +48,14 @@ __all__ = [
     "request_of_frame",
     "slot_message",
     "slot_sizes",
+    "times_of",
     "upload_entry",
 ]
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+# How long a stream that ended mid-upload is given to show its client's cancel.
+TRUNCATION_GRACE_S = 0.5
 
 
 class TruncatedUploadError(InvalidArgumentError):
@@ -325,6 +331,21 @@ async def frames_of(request: bytes) -> AsyncIterator[bytes]:
         yield request
 
 
-def data_hashes(entries: Sequence[EntryHeader]) -> list[str]:
-    """The store keys whose data this call uploads."""
-    return [e.key for e in entries if e.chunks is not None]
+def times_of(request: pb.UpdateRequest, remaining_s: float | None) -> tuple[Deadline, float | None]:
+    """A batch's deadline (a session's batch says its time; a call's deadline
+    does), and the client's own bound on its waits (its processing time: past
+    it, it processes)."""
+    said = request.timeout_ms / 1000 if request.timeout_ms else None
+    said_wait = request.wait_ms / 1000 if request.wait_ms else None
+    return Deadline.within(remaining_s, said), said_wait
+
+
+async def grace_for_cancel(context: Context) -> None:
+    """A client's cancel can end its stream mid-upload before grpc marks the
+    call cancelled: give it a moment to, so a cancel is counted as one, and
+    only a stream its client really closed early is refused. (grpc's context
+    has nothing to await for a cancel: it is polled.)"""
+    loop = asyncio.get_running_loop()
+    grace_ends = loop.time() + TRUNCATION_GRACE_S
+    while not context.cancelled() and loop.time() < grace_ends:  # noqa: ASYNC110
+        await asyncio.sleep(0.01)

@@ -603,7 +603,8 @@ def upload_begun(channel: grpc.aio.Channel, mm_hash: str, encoded: EncodedItem) 
 async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)  # room for a slow machine
+    # Room for a slow machine:
+    monkeypatch.setattr("mmcache.server.cache._deadline.UPLOAD_WAIT_S", 5.0)
     item = image_item(9, numel=MIB // 4)  # 1 MiB of pixels
     encoded = encode_item(item)
     async with serving() as server:
@@ -633,7 +634,7 @@ async def test_a_lookup_waits_for_an_upload_in_flight_no_longer_than_it_says(
 ) -> None:
     """A frontend gives its processing time (`wait_s`): past it the hash is a
     miss and it processes the item itself, rather than stall its requests."""
-    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)
+    monkeypatch.setattr("mmcache.server.cache._deadline.UPLOAD_WAIT_S", 5.0)
     item = image_item(9, numel=MIB // 4)
     encoded = encode_item(item)
     async with serving() as server:

@@ -162,7 +162,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
         await api.lookup(["h"])
         await engine.fetch(["h"])
         await eventually(lambda: engine._reports._ring is not None)
-        rings = server._cache._rings
+        rings = server.cache.rings
         assert rings is not None and len(rings) == 2  # each client asked for one as it mapped
         rings.drain()  # the read's report
         rings._idle_s = 0.0  # it is idle for longer than that
@@ -183,7 +183,7 @@ async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
             await api.get_and_update([{"x": tensor(torch.float32, 1 << 18, 5)}], ["h"])
             await engine.fetch(["h"])
             await eventually(lambda: engine._reports._ring is not None)
-            rings = server._cache._rings
+            rings = server.cache.rings
             assert rings is not None and len(rings) == 2
         await eventually(lambda: len(rings) == 0, timeout=1)  # the timer read its last record
 
@@ -193,7 +193,7 @@ async def test_a_client_without_shared_memory_asks_for_no_ring(tmp_path: Path) -
         async with MMCacheClient(f"127.0.0.1:{server.port}", shm=False, follow=False) as remote:
             await remote.get_and_update([{"x": tensor(torch.float32, 64, 1)}], ["z"])
             await remote.fetch(["z"])
-        assert server._cache._rings is None or len(server._cache._rings) == 0
+        assert server.cache.rings is None or len(server.cache.rings) == 0
 
 
 async def test_a_read_only_client_gets_a_ring_in_its_namespace(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: 
         got = engine.fetch_resident(["a"])
         assert got is not None and torch.equal(got[0]["x"], item(4)["x"])
         assert engine.fetch_resident(["b"]) is None
-        server._cache.drain_reports()  # the lease (of nothing held), then its release
+        server.cache.drain_reports()  # the lease (of nothing held), then its release
         assert region.orphans == 0
         assert engine.fetch_resident(["a"]) is None  # freed now
         assert api.lease_resident(["a"]).held == [False]
@@ -246,7 +246,7 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
         await api.get_and_update([item(10)], ["a"], lease=False)
         await with_ring(api, engine)
         assert api.lease_resident(["a"]).held == [True]
-        server._cache.drain_reports()
+        server.cache.drain_reports()
         assert server.store.leases == 1
         fill(engine)
         # The engine's release, from its own thread, cannot go in its ring: by call.
@@ -259,8 +259,8 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
         assert region is not None
         fill(api)
         api._reports.post(region.token, pb.ReleaseRequest(hits={"image": 2}, client_cpu_ns=1))
-        server._cache.drain_reports()
+        server.cache.drain_reports()
         await eventually(lambda: api._reports._task is not None and api._reports._task.done())
         assert await counted(server) == (before[0] + 2, before[1] + 2)
-        rings = server._cache._rings
+        rings = server.cache.rings
         assert rings is not None and len(rings) == 2

@@ -134,7 +134,7 @@ async def test_a_put_after_a_restart_goes_through_on_the_new_server() -> None:
 async def test_a_put_cancelled_mid_session_leaves_nothing_and_the_next_one_works(
     server: MMCacheServer, client: MMCacheClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)
+    monkeypatch.setattr("mmcache.server.cache._deadline.UPLOAD_WAIT_S", 5.0)
     await client.get_and_update([image_item(1)], ["warm"])  # the session opens
     big = image_item(2, numel=16 * MIB)  # 64 MiB: many chunk frames
     task = asyncio.create_task(client.get_and_update([big], ["big"]))
@@ -272,8 +272,8 @@ async def test_a_session_batch_waits_for_another_upload_only_within_its_own_time
 ) -> None:
     # Times with room for a slow machine: a wait of 5 s, a batch's time of 2 s,
     # of which the server keeps 1 s to answer.
-    monkeypatch.setattr("mmcache.server._servicer.UPLOAD_WAIT_S", 5.0)
-    monkeypatch.setattr("mmcache.server._servicer.ANSWER_MARGIN_S", 1.0)
+    monkeypatch.setattr("mmcache.server.cache._deadline.UPLOAD_WAIT_S", 5.0)
+    monkeypatch.setattr("mmcache.server.cache._deadline.ANSWER_MARGIN_S", 1.0)
     spec = tensor_spec("float32", [8])
     async with (
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
@@ -284,7 +284,7 @@ async def test_a_session_batch_waits_for_another_upload_only_within_its_own_time
         upload = session(channel)
         await upload.write(header(data_entry("p", spec, 2)))
         await upload.write(chunk(bytes(16)))
-        await eventually(lambda: "p" in server._cache.pending)
+        await eventually(lambda: "p" in server.cache.pending)
         # A query of "p" over the session would wait 5 s for it; its batch
         # said 2 s, so it is answered MISSING in time, as a call would be.
         started = time.monotonic()

@@ -11,3 +11,24 @@
 - `_pending`, `_inflight`: uploads in flight, and the bytes they may hold;
 - `_deadline`: one call's time, for everything in it that waits.
 """
+
+from ._deadline import Deadline
+from ._inflight import InflightBudget
+from ._item_cache import CacheStats, ItemCache, PreparedUpdate, ShmRead, Tier
+from ._region import Region, open_region
+from ._store import BatchResult, ItemStore, StoredItem
+
+__all__ = [
+    "BatchResult",
+    "CacheStats",
+    "Deadline",
+    "InflightBudget",
+    "ItemCache",
+    "ItemStore",
+    "PreparedUpdate",
+    "Region",
+    "ShmRead",
+    "StoredItem",
+    "Tier",
+    "open_region",
+]

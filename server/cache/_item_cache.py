@@ -1,0 +1,430 @@
+"""`ItemCache`: the server's items, wherever they live (heap, region, L2), for
+the calls that use them. An upload is `prepare`d (everything that waits:
+claims of its region slots, other calls' uploads of its hashes, the L2
+tier's reads, the bytes in flight), its data read by the caller, then
+committed (no await: what the reply says is what the cache holds)."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from mmcache._errors import CacheMissError
+from mmcache._lru import Outcome
+from mmcache._spec import check_count, check_counts
+from mmcache.metrics import CacheMetrics
+from mmcache.v1 import cache_pb2 as pb
+
+from ._deadline import Deadline
+from ._inflight import InflightBudget
+from ._pending import PendingUploads
+from ._placement import Placement
+from ._region import Region, Resident, Slot, frame_count, region_frames
+from ._report_rings import ReportRings
+from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
+
+if TYPE_CHECKING:  # the upload's parser and the tier import this package
+    from .._namespaces import Namespace
+    from .._upload import EntryHeader
+    from ._tier import L2Tier
+
+__all__ = ["CacheStats", "ItemCache", "PreparedUpdate", "ShmRead", "Tier"]
+
+
+class Tier(enum.Enum):
+    """Where an item is held (Locate)."""
+
+    NONE = 0
+    L1 = 1
+    L2 = 2
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """The cache's state, as Info reports it."""
+
+    capacity: int
+    used: int
+    items: int
+    max_items: int
+    leases: int
+    queries: int
+    hits: int
+    shared_tier: bool
+    l2_up: bool
+
+
+@dataclass(frozen=True)
+class ShmRead:
+    """An item a read finds in the region: its extent, and the hold that keeps
+    it (0: none asked)."""
+
+    item: StoredItem
+    slot: Slot
+    hold: int
+
+
+class PreparedUpdate:
+    """An upload past its waits: its claimed region slots and what came from L2."""
+
+    def __init__(
+        self,
+        cache: ItemCache,
+        entries: Sequence[EntryHeader],
+        claimed: dict[int, Slot],
+        pulled: list[tuple[str, StoredItem]],
+        payload: int,
+    ) -> None:
+        self._cache = cache
+        self._entries = entries
+        self._claimed = claimed
+        self._pulled = pulled
+        self._payload = payload
+
+    def in_region(self, entry: EntryHeader) -> bool:
+        """Whether the entry's data is in a region slot the upload claimed."""
+        return entry.index in self._claimed
+
+    def from_region(self, entry: EntryHeader) -> tuple[tuple[bytes, ...], Resident | None]:
+        """The entry's data in its claimed slot (Placement.from_region)."""
+        return self._cache.placement.from_region(self._claimed.pop(entry.index), entry)
+
+    def commit(
+        self,
+        uploads: Sequence[UploadEntry],
+        touches: Sequence[str],
+        lease: pb.LeaseMode.ValueType,
+    ) -> BatchResult:
+        """Store the batch (no await: what came from L2 is in L1 when answered,
+        and its room is made without evicting what this batch names); count
+        its lookups; the evictions of both."""
+        cache, entries = self._cache, self._entries
+        cache.metrics.received_bytes.inc(self._payload)
+        batch = [e.key for e in entries]
+        adopted = cache.store.adopt(self._pulled, keep=batch) if self._pulled else []
+        result = cache.store.update(touches, uploads, lease=lease)
+        cache.write_behind(entries, result.outcomes)
+        if adopted:
+            result = replace(result, evicted=adopted + result.evicted)
+        blobs = result.metadata or [b""] * len(entries)
+        for entry, outcome, blob in zip(entries, result.outcomes, blobs, strict=True):
+            # A hit whose caller asked for its metadata and got none (stored
+            # without, or left out of a full reply) is one it cannot use: it
+            # processes the item, and counts a miss (as vLLM does).
+            unusable = entry.want_metadata and outcome == Outcome.HIT and not blob
+            counted = Outcome.MISSING if unusable else outcome
+            cache.count(entry.modality or cache.modality_of(entry.key), counted, entry.resend)
+        return result
+
+
+class ItemCache:
+    """The store (L1: heap and region), the L2 tier, the uploads in flight and
+    the co-located clients' reports, behind the operations of the calls.
+
+        async with cache.prepare(token, entries, deadline, said_wait) as prepared:
+            uploads = [...]  # each entry's data, read from the call
+            result = prepared.commit(uploads, touches, lease)
+    """
+
+    def __init__(
+        self,
+        store: ItemStore,
+        inflight: InflightBudget,
+        metrics: CacheMetrics,
+        region: Callable[[], Region | None],
+        l2: L2Tier | None,
+        emit: Callable[[pb.ChangeKind.ValueType, str], None],
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.placement = Placement(store, metrics, region)
+        self._inflight = inflight
+        self._region = region
+        self._l2 = l2
+        self._pending = PendingUploads(emit)
+        self._rings: ReportRings | None = None
+
+    # -- state --
+
+    @property
+    def pending(self) -> list[str]:
+        """Store keys being uploaded now."""
+        return self._pending.hashes()
+
+    @property
+    def lease_s(self) -> float:
+        return self.store.lease_s
+
+    def region(self) -> Region | None:
+        return self._region()
+
+    @property
+    def rings(self) -> ReportRings | None:
+        """The co-located clients' report rings (None until one is opened)."""
+        return self._rings
+
+    def stats(self) -> CacheStats:
+        self.drain_reports()  # its counts include what the rings hold
+        store = self.store
+        return CacheStats(
+            capacity=store.capacity,
+            used=store.used,
+            items=len(store),
+            max_items=store.max_items,
+            leases=store.leases,
+            queries=self.metrics.total_queries,
+            hits=self.metrics.total_hits,
+            shared_tier=self._l2 is not None,
+            l2_up=self._l2 is not None and bool(self._l2.backend.up),
+        )
+
+    # -- uploads --
+
+    @contextlib.asynccontextmanager
+    async def prepare(
+        self,
+        token: bytes,
+        entries: Sequence[EntryHeader],
+        deadline: Deadline,
+        said_wait_s: float | None,
+    ) -> AsyncIterator[PreparedUpdate]:
+        """Everything an upload waits for, in order: its region slots checked
+        and claimed (before anything waits, so none expires), other calls'
+        uploads of the hashes it sends alone, its own hashes marked pending,
+        the L2 tier's reads of those it sends alone, room for its bytes in
+        flight. What it yields commits; leaving undoes what was not."""
+        self.drain_reports()  # leases given back before anything is evicted
+        claimed = self.placement.claim(token, entries)
+        try:
+            alone = [e.key for e in entries if e.spec is None]
+            waited = await self._pending.wait(alone, deadline.upload_wait(said_wait_s))
+            if waited:
+                self.metrics.upload_waits.inc(waited)
+            marked = self._pending.mark([e.key for e in entries if e.chunks is not None])
+            try:
+                pulled = await self.read_through(alone, deadline, wait_s=said_wait_s)
+                # Nothing is stored until every byte has arrived and been checked,
+                # so a cancelled or malformed upload leaves the cache as it was.
+                payload = sum(e.payload for e in entries if e.chunks is not None)
+                async with self._inflight.reserve(payload):
+                    yield PreparedUpdate(self, entries, claimed, pulled, payload)
+            finally:
+                self._pending.settle(marked)
+        finally:
+            self.placement.unclaim(claimed)  # those a failed call never read
+
+    def spares(
+        self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]
+    ) -> list[Slot]:
+        return self.placement.spares(token, sizes, batch)
+
+    def allocate(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+        """Write slots for a co-located client's uploads: all, or none."""
+        region = self.placement.region_of(token)
+        self.drain_reports()
+        return self.placement.write_slots(region, sizes)
+
+    # -- reads --
+
+    async def read(self, keys: Sequence[str], deadline: Deadline) -> list[StoredItem]:
+        """The items under `keys`, read through to the L2 tier for those L1
+        lacks; CacheMissError names the store keys still missing."""
+        try:
+            return self.store.fetch(keys)
+        except CacheMissError as exc:
+            missing = exc.missing_hashes
+        pulled = await self.read_through(missing, deadline, flight=False)
+        self.store.adopt(pulled, keep=keys)
+        return self.store.fetch(keys)
+
+    def frames_of(self, item: StoredItem) -> Iterable[bytes]:
+        """An item's chunk frames: the very objects that arrived, or made from
+        the region one at a time (a held reference keeps either alive if the
+        item is evicted meanwhile)."""
+        resident = item.resident
+        return item.frames if resident is None else region_frames(resident.payload())
+
+    def chunk_count(self, item: StoredItem) -> int:
+        """How many frames `frames_of` gives."""
+        return len(item.frames) if item.resident is None else frame_count(item.payload)
+
+    def sent(self, item: StoredItem) -> None:
+        self.metrics.sent_bytes.inc(item.payload)
+
+    async def read_shm(
+        self,
+        token: bytes,
+        keys: Sequence[str],
+        done: Sequence[int],
+        hold: bool,
+        deadline: Deadline,
+    ) -> list[ShmRead] | None:
+        """A co-located read: the items' extents (those in the heap copied in),
+        held while `hold`; None when the region has no room for all (the client
+        then calls Fetch). `done`: the client's earlier reads' holds, released
+        first, so that their transient extents are free for this one."""
+        region = self.placement.region_of(token)
+        check_count("shm_done", len(done))
+        self.drain_reports()
+        for held in done:
+            region.release(held)
+        items = await self.read(keys, deadline)
+        residents = self.placement.residents(region, keys, items, hold)
+        if residents is None:
+            return None
+        reads = [
+            ShmRead(item, resident.slot, region.hold(resident) if hold else 0)
+            for item, resident in zip(items, residents, strict=True)
+        ]
+        payload = sum(item.payload for item in items)
+        self.metrics.sent_bytes.inc(payload)
+        self.metrics.shm_bytes.labels("read").inc(payload)
+        return reads
+
+    def release_leases(self, keys: Iterable[str]) -> int:
+        return self.store.release(keys)
+
+    async def locate(
+        self, keys: Sequence[str], check_l2: bool, deadline: Deadline
+    ) -> list[tuple[Tier, int]]:
+        """Where each item is held, and its size in L1 (0 elsewhere)."""
+        sizes = [self.store.size_of(key) for key in keys]
+        tiers = [Tier.L1 if key in self.store else Tier.NONE for key in keys]
+        if check_l2 and self._l2 is not None:
+            absent = [i for i, tier in enumerate(tiers) if tier == Tier.NONE]
+            found = await self._l2.holds([keys[i] for i in absent], deadline.budget())
+            for i, held in zip(absent, found, strict=True):
+                if held:
+                    tiers[i] = Tier.L2
+        return list(zip(tiers, sizes, strict=True))
+
+    def touch(self, keys: Iterable[str]) -> int:
+        return self.store.touch(keys)
+
+    def clear(self, owned: Callable[[str], bool] | None) -> tuple[int, int]:
+        return self.store.clear(owned)
+
+    # -- the L2 tier --
+
+    async def read_through(
+        self,
+        keys: Sequence[str],
+        deadline: Deadline,
+        *,
+        flight: bool = True,
+        wait_s: float | None = None,
+    ) -> list[tuple[str, StoredItem]]:
+        """Items L1 lacks under `keys`, read from the L2 tier within the call's
+        time (_tier.py; `flight`: the caller processes what is missing)."""
+        if self._l2 is None or not keys:
+            return []
+        absent = [key for key in dict.fromkeys(keys) if key not in self.store]
+        if not absent:
+            return []
+        return await self._l2.pull(absent, deadline.budget(), flight=flight, wait_s=wait_s)
+
+    def write_behind(self, entries: Sequence[EntryHeader], outcomes: Sequence[Outcome]) -> None:
+        """Tell the L2 tier what a batch stored and found: its admission's sightings."""
+        if self._l2 is None:
+            return
+        for entry, outcome in zip(entries, outcomes, strict=True):
+            if outcome == Outcome.HIT:
+                self._l2.hit(entry.key)
+            elif outcome in (Outcome.STORED, Outcome.REPLACED):
+                self._l2.stored(entry.key, replaced=outcome == Outcome.REPLACED)
+            elif entry.spec is not None:  # data it could not keep: UNCACHED, withheld
+                self._l2.not_stored(entry.key)
+
+    # -- lookups' counts --
+
+    def modality_of(self, key: str) -> str:
+        """A held item's own modality: the label of a hash sent without one."""
+        item = self.store.peek(key)
+        return item.spec.fields[0].modality if item is not None and item.spec.fields else ""
+
+    def count(self, modality: str, outcome: Outcome, resend: bool) -> None:
+        if resend:
+            self.metrics.resends.labels(modality or "unknown").inc()
+        else:
+            self.metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
+        if outcome == Outcome.UNCACHED:
+            self.metrics.uncached.labels(modality or "unknown").inc()
+
+    # -- co-located clients' reports --
+
+    def release(self, namespace: Namespace, keys: list[str], request: pb.ReleaseRequest) -> int:
+        """A Release call: the leases it ended."""
+        self.drain_reports()  # what came before this call, first
+        region = self._region()
+        # Only a client that maps the region reports; one of a region gone is
+        # too late, but its leases are still given back.
+        mapped = region is not None and region.matches(request.shm_token)
+        return self._report(namespace, keys, request, region if mapped else None)
+
+    def open_ring(self, token: bytes, namespace: Namespace) -> Slot | None:
+        """A report ring for a co-located client; None when there is no room."""
+        region = self.placement.region_of(token)
+        return self._rings_of(region).open(namespace)
+
+    def drain_reports(self) -> int:
+        """Apply what co-located clients wrote in their report rings; how many reports."""
+        region = self._region()
+        return 0 if region is None or self._rings is None else self._rings_of(region).drain()
+
+    def beat(self) -> None:
+        """The region's heartbeat, and its rings read (the server's timer, every BEAT_S)."""
+        region = self._region()
+        if region is not None:
+            region.beat()
+        self.drain_reports()
+
+    def _report(
+        self,
+        namespace: Namespace,
+        keys: list[str],
+        request: pb.ReleaseRequest,
+        region: Region | None,
+    ) -> int:
+        """Apply a Release, or a report ring's record; the leases it ended.
+        `region`: the client maps it (its holds and its bytes read count)."""
+        check_count("shm_done", len(request.shm_done))
+        check_count("shm_leases", len(request.shm_leases))
+        check_counts("misses", request.misses)
+        check_counts("hits", request.hits)
+        # Queries a client answered itself count as lookups would.
+        for modality, count in request.misses.items():
+            self.metrics.queried(modality, hit=False, count=count)
+        for modality, count in request.hits.items():
+            self.metrics.queried(modality, hit=True, count=count)
+        if region is None:
+            return self.store.release(keys)
+        for hold in request.shm_done:
+            region.release(hold)
+        self.metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
+        self.metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
+        self.metrics.shm_client_cpu.inc(request.client_cpu_ns / 1e9)
+        if request.shm_leases:  # taken with no call: as a lookup's hits are
+            leased = [lease.mm_hash for lease in request.shm_leases]
+            self.store.lease(namespace.checked_keys(leased))
+        if region.orphans:  # a lease of an extent kept after its item left
+            for key in [key for key in keys if not self.store.is_leased(key)]:
+                region.end_orphan(key)
+        return self.store.release(keys)
+
+    def _rings_of(self, region: Region) -> ReportRings:
+        if self._rings is None or self._rings.region is not region:
+
+            def apply(namespace: Namespace, report: pb.ReleaseRequest) -> None:
+                self._report(namespace, namespace.checked_keys(report.mm_hashes), report, region)
+
+            rings = self._rings = ReportRings(region, apply)
+
+            def keep_leased(generation: int, key: str) -> bool:
+                # An item still in the store (moved to the heap) is leased there.
+                return key not in self.store and rings.leased(generation)
+
+            region.keep_leased = keep_leased
+        return self._rings

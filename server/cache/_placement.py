@@ -1,0 +1,207 @@
+"""Where an item's bytes live: the heap (the chunk frames it came in) or the
+co-located clients' shared-memory region, and what a write or a read is
+given room by. The region itself only allocates and indexes (_region.py);
+the rules are here, apart from the calls that use them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from mmcache._errors import InvalidArgumentError
+from mmcache.metrics import CacheMetrics
+
+from ._region import ITEM, READ, WRITE, Region, Resident, Slot, copy_payload, region_frames
+from ._store import ItemStore, StoredItem
+
+if TYPE_CHECKING:  # the upload's parser imports this package
+    from .._upload import EntryHeader
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """Room in the region for uploads and reads, made by moving residents out
+    to the heap (their order in the LRU kept); none of it waits."""
+
+    def __init__(
+        self, store: ItemStore, metrics: CacheMetrics, region: Callable[[], Region | None]
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self.region = region
+
+    def region_of(self, token: bytes) -> Region:
+        """The region a client's token names; InvalidArgumentError (with the fix) if none."""
+        region = self.region()
+        if region is None or not region.matches(token):
+            raise InvalidArgumentError(
+                "the shared-memory token is not this server's region's (a restarted server, "
+                "or another host's): map the region Info announces, or send over gRPC"
+            )
+        return region
+
+    # -- uploads --
+
+    def write_slots(
+        self, region: Region, sizes: Sequence[tuple[int, int]], keep: Sequence[str] = ()
+    ) -> list[Slot]:
+        """Write slots of these (payload, trailer) sizes: all, or none when the
+        region has no room for all (the client then uploads over gRPC); room is
+        made without taking out the items under `keep`."""
+        region.expire()
+        slots: list[Slot] = []
+        # What the store takes in if all are uploaded: past its capacity, it evicts.
+        incoming = sum(length for length, _ in sizes)
+        for length, trailer in sizes:
+            slot = self._allocate(region, length, WRITE, trailer, incoming, keep)
+            if slot is None:
+                for given in slots:
+                    region.free(given.lease)
+                return []
+            slots.append(slot)
+        return slots
+
+    def spares(
+        self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]
+    ) -> list[Slot]:
+        """The spare write slots an upload asked for with its reply; none when
+        its token is not the region's (asking never fails an upload). Their
+        room never takes out the batch's own items: what the reply answers
+        held stays readable (in a full cache, taking one out evicts it)."""
+        region = self.region()
+        if not sizes or region is None or not region.matches(token):
+            return []
+        return self.write_slots(region, sizes, batch)
+
+    def claim(self, token: bytes, entries: Sequence[EntryHeader]) -> dict[int, Slot]:
+        """The write slots an upload names, checked now and kept from expiry
+        until `unclaim` (`from_region` reads them), by entry index."""
+        named = [e for e in entries if e.shm is not None]
+        if not named:
+            return {}
+        region = self.region_of(token)
+        claimed: dict[int, Slot] = {}
+        for entry in named:
+            assert entry.shm is not None
+            try:
+                claimed[entry.index] = region.claim(
+                    entry.shm.lease, entry.shm.offset, entry.shm.length
+                )
+            except InvalidArgumentError as exc:
+                self.unclaim(claimed)
+                raise InvalidArgumentError(f"{entry.where}: {exc}") from None
+        return claimed
+
+    def unclaim(self, claimed: dict[int, Slot]) -> None:
+        """Free what a call claimed and never made resident (a failed call's)."""
+        region = self.region()
+        if region is not None:
+            for slot in claimed.values():
+                region.free(slot.lease)
+
+    def from_region(
+        self, slot: Slot, entry: EntryHeader
+    ) -> tuple[tuple[bytes, ...], Resident | None]:
+        """An uploaded payload in its claimed slot: resident there from now on (no
+        copy), or, when the slot has no room for its key and spec, copied out as
+        chunk frames and the slot freed."""
+        region = self.region()
+        assert region is not None and entry.spec is not None
+        self._metrics.shm_bytes.labels("write").inc(slot.length)
+        resident = region.settle(slot, entry.key, entry.spec.SerializeToString(), entry.metadata)
+        if resident is not None:
+            return (), resident
+        try:
+            return tuple(region_frames(region.payload(slot))), None
+        finally:
+            region.free(slot.lease)
+
+    # -- reads --
+
+    def residents(
+        self, region: Region, keys: Sequence[str], items: Sequence[StoredItem], hold: bool
+    ) -> list[Resident] | None:
+        """The items' extents in the region (those in the heap copied there:
+        `_extent_for`); None when it has no room for all."""
+        residents: list[Resident] = []
+        for key, item in zip(keys, items, strict=True):
+            if item.resident is not None:
+                region.read(item.resident)
+                residents.append(item.resident)
+                continue
+            spec = item.spec.SerializeToString()
+            trailer = len(key.encode()) + len(spec) + len(item.metadata)
+            slot = self._extent_for(region, key, item.payload, trailer, keys, hold)
+            if slot is None:
+                return None
+            copy_payload(item.frames, region.payload(slot))
+            if slot.kind == READ:
+                self._metrics.shm_copies.labels("transient").inc()
+                residents.append(Resident(region, slot))  # freed when its hold ends
+                continue
+            self._metrics.shm_copies.labels("in").inc()
+            resident = region.settle(slot, key, spec, item.metadata)
+            assert resident is not None  # allocated with room for its trailer
+            self._store.make_resident(key, item, resident)
+            residents.append(resident)
+        return residents
+
+    def _extent_for(
+        self,
+        region: Region,
+        key: str,
+        payload: int,
+        trailer: int,
+        keys: Sequence[str],
+        hold: bool,
+    ) -> Slot | None:
+        """Where a read copies an item in the heap: an extent it moves into
+        (ITEM; its frames then dropped), or a transient one (READ), the item
+        staying in the heap; None when the region has no room.
+
+        It moves in where there is room beside the reserve. Where there is
+        not, a read that holds its extents (`hold`) gets a transient copy: a
+        hot set larger than the region costs a copy per read, not a resident
+        pushed out to the heap (a copy) and the item moved in (another) on
+        every read. An item read again within the region's tenure takes the
+        place of residents in for longer (a hot set that moved on), and where
+        even the reserve is taken (other reads in flight) residents are moved
+        out for the copy. Without `hold` (a client that never says done) the
+        item moves in, as room is made."""
+        if not hold:
+            return self._allocate(region, payload, ITEM, trailer, keep=keys)
+        region.need_read(payload)
+        slot = region.allocate(payload, ITEM, trailer)
+        if slot is None and region.read_again(key):
+            slot = self._allocate(region, payload, ITEM, trailer, keep=keys, aged=True)
+        if slot is None:
+            slot = self._allocate(region, payload, READ, 0, keep=keys)
+        return slot
+
+    def _allocate(
+        self,
+        region: Region,
+        length: int,
+        kind: str,
+        trailer: int,
+        incoming: int = 0,
+        keep: Sequence[str] = (),
+        *,
+        aged: bool = False,
+    ) -> Slot | None:
+        """An extent of the region, made room for by taking the items that came
+        into it longest ago out of it (but none of `keep`; `aged`: only those
+        in for longer than its tenure); None when even that fails."""
+        if not region.fits(length, trailer):
+            return None
+        slot = region.allocate(length, kind, trailer)
+        if slot is None:
+            residents = region.resident_keys(keep, aged=aged)
+            for moved in self._store.leave_region(residents, incoming):
+                if moved:
+                    self._metrics.shm_copies.labels("out").inc()
+                slot = region.allocate(length, kind, trailer)
+                if slot is not None:
+                    break
+        return slot
