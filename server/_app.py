@@ -9,6 +9,7 @@ flight get `grace_s` to finish, and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
@@ -104,14 +105,7 @@ class MMCacheServer:
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
         self.sessions = Sessions(config.max_sessions)
-        self.events: ItemEvents | None = None
-        if config.events_endpoint is not None:
-            self.events = ItemEvents(
-                config.events_endpoint,
-                config.events_replay_endpoint,
-                config.events_topic,
-                self.instance_id,
-            )
+        self.events = _item_events(config, self.instance_id)
         self.l2 = _l2_tier(config, self.instance_id, self.store, self.registry, self.events)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
@@ -129,24 +123,7 @@ class MMCacheServer:
             authorize=self._check_session_batch,
         )
         self._servicer = CacheServicer(self.cache, self.namespaces, self.instance_id, session_calls)
-        self.registry.register(
-            StoreGauges(
-                items=lambda: len(self.store),
-                stored_bytes=lambda: self.store.used,
-                capacity_bytes=lambda: self.store.capacity,
-                max_items=lambda: self.store.max_items,
-                inflight_bytes=lambda: self.inflight.used,
-                leases=lambda: self.store.leases,
-                leased_bytes=lambda: self.store.leased_bytes,
-                feed_subscribers=lambda: self.namespaces.subscribers,
-                namespaces=lambda: len(self.namespaces),
-                shm_leased_bytes=lambda: 0 if self.region is None else self.region.leased_bytes,
-                shm_resident_bytes=lambda: 0 if self.region is None else self.region.resident_bytes,
-                upload_sessions=lambda: self.sessions.live,
-                shm_transient_bytes=lambda: self.region.transient_bytes if self.region else 0,
-                shm_reserve_bytes=lambda: self.region.reserve if self.region else 0,
-            )
-        )
+        self.registry.register(self._gauges())
         self.books = EncoderBooks()
         self.registry.register(EncoderBookCollector(self.books.stats))
         register_build_info(self.registry, __version__)
@@ -156,9 +133,31 @@ class MMCacheServer:
         self._expiry: asyncio.Task[None] | None = None
         self._drainer: asyncio.Task[None] | None = None
         self._endpoint: MetricsEndpoint | None = None
+        self._opened: contextlib.AsyncExitStack | None = None  # what `stop` closes
         self.port = 0
         self.metrics_port = 0
         self.health_port = 0
+
+    def _gauges(self) -> StoreGauges:
+        def region() -> Region | None:  # made at start
+            return self.region
+
+        return StoreGauges(
+            items=lambda: len(self.store),
+            stored_bytes=lambda: self.store.used,
+            capacity_bytes=lambda: self.store.capacity,
+            max_items=lambda: self.store.max_items,
+            inflight_bytes=lambda: self.inflight.used,
+            leases=lambda: self.store.leases,
+            leased_bytes=lambda: self.store.leased_bytes,
+            feed_subscribers=lambda: self.namespaces.subscribers,
+            namespaces=lambda: len(self.namespaces),
+            upload_sessions=lambda: self.sessions.live,
+            shm_leased_bytes=lambda: r.leased_bytes if (r := region()) else 0,
+            shm_resident_bytes=lambda: r.resident_bytes if (r := region()) else 0,
+            shm_transient_bytes=lambda: r.transient_bytes if (r := region()) else 0,
+            shm_reserve_bytes=lambda: r.reserve if (r := region()) else 0,
+        )
 
     @property
     def feed(self) -> Feed:
@@ -170,79 +169,79 @@ class MMCacheServer:
         return [SERVICE_NAME, ENCODER_SERVICE_NAME]
 
     async def start(self) -> None:
-        """Bind every port and serve; OSError or ConfigError (with the fix) when it cannot."""
+        """Bind every port and serve; OSError or ConfigError (with the fix) when it
+        cannot, with what it had opened closed again."""
+        config = self.config
+        async with contextlib.AsyncExitStack() as opened:
+            server, names = self._grpc_server()
+            self._server = server
+            opened.push_async_callback(self._stop_serving, 0.0)  # a no-op once stopped
+            self.port = _bind(server, config.host, config.port, _server_credentials(config))
+            if config.health_port is not None:
+                # Plaintext, health only: for probes that cannot speak TLS or send tokens.
+                self._health_server = grpc.aio.server(options=GRPC_OPTIONS)
+                self._health_server.add_generic_rpc_handlers(
+                    [health_handler(self.health, self.instance_id)]
+                )
+                self.health_port = _bind(self._health_server, config.host, config.health_port, None)
+            self.region = _open_region(config)
+            opened.callback(self._close_region)
+            self._warn_if_tenants_share_the_region()
+            self._endpoint = _metrics_endpoint(self.registry, config)
+            opened.callback(self._endpoint.close)
+            self.metrics_port = self._endpoint.port
+            if self.events is not None:
+                self.events.start()
+                opened.push_async_callback(self.events.stop)
+            self.sessions.start()
+            if self.l2 is not None:  # stopped before the region: a write may read from it
+                self.l2.start()
+                opened.push_async_callback(self.l2.stop)
+            await server.start()
+            if self._health_server is not None:
+                await self._health_server.start()
+            opened.callback(self._cancel_timers)
+            self._expiry = asyncio.create_task(self._expire_leases())
+            if self.region is not None:
+                self._drainer = asyncio.create_task(self._drain_reports())
+            for name in ("", *names):
+                await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            self._opened = opened.pop_all()
+        self._log_serving()
+
+    def _grpc_server(self) -> tuple[grpc.aio.Server, list[str]]:
+        """The main gRPC server with every handler (not bound), and the services' names."""
         config = self.config
         interceptors: list[grpc.aio.ServerInterceptor] = [self._grpc_metrics]
-        book = None
         if config.authenticates:
-            book = self._book = TokenBook(config.tokens_file, config.tokens)
-            interceptors.append(AuthInterceptor(book, self.instance_id))
+            self._book = TokenBook(config.tokens_file, config.tokens)
+            interceptors.append(AuthInterceptor(self._book, self.instance_id))
         server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
-        encoder = EncoderServicer(self.books, self.instance_id)
         names = [*self.service_names, HEALTH_SERVICE_NAME]
         handlers = [
             self._servicer.handler(),
-            encoder.handler(),
+            EncoderServicer(self.books, self.instance_id).handler(),
             health_handler(self.health, self.instance_id),
         ]
         if config.reflection:
             handlers.append(reflection_handler([*names, reflection.SERVICE_NAME], self.instance_id))
         server.add_generic_rpc_handlers(handlers)
-        self.port = _bind(server, config.host, config.port, _server_credentials(config))
-        if config.health_port is not None:
-            # Plaintext, health only: for probes that cannot speak TLS or send tokens.
-            self._health_server = grpc.aio.server(options=GRPC_OPTIONS)
-            self._health_server.add_generic_rpc_handlers(
-                [health_handler(self.health, self.instance_id)]
-            )
-            self.health_port = _bind(self._health_server, config.host, config.health_port, None)
-        self.region = _open_region(config)
-        if self.region is not None and book is not None and book.limits_namespaces:
-            _LOGGER.warning(
-                "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
-                "one file: every process that can open it (its owner, and group with "
-                "--shm-group) can read and overwrite the items in it, whatever its token. For "
-                "tenants that must not see each other, give each its own sidecar or run "
-                "with --no-shm.",
-                self.region.path,
-            )
-        metrics_host = config.metrics_host or config.host
-        try:
-            self._endpoint = MetricsEndpoint(self.registry, metrics_host, config.metrics_port)
-        except OSError as exc:
-            if self.region is not None:  # no server to own it
-                self.region.close()
-                self.region = None
-            taken = exc.errno == errno.EADDRINUSE
-            raise OSError(
-                f"port {config.metrics_port} on {metrics_host} (/metrics) is in use by another "
-                "process: stop it, or choose another port (--metrics-port, or 0 for a free one)"
-                if taken
-                else f"cannot serve /metrics on {metrics_host}:{config.metrics_port}: {exc}"
-            ) from None
-        self.metrics_port = self._endpoint.port
-        if self.events is not None:
-            try:
-                self.events.start()
-            except OSError:
-                if self.region is not None:
-                    self.region.close()
-                    self.region = None
-                self._endpoint.close()
-                self._endpoint = None
-                raise
-        self.sessions.start()
-        if self.l2 is not None:
-            self.l2.start()
-        await server.start()
-        self._server = server
-        if self._health_server is not None:
-            await self._health_server.start()
-        self._expiry = asyncio.create_task(self._expire_leases())
-        if self.region is not None:
-            self._drainer = asyncio.create_task(self._drain_reports())
-        for name in ("", *names):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return server, names
+
+    def _warn_if_tenants_share_the_region(self) -> None:
+        if self.region is None or self._book is None or not self._book.limits_namespaces:
+            return
+        _LOGGER.warning(
+            "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
+            "one file: every process that can open it (its owner, and group with "
+            "--shm-group) can read and overwrite the items in it, whatever its token. For "
+            "tenants that must not see each other, give each its own sidecar or run "
+            "with --no-shm.",
+            self.region.path,
+        )
+
+    def _log_serving(self) -> None:
+        config = self.config
         risk = _exposure_risk(config)
         if risk:
             _LOGGER.warning("mmcache serves gRPC on %s:%d %s", config.host, self.port, risk)
@@ -253,7 +252,7 @@ class MMCacheServer:
             config.host,
             self.port,
             _security_summary(config),
-            metrics_host,
+            config.metrics_host or config.host,
             self.metrics_port,
             self.store.capacity,
             self.store.max_items,
@@ -275,32 +274,35 @@ class MMCacheServer:
         return None if self._book is None else check_call(self._book, SESSION_METHOD, metadata)
 
     async def stop(self, grace: float | None = None) -> None:
-        """NOT_SERVING, then stop taking calls and give those in flight `grace` seconds."""
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        if self._drainer is not None:
-            self._drainer.cancel()
-            self._drainer = None
+        """NOT_SERVING, then stop taking calls and give those in flight `grace`
+        seconds; then close what `start` opened, in the reverse order."""
+        opened, self._opened = self._opened, None
+        if opened is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        self.sessions.stop()  # those waiting for a batch end now, the others after theirs
+        # Feed streams never end on their own: end them now, or every follower
+        # would hold the stop for the whole grace and then be cancelled (which
+        # grpc logs as an error).
+        self.namespaces.close()
+        await self._stop_serving(self.config.grace_s if grace is None else grace)
+        await opened.aclose()
+
+    async def _stop_serving(self, grace: float) -> None:
         if self._server is not None:
-            await self.health.enter_graceful_shutdown()
-            self.sessions.stop()  # those waiting for a batch end now, the others after theirs
-            # Feed streams never end on their own: end them now, or every
-            # follower would hold the stop for the whole grace and then be
-            # cancelled (which grpc logs as an error).
-            self.namespaces.close()
-            await self._server.stop(self.config.grace_s if grace is None else grace)
+            await self._server.stop(grace)
             self._server = None
         if self._health_server is not None:
             await self._health_server.stop(0)
             self._health_server = None
-        if self.l2 is not None:  # before the region: a write may be reading from it
-            await self.l2.stop()
-        if self.events is not None:
-            await self.events.stop()
-        if self._endpoint is not None:
-            self._endpoint.close()
-            self._endpoint = None
+
+    def _cancel_timers(self) -> None:
+        for task in (self._expiry, self._drainer):
+            if task is not None:
+                task.cancel()
+        self._expiry = self._drainer = None
+
+    def _close_region(self) -> None:
         if self.region is not None:
             self.region.close()
             self.region = None
@@ -373,6 +375,30 @@ def _l2_tier(
         config.l2_admit,
     )
     return tier
+
+
+def _item_events(config: ServerConfig, instance_id: str) -> ItemEvents | None:
+    """The item events for routers, when --events-endpoint names where."""
+    if config.events_endpoint is None:
+        return None
+    return ItemEvents(
+        config.events_endpoint, config.events_replay_endpoint, config.events_topic, instance_id
+    )
+
+
+def _metrics_endpoint(registry: CollectorRegistry, config: ServerConfig) -> MetricsEndpoint:
+    """/metrics served; OSError with the fix when its port is taken."""
+    host = config.metrics_host or config.host
+    try:
+        return MetricsEndpoint(registry, host, config.metrics_port)
+    except OSError as exc:
+        taken = exc.errno == errno.EADDRINUSE
+        raise OSError(
+            f"port {config.metrics_port} on {host} (/metrics) is in use by another "
+            "process: stop it, or choose another port (--metrics-port, or 0 for a free one)"
+            if taken
+            else f"cannot serve /metrics on {host}:{config.metrics_port}: {exc}"
+        ) from None
 
 
 def _open_region(config: ServerConfig) -> Region | None:

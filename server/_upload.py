@@ -177,32 +177,13 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         size = item_size(entry.item)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{where}: {exc}") from None
-    chunks: int | None = None
-    if entry.withheld:
-        if entry.num_chunks or entry.HasField("shm"):
-            raise InvalidArgumentError(f"{where} is withheld but declares chunks or a slot")
-    elif entry.HasField("shm"):
-        if entry.num_chunks or entry.shm.length != size.payload:
-            raise InvalidArgumentError(
-                f"{where} names a shared-memory slot of {entry.shm.length} bytes for "
-                f"{size.payload} payload bytes, with {entry.num_chunks} chunks (must be 0)"
-            )
-        chunks = 0
-    else:
-        least = -(-size.payload // MAX_CHUNK_BYTES)
-        if not least <= entry.num_chunks <= size.payload:
-            raise InvalidArgumentError(
-                f"{where}: {size.payload} payload bytes cannot travel in {entry.num_chunks} "
-                f"chunks of 1 to {MAX_CHUNK_BYTES} bytes (need {least} to {size.payload})"
-            )
-        chunks = entry.num_chunks
     return EntryHeader(
         index=index,
         mm_hash=entry.mm_hash,
         key=key_of(entry.mm_hash),
         modality=entry.modality,
         spec=entry.item,
-        chunks=chunks,
+        chunks=_chunks_of(entry, size.payload, where),
         payload=size.payload,
         charged=size.charged + len(entry.metadata),
         withheld=entry.withheld,
@@ -211,6 +192,29 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         want_metadata=entry.want_metadata,
         shm=entry.shm if entry.HasField("shm") else None,
     )
+
+
+def _chunks_of(entry: pb.UpdateEntry, payload: int, where: str) -> int | None:
+    """The chunk frames that follow an entry with a spec (0: its payload is in a
+    region slot; None: withheld, none follow), checked against its payload."""
+    if entry.withheld:
+        if entry.num_chunks or entry.HasField("shm"):
+            raise InvalidArgumentError(f"{where} is withheld but declares chunks or a slot")
+        return None
+    if entry.HasField("shm"):
+        if entry.num_chunks or entry.shm.length != payload:
+            raise InvalidArgumentError(
+                f"{where} names a shared-memory slot of {entry.shm.length} bytes for "
+                f"{payload} payload bytes, with {entry.num_chunks} chunks (must be 0)"
+            )
+        return 0
+    least = -(-payload // MAX_CHUNK_BYTES)
+    if not least <= entry.num_chunks <= payload:
+        raise InvalidArgumentError(
+            f"{where}: {payload} payload bytes cannot travel in {entry.num_chunks} "
+            f"chunks of 1 to {MAX_CHUNK_BYTES} bytes (need {least} to {payload})"
+        )
+    return entry.num_chunks
 
 
 async def read_chunks(stream: AsyncIterator[bytes], entry: EntryHeader) -> tuple[bytes, ...]:

@@ -193,17 +193,25 @@ class ItemStore:
                 (e.mm_hash for e, o in zip(entries, outcomes, strict=True) if o in leased),
                 self._clock(),
             )
-        metadata = None
+        metadata, cut = self._reply_metadata(entries, outcomes)
+        return BatchResult(outcomes, sizes, evicted, truncated, metadata, cut)
+
+    def _reply_metadata(
+        self, entries: Sequence[UploadEntry], outcomes: Sequence[Outcome]
+    ) -> tuple[list[bytes] | None, bool]:
+        """The metadata of the hits whose callers asked for it, in a reply of at
+        most MAX_REPLY_METADATA_BYTES (past it, the rest go without: True)."""
+        if not any(e.want_metadata for e in entries):
+            return None, False
+        metadata: list[bytes] = []
         budget = MAX_REPLY_METADATA_BYTES
-        if any(e.want_metadata for e in entries):
-            metadata = []
-            for e, o in zip(entries, outcomes, strict=True):
-                blob = self._metadata_of(e.mm_hash) if e.want_metadata and o == Outcome.HIT else b""
-                if len(blob) > budget:
-                    blob, budget = b"", -1  # the rest of the reply goes without
-                budget -= len(blob)
-                metadata.append(blob)
-        return BatchResult(outcomes, sizes, evicted, truncated, metadata, budget < 0)
+        for e, o in zip(entries, outcomes, strict=True):
+            blob = self._metadata_of(e.mm_hash) if e.want_metadata and o == Outcome.HIT else b""
+            if len(blob) > budget:
+                blob, budget = b"", -1  # the rest of the reply goes without
+            budget -= len(blob)
+            metadata.append(blob)
+        return metadata, budget < 0
 
     def adopt(
         self, items: Iterable[tuple[str, StoredItem]], *, keep: Iterable[str] = ()
