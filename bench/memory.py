@@ -116,7 +116,7 @@ async def run_workload(w: Workload, capacity: int, inflight: int, churn: float) 
 
             await asyncio.gather(*(upload() for _ in range(w.tasks)))
             info = await client._rpc.info()
-            assert client._region is not None or not info.HasField("shm")
+            assert client.region is not None or not info.HasField("shm")
         rss = status_bytes(server.pid, "VmRSS")
         beyond = rss - start_rss - info.used_bytes
         # The region's pages are reserved at start and charged to the server

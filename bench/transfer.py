@@ -244,7 +244,7 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
             MMCacheClient(target, chunk_bytes=chunk, shm=False) as client,
             MMCacheClient(target, chunk_bytes=chunk) as co_located,
         ):
-            if co_located._region is None:
+            if co_located.region is None:
                 print("no shared-memory region (is /dev/shm there?): gRPC rows only")
             print(
                 f"chunk {chunk // MIB} MiB, {rounds} rounds of {seconds:g} s bursts, loopback, "
@@ -256,14 +256,14 @@ async def run(sizes: list[int], rounds: int, seconds: float, chunk: int) -> None
                 nbytes = mib * MIB
                 ours, before = await mmcache_ops(client, nbytes)
                 ops = {**await ceiling_ops(channel, nbytes, chunk), **ours}
-                if co_located._region is not None:
+                if co_located.region is not None:
                     shm_ours, shm_before = await mmcache_ops(co_located, nbytes, "shm ")
                     ops.update(shm_ours, **memcpy_ops(nbytes))
                     before.update(shm_before)
                 rates = await measure(ops, before, nbytes, rounds, seconds)
                 med = {name: statistics.median(r) for name, r in rates.items()}
                 grpc_rows += grpc_table_rows(mib, rates, med)
-                if co_located._region is not None:
+                if co_located.region is not None:
                     shm_rows += shm_table_rows(mib, rates, med)
             print("\nthe gRPC path beside the raw gRPC ceiling")
             print(
@@ -349,7 +349,7 @@ async def hot_set(items: int, mib: int, regions: list[int], rounds: int, seconds
                 )
                 servers.append((region, proc, metrics_port))
                 client = await stack.enter_async_context(MMCacheClient(f"127.0.0.1:{port}"))
-                if client._region is None:
+                if client.region is None:
                     print("no shared-memory region (is /dev/shm there?): no re-read table")
                     return
                 ops[f"{region} MiB"] = await reread_op(client, items, mib)

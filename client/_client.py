@@ -13,7 +13,6 @@ from types import TracebackType
 from typing import Any, NamedTuple
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from mmcache._errors import (
     CacheMissError,
@@ -30,11 +29,12 @@ from mmcache._frames import (
 )
 from mmcache._items import Item
 from mmcache._lru import Outcome
-from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, store_key
+from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 from mmcache.v1 import cache_pb2 as pb
 
 from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
-from ._codec import EncodedItem, ItemDecoder, encode_item, view_item
+from ._codec import EncodedItem, encode_item
+from ._colocated import CoLocated
 from ._encoder import (
     EncoderBudget,
     EncoderCache,
@@ -43,14 +43,14 @@ from ._encoder import (
     request_encoder_cache_stats,
 )
 from ._feed import FeedFollower
+from ._fetched import ShmRace, read_fetch
 from ._mirror import Mirror
 from ._pool import BufferPool
-from ._reports import Reports
-from ._resident import ResidentHits, ResidentLeases
+from ._resident import ResidentLeases
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
-from ._shm import ClientRegion, ClientRing, attach
-from ._slots import Size, WriteSlots, size_of
+from ._shm import ClientRegion
+from ._slots import Size
 from ._stats import CacheInfo
 from ._transport import CHANNEL_OPTIONS, CacheTransport
 
@@ -61,9 +61,6 @@ _LOGGER = logging.getLogger(__name__)
 _HELD = (Outcome.HIT, Outcome.REPLACED)
 # What a call that fails open gives up on: the server did not answer in time.
 _OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
-# Uploads from this size up go through shared memory when the region is
-# mapped: below it, the copy saves less than a slot's bookkeeping costs.
-SHM_MIN_BYTES = 1 << 20
 # Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
 # of their size (client/_pool.py): pages already mapped, no zeroing.
 DEFAULT_REUSE_BYTES = 256 << 20
@@ -216,17 +213,17 @@ class MMCacheClient:
         self._token = token
         self._interceptors = metadata_interceptors(token, namespace)
         self.namespace = namespace
-        self._shm = shm
         self._sessions = sessions
-        self._region: ClientRegion | None = None
         self._shared_tier = False
-        self._reports = Reports(
-            lambda request: self._rpc.report(request), self._answered, self._open_report_ring
-        )
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
-        self._resident = ResidentHits(namespace, self._reports, self._pool)
-        self._write_slots = WriteSlots()
-        self._reattach: asyncio.Task[None] | None = None
+        self._co = CoLocated(
+            namespace,
+            shm,
+            lambda: self._rpc,
+            self._pool,
+            connect_timeout=connect_timeout,
+            allocate_timeout=fail_open_timeout if fail_open else None,
+        )
         server_name = (
             () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
         )
@@ -304,15 +301,9 @@ class MMCacheClient:
 
     async def close(self) -> None:
         if self._transport is not None:  # what reads owe the server: leases, holds, spares
-            if self._region is not None:
-                self._reports.add(self._region.token, done=self._write_slots.drain(close=True))
-            await self._reports.flush(self._fail_open_timeout)
+            await self._co.flush(self._fail_open_timeout)
             await self._transport.close()
-        self._reports.cancel()
-        if self._reattach is not None:
-            self._reattach.cancel()
-            self._reattach = None
-        self._detach()
+        self._co.close()
         if self._follower_task is not None:
             self._follower_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -595,17 +586,17 @@ class MMCacheClient:
         something better to do than wait (the EC connector encodes instead).
         """
         _check_hashes(mm_hashes)
-        region = self._region
+        region = self._co.region
         try:
             if region is None:
                 return await self._fetch(mm_hashes, release, wait)
-            found, nbytes = self._read_resident(region, mm_hashes)
+            found, nbytes = self._co.read_resident(region, mm_hashes)
             missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
             read = [h for h, item in zip(mm_hashes, found, strict=True) if item is not None]
             whole = False
             try:
                 if missing:  # (a region found closed is unmapped by now)
-                    fetched = iter(await self._fetch_through(missing, release, self._region, wait))
+                    fetched = iter(await self._fetch_through(missing, release, wait))
                     found = [next(fetched) if item is None else item for item in found]
                 whole = True
             finally:
@@ -613,7 +604,7 @@ class MMCacheClient:
                 # do: a caller whose read failed releases them itself.
                 if read:
                     released = read if release and whole else ()
-                    self._reports.add(region.token, released=released, read_bytes=nbytes)
+                    self._co.reports.add(region.token, released=released, read_bytes=nbytes)
             return found  # type: ignore[return-value]
         except CacheMissError as exc:
             self._mirror.forget(exc.missing_hashes)
@@ -636,10 +627,9 @@ class MMCacheClient:
             found = await client.lookup(rest, want_metadata=True) if rest else None
         """
         _check_hashes(mm_hashes)
-        region = self._region
-        if region is None or self._caching_disabled():
+        leased = None if self._caching_disabled() else self._co.lease(mm_hashes, usable)
+        if leased is None:
             return ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
-        leased = self._resident.lease(region, mm_hashes, usable)
         hits = sum(leased.held)
         self._counted(hits, hits)  # the rest are the lookup's to count
         return leased
@@ -660,41 +650,25 @@ class MMCacheClient:
                 items = await client.fetch(hashes)
         """
         _check_hashes(mm_hashes)
-        region = self._region
-        return None if region is None else self._resident.read(region, mm_hashes, release)
-
-    def _read_resident(
-        self, region: ClientRegion, mm_hashes: Sequence[str]
-    ) -> tuple[list[Item | None], int]:
-        """The items resident in the region, copied out with no call (None for the
-        rest), and the payload bytes read."""
-        if not region.open():  # the server stopped: its items are no longer served
-            self._restarted()
-            return [None] * len(mm_hashes), 0
-        found: list[Item | None] = []
-        nbytes = 0
-        for mm_hash in mm_hashes:
-            got = region.read_resident(store_key(self.namespace, mm_hash), self._pool)
-            found.append(None if got is None else got[0])
-            nbytes += 0 if got is None else got[1]
-        return found, nbytes
+        return self._co.read_all(mm_hashes, release)
 
     async def _fetch_through(
-        self, mm_hashes: Sequence[str], release: bool, region: ClientRegion | None, wait: bool
+        self, mm_hashes: Sequence[str], release: bool, wait: bool
     ) -> list[Item]:
         """Items not (yet) resident: ReadShm moves them into the region and says
         where, or the chunk frames of a Fetch bring them."""
+        region = self._co.region  # (a region found closed is unmapped by now)
         if region is not None:
             try:
                 # Leases go back once the bytes are copied out, not with the reply:
                 # an item moved out of the region under the copy is read again
                 # below, and must still be there.
-                read = await self._read_shm(mm_hashes, False, region, None, wait)
-            except _ShmRace:
+                read = await self._co.read_shm(mm_hashes, False, region, None, wait)
+            except ShmRace:
                 read = None
             if read is not None:
                 if release:
-                    self._reports.add(region.token, released=mm_hashes)
+                    self._co.reports.add(region.token, released=mm_hashes)
                 return read
         return await self._fetch(mm_hashes, release, wait)
 
@@ -702,51 +676,9 @@ class MMCacheClient:
         """The items as the chunk frames of a Fetch."""
         frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release), wait)
         try:
-            return await _read_fetch(frames, len(mm_hashes), self._pool)
+            return await read_fetch(frames, len(mm_hashes), self._pool)
         finally:
             await frames.aclose()
-
-    async def _read_shm(
-        self,
-        mm_hashes: Sequence[str],
-        release: bool,
-        region: ClientRegion,
-        views: list[pb.ShmSlot] | None,
-        wait: bool = True,
-    ) -> list[Item] | None:
-        """The items through the region (copied out, or viewed into `views` under
-        holds), in one unary call; None when the server had no room (or is
-        another server now)."""
-        # Every extent under a hold, said done once copied (or viewed): an item
-        # the region has no room for then comes in a transient copy, freed by
-        # the done, instead of pushing another out. The holds done so far go
-        # with the call, so the server frees their extents before this read.
-        request = pb.FetchRequest(
-            mm_hashes=mm_hashes,
-            release=release,
-            shm_token=region.token,
-            shm_hold=True,
-            shm_done=self._reports.done(region.token),
-        )
-        try:
-            raw = await self._rpc.read_shm(request, wait)
-        except InvalidArgumentError:
-            self._restarted()  # the token is not the server's: a new server
-            return None
-        header = _parse_header(raw)
-        if not header.items and mm_hashes:
-            return None
-        held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]
-        try:
-            items = await _decode_items(
-                header, _no_frames(), len(mm_hashes), self._pool, region, views
-            )
-        except BaseException:
-            self._reports.add(region.token, done=held)
-            raise
-        if views is None:  # copied out; a view's block says them done when it ends
-            self._reports.add(region.token, done=held)
-        return items
 
     @contextlib.asynccontextmanager
     async def view(
@@ -765,13 +697,13 @@ class MMCacheClient:
             async with client.view(hashes) as items:
                 on_gpu = [item["pixel_values"].to("cuda") for item in items]
         """
-        region = self._region
+        region = self._co.region
         _check_hashes(mm_hashes)
         slots: list[pb.ShmSlot] = []
         items = None
         if region is not None:
             try:
-                items = await self._read_shm(mm_hashes, release, region, slots)
+                items = await self._co.read_shm(mm_hashes, release, region, slots)
             except CacheMissError as exc:
                 self._mirror.forget(exc.missing_hashes)
                 raise
@@ -782,7 +714,7 @@ class MMCacheClient:
             yield items
         finally:
             outlived = [s.lease for s in slots if not region.live(s)]
-            self._reports.add(region.token, done=[s.hold for s in slots])
+            self._co.reports.add(region.token, done=[s.hold for s in slots])
         if outlived:
             raise FailedPreconditionError(
                 f"a view of {len(outlived)} items outlived its lease (--lease-s on the "
@@ -823,7 +755,7 @@ class MMCacheClient:
             await client.count_misses(["image"])  # processed, not worth uploading
         """
         if self._transport is not None and modalities:
-            self._reports.add_misses(modalities)
+            self._co.reports.add_misses(modalities)
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
@@ -834,129 +766,27 @@ class MMCacheClient:
     # -- internals ---------------------------------------------------------
 
     @property
+    def region(self) -> ClientRegion | None:
+        """The server's shared-memory region as this client maps it (docs/shm.md);
+        None for a server on another host, with `shm=False`, or while a
+        restarted server's new region is not mapped yet."""
+        return self._co.region
+
+    def forget(self, mm_hashes: Sequence[str]) -> None:
+        """Drop hashes from the mirror: a caller that found an item gone (an
+        engine's read that missed) says so, and the next lookup asks the server
+        instead of trusting the mirror."""
+        self._mirror.forget(mm_hashes)
+
+    @property
     def shared_tier(self) -> bool:
         """Whether the server reads through to a tier other servers write (L2):
         then a hash the mirror lacks may still be a hit, if asked about."""
         return self._shared_tier
 
     def _attach(self, info: pb.InfoReply) -> None:
-        """Map the server's shared-memory region, if it has one this host can map."""
         self._shared_tier = info.shared_tier
-        self._detach()
-        if self._shm and info.HasField("shm"):
-            self._region = attach(info.instance_id, info.shm)
-            if self._region is not None:  # a ring now: leases with no call need one
-                self._reports.open(self._region.token)
-
-    async def _open_report_ring(self, token: bytes) -> ClientRing | None:
-        """A report ring in the region of `token`, if the server gives one."""
-        region = self._region
-        if region is None or region.token != token:
-            return None
-        reply = await self._rpc.open_report_ring(token)
-        if reply.instance_id != region.instance_id or len(reply.slots) != 1:
-            return None
-        try:
-            return region.ring(reply.slots[0])
-        except ValueError:
-            return None
-
-    def _detach(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
-        self._write_slots.drain()  # the old region's
-
-    def _answered(self, instance_id: str) -> None:
-        """A reply's instance: another than the mapped region's means a restart."""
-        if self._region is not None and instance_id != self._region.instance_id:
-            self._restarted()
-
-    def _restarted(self) -> None:
-        """The server is a new instance: drop its old region, and map the new one."""
-        self._detach()
-        if self._reattach is None or self._reattach.done():
-            self._reattach = asyncio.create_task(self._attach_again())
-
-    async def _attach_again(self) -> None:
-        try:
-            self._attach(await self._rpc.info(timeout=self._connect_timeout))
-        except MMCacheError as exc:  # gone again: the next restart tries anew
-            _LOGGER.debug("shared memory not remapped: %s", exc)
-
-    async def _shm_slots(
-        self, entries: Sequence[Entry]
-    ) -> tuple[dict[int, pb.ShmSlot], list[Size]]:
-        """Slots holding the payloads of this batch's larger uploads (none: all
-        over gRPC), by entry index; and the spares to ask for with its reply."""
-        region = self._region
-        if region is None:
-            return {}, []
-        sizes = {
-            i: size_of(e.data.size.payload, self._trailer(e))
-            for i, e in enumerate(entries)
-            if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
-        }
-        slots: dict[int, pb.ShmSlot] = {}
-        for index, size in sizes.items():
-            spare = self._write_slots.take(region, size)
-            if spare is not None:
-                slots[index] = spare
-        needed = [i for i in sizes if i not in slots]
-        if needed:
-            given = await self._allocate(region, [sizes[i] for i in needed])
-            if given is None:  # no room: all over gRPC, the spares taken kept for later
-                self._give_back_slots(
-                    region,
-                    self._write_slots.keep(slots.values(), [sizes[i] for i in slots], asked=False),
-                )
-                return {}, []
-            slots.update(zip(needed, given, strict=True))
-        try:
-            for index, slot in slots.items():
-                region.write(slot, entries[index].data)  # type: ignore[arg-type]
-        except ValueError as exc:
-            _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
-            return {}, []
-        return slots, self._write_slots.top_up(list(sizes.values()))
-
-    async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
-        """Write slots of `sizes` (and spares kept for the next uploads), or None."""
-        extra = self._write_slots.top_up(sizes)
-        spares: Sequence[pb.ShmSlot] = ()
-        try:
-            for asked in (sizes + extra, sizes) if extra else (sizes,):
-                try:
-                    reply = await self._rpc.shm_allocate(
-                        region.token,
-                        [payload for payload, _ in asked],
-                        [room for _, room in asked],
-                        timeout=self._fail_open_timeout if self._fail_open else None,
-                    )
-                except InvalidArgumentError:
-                    self._restarted()  # the token is not the server's: a restart
-                    return None
-                if reply.instance_id != region.instance_id:
-                    self._restarted()
-                    return None
-                if len(reply.slots) == len(asked):
-                    spares = reply.slots[len(sizes) :]
-                    return list(reply.slots[: len(sizes)])
-            return None  # no room (even without spares)
-        finally:
-            self._give_back_slots(region, self._write_slots.keep(spares, extra))
-
-    def _give_back_slots(self, region: ClientRegion, leases: list[int]) -> None:
-        """Spare slots beyond the client's caps go back to the server."""
-        if leases:
-            self._reports.add(region.token, done=leases)
-
-    def _trailer(self, entry: Entry) -> int:
-        """Room after an upload's payload for its store key, spec and metadata
-        (the item becomes resident where it is written)."""
-        assert entry.data is not None
-        key = store_key(self.namespace, entry.mm_hash)
-        return len(key.encode()) + entry.data.spec.ByteSize() + len(entry.metadata)
+        self._co.attach(info)
 
     def _caching_disabled(self) -> bool:
         # Known only once the server has answered: out of touch, ask it.
@@ -1130,8 +960,8 @@ class MMCacheClient:
     ) -> Reply:
         """One round trip: the batch out (`shm`: larger payloads through the
         region, where there is one), the reply applied to the mirror."""
-        use_shm = shm and self._region is not None
-        slots, spares = await self._shm_slots(entries) if use_shm else ({}, [])
+        use_shm = shm and self._co.region is not None
+        slots, spares = await self._co.slots_for(entries) if use_shm else ({}, [])
         if slots:
             try:
                 return await self._send_batch(entries, touches, lease, slots, spares, wait_ms)
@@ -1150,7 +980,7 @@ class MMCacheClient:
         spares: list[Size],
         wait_ms: int = 0,
     ) -> Reply:
-        region = self._region if slots else None
+        region = self._co.region if slots else None
         mirror = self._mirror
         call = mirror.call_started()
         given: Sequence[pb.ShmSlot] = ()
@@ -1186,83 +1016,6 @@ class MMCacheClient:
         finally:
             mirror.call_ended(call)
             if spares:  # the ask settled, whatever became of the batch
-                surplus = self._write_slots.keep(given, spares)
-                if region is not None:
-                    self._give_back_slots(region, surplus)
+                self._co.settle_spares(region, given, spares)
         self._in_touch = True
         return reply
-
-
-class _ShmRace(Exception):
-    """An extent was freed while its bytes were copied: read again over gRPC."""
-
-
-async def _no_frames() -> AsyncIterator[bytes]:
-    """A ReadShm reply's frames: none (every item is in a slot)."""
-    return
-    yield
-
-
-def _parse_header(raw: bytes) -> pb.FetchHeader:
-    try:
-        return pb.FetchHeader.FromString(raw)
-    except DecodeError as exc:
-        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
-
-
-async def _read_fetch(
-    frames: AsyncIterator[bytes], expected: int, pool: BufferPool | None = None
-) -> list[Item]:
-    """The items of a Fetch reply."""
-    # The transport gives the header's bytes first, wherever they travelled.
-    return await _decode_items(_parse_header(await anext(frames)), frames, expected, pool)
-
-
-async def _decode_items(
-    header: pb.FetchHeader,
-    frames: AsyncIterator[bytes],
-    expected: int,
-    pool: BufferPool | None = None,
-    region: ClientRegion | None = None,
-    views: list[pb.ShmSlot] | None = None,
-) -> list[Item]:
-    """The items a reply's header names. Items in the region are copied out of
-    `region`; or, given `views`, viewed in place, their extents added to `views`
-    (the caller gives their holds back); the rest from chunk frames."""
-    if len(header.items) != expected:
-        raise InvalidArgumentError("the Fetch reply names a different number of items")
-    items: list[Item] = []
-    for fetched in header.items:
-        # Each frame is copied into the item's tensors as it arrives and dropped.
-        if fetched.HasField("shm") and views is not None and region is not None:
-            try:
-                items.append(view_item(fetched.item, region.view(fetched.shm)))
-            except ValueError as exc:
-                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
-            views.append(fetched.shm)
-            continue
-        decoder = ItemDecoder(fetched.item, pool)
-        if fetched.HasField("shm"):
-            if region is None:
-                raise InvalidArgumentError("the Fetch reply names a slot this client cannot map")
-            try:
-                copied = region.read(fetched.shm, decoder)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
-            if not copied:
-                raise _ShmRace
-        for index in range(fetched.num_chunks):
-            frame = await anext(frames, None)
-            if frame is None:
-                raise InvalidArgumentError(
-                    f"the Fetch reply ended after {index} of the {fetched.num_chunks} chunk "
-                    f"frames of {fetched.mm_hash!r}"
-                )
-            decoder.feed(frame)
-        items.append(decoder.finish())
-    # Read to the end so the call completes with its status: a call left
-    # open would be cancelled, and grpc keeps a cancelled call (and its
-    # buffers) alive until the garbage collector runs.
-    if await anext(frames, None) is not None:
-        raise InvalidArgumentError("the Fetch reply carries more frames than its header declares")
-    return items

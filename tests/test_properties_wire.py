@@ -40,7 +40,6 @@ from mmcache._frames import (
 )
 from mmcache._items import Field, Item
 from mmcache._spec import MAX_DEPTH, MAX_NAME_CHARS, check_name, item_size
-from mmcache.client._client import _read_fetch
 from mmcache.client._codec import (
     ItemDecoder,
     decode_item,
@@ -48,6 +47,7 @@ from mmcache.client._codec import (
     iter_chunk_frames,
     num_chunks,
 )
+from mmcache.client._fetched import read_fetch
 from mmcache.server._upload import (
     Context,
     EntryHeader,
@@ -283,7 +283,7 @@ def test_uploads_pass_the_server_parsers_and_come_back_bit_exact_in_a_fetch(
     reply = [header_frame(fetched.SerializeToString())]
     reply += [f for upload in stored for f in upload.frames]
     transported = [header_frame_body(reply[0], "the first Fetch frame"), *reply[1:]]
-    out = drive(_read_fetch(in_memory(transported), len(stored)))
+    out = drive(read_fetch(in_memory(transported), len(stored)))
     for got, (item, _) in zip(out, batch, strict=True):
         assert_same_item(got, item)
 
@@ -732,7 +732,7 @@ def test_a_spec_larger_than_memory_is_refused_by_an_mmcache_error() -> None:
 
 def test_a_fetch_reply_whose_header_does_not_parse_is_an_invalid_argument() -> None:
     with pytest.raises(InvalidArgumentError):
-        drive(_read_fetch(in_memory([b"\xff"]), 1))
+        drive(read_fetch(in_memory([b"\xff"]), 1))
 
 
 def test_a_fetch_reply_with_too_few_chunks_is_an_invalid_argument() -> None:
@@ -740,7 +740,7 @@ def test_a_fetch_reply_with_too_few_chunks_is_an_invalid_argument() -> None:
     encoded = encode_item({"k": torch.ones(4)})
     fetched.items.add(mm_hash="h", item=encoded.spec, num_chunks=2)
     with pytest.raises(InvalidArgumentError):
-        drive(_read_fetch(in_memory([fetched.SerializeToString()]), 1))
+        drive(read_fetch(in_memory([fetched.SerializeToString()]), 1))
 
 
 def test_nested_equal_compares_contiguous_tensors_of_any_strides() -> None:

@@ -51,7 +51,7 @@ async def counted(server: MMCacheServer) -> tuple[float, float]:
 
 
 async def with_ring(*clients: MMCacheClient) -> None:
-    await eventually(lambda: all(c._reports._ring is not None for c in clients))
+    await eventually(lambda: all(c._co.reports._ring is not None for c in clients))
 
 
 async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path) -> None:
@@ -227,7 +227,7 @@ async def test_a_killed_server_is_read_with_no_call_no_longer(tmp_path: Path) ->
 
 def fill(client: MMCacheClient) -> None:
     """Fill the client's ring with records the server has not read."""
-    ring = client._reports._ring
+    ring = client._co.reports._ring
     assert ring is not None
     for size in (200, 1):  # to the last byte: no report fits
         while ring.write(b"x" * size):
@@ -255,12 +255,12 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
         # Hits the ring could not take; by the time the loop sends them, it can
         # (the server read it meanwhile): they still go, and the ring stays.
         before = await counted(server)
-        region = api._region
+        region = api.region
         assert region is not None
         fill(api)
-        api._reports.post(region.token, pb.ReleaseRequest(hits={"image": 2}, client_cpu_ns=1))
+        api._co.reports.post(region.token, pb.ReleaseRequest(hits={"image": 2}, client_cpu_ns=1))
         server.cache.drain_reports()
-        await eventually(lambda: api._reports._task is not None and api._reports._task.done())
+        await eventually(lambda: api._co.reports._task is not None and api._co.reports._task.done())
         assert await counted(server) == (before[0] + 2, before[1] + 2)
         rings = server.cache.rings
         assert rings is not None and len(rings) == 2

@@ -96,7 +96,7 @@ async def test_every_dtype_and_form_round_trips_bit_exact_through_shared_memory(
     shm_server: MMCacheServer,
 ) -> None:
     async with client(shm_server) as c:
-        assert c._region is not None
+        assert c.region is not None
         for i, dtype in enumerate(DTYPES):
             big = tensor(dtype, (2 << 20) // torch.empty(0, dtype=dtype).element_size(), i)
             mapping = {"big": big, "small": tensor(dtype, 7, i + 100), "n": 3, "nested": [big[:5]]}
@@ -284,13 +284,13 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
     async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(3, numel=1 << 18)
         await c.get_and_update([item], ["s"], lease=False)
-        assert c._region is not None
-        request = pb.FetchRequest(mm_hashes=["s"], shm_token=c._region.token)
+        assert c.region is not None
+        request = pb.FetchRequest(mm_hashes=["s"], shm_token=c.region.token)
         header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
         server.store.clear()  # no hold: the extent is freed at once
         decoder = ItemDecoder(header.items[0].item)
-        assert not c._region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
-        assert c._region.read_resident("s", None) is None
+        assert not c.region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
+        assert c.region.read_resident("s", None) is None
 
 
 async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale_data(
@@ -320,8 +320,8 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
     async with MMCacheServer(config) as server, client(server) as c:
         first = {"x": tensor(torch.float32, 1 << 18, 1)}
         await c.get_and_update([first], ["h"], lease=False)
-        assert c._region is not None
-        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c._region.token, shm_hold=True)
+        assert c.region is not None
+        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c.region.token, shm_hold=True)
         header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
         # New data under the hash, and enough more to evict everything old.
         await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 2)}], ["h"], lease=False)
@@ -331,7 +331,7 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
             await c.release([f"e{i}"])  # now, not in the background: the next one needs room
         assert "h" not in server.store
         decoder = ItemDecoder(header.items[0].item)
-        assert c._region.read(header.items[0].shm, decoder)  # the hold kept it
+        assert c.region.read(header.items[0].shm, decoder)  # the hold kept it
         assert same(decoder.finish(), first)
 
 
@@ -340,14 +340,14 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
 ) -> None:
     missing = shm_config(tmp_path / "no-such-dir")
     async with MMCacheServer(missing) as server, client(server) as c:
-        assert server.region is None and c._region is None
+        assert server.region is None and c.region is None
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         assert (await c.fetch(["a"]))[0] == image_item(1)
     async with MMCacheServer(server_config(shm=False)) as server, client(server) as c:
-        assert server.region is None and c._region is None
+        assert server.region is None and c.region is None
     async with MMCacheServer(shm_config(tmp_path)) as server:
         async with client(server, shm=False) as c:  # the client's switch
-            assert c._region is None
+            assert c.region is None
             await c.get_and_update([{"x": torch.ones(1 << 20)}], ["b"], lease=False)
             assert (await c.fetch(["b"]))[0]["x"].sum() == 1 << 20
         assert await shm_bytes(server, "read") == 0 and await shm_bytes(server, "write") == 0
@@ -364,7 +364,7 @@ async def test_another_hosts_file_under_the_same_name_is_refused(tmp_path: Path)
         os.rename(impostor, path)
         try:
             async with client(server) as c:
-                assert c._region is None
+                assert c.region is None
                 await c.get_and_update([{"x": torch.ones(1 << 20)}], ["c"], lease=False)
                 assert (await c.fetch(["c"]))[0]["x"].sum() == 1 << 20
         finally:
@@ -419,7 +419,7 @@ async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: 
     async with client(first) as c:
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         await c.fetch(["a"])
-        assert c._region is not None and c._region.instance_id == first.instance_id
+        assert c.region is not None and c.region.instance_id == first.instance_id
         old_path = first.region.path if first.region else ""
         await first.stop(grace=0)
         assert not exists(old_path)  # a stopped server leaves no region behind
@@ -427,10 +427,10 @@ async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: 
             await c.get_and_update([image_item(2)], ["b"], lease=False)
             assert (await c.fetch(["b"]))[0] == image_item(2)  # over gRPC: the old token fails
             for _ in range(100):
-                if c._region is not None and c._region.instance_id == second.instance_id:
+                if c.region is not None and c.region.instance_id == second.instance_id:
                     break
                 await asyncio.sleep(0.02)
-            assert c._region is not None and c._region.instance_id == second.instance_id
+            assert c.region is not None and c.region.instance_id == second.instance_id
             assert (await c.fetch(["b"]))[0] == image_item(2)
             assert await shm_bytes(second, "read") > 0  # remapped: shared memory again
 
@@ -510,9 +510,9 @@ def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) 
 
 async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> None:
     async with MMCacheServer(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
-        assert c._region is not None and server.region is not None
+        assert c.region is not None and server.region is not None
         item = {"x": tensor(torch.float32, 1 << 20, 7)}  # 4 MiB: through a slot
-        real_write = c._region.write
+        real_write = c.region.write
 
         def stall_then_write(slot: pb.ShmSlot, encoded: object) -> None:
             import time
@@ -521,9 +521,9 @@ async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> N
             server.region.expire()  # type: ignore[union-attr]
             real_write(slot, encoded)  # type: ignore[arg-type]
 
-        c._region.write = stall_then_write  # type: ignore[method-assign]
+        c.region.write = stall_then_write  # type: ignore[method-assign]
         await c.get_and_update([item], ["late"], lease=False)
-        c._region.write = real_write  # type: ignore[method-assign]
+        c.region.write = real_write  # type: ignore[method-assign]
         assert same((await c.fetch(["late"]))[0], item)
         assert await shm_bytes(server, "write") == 0  # the bytes went as chunk frames
 
@@ -534,7 +534,7 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
         await c.get_and_update([item], ["twice"])  # one lease
         await c.get_and_update([item], ["twice"])  # and another
         assert server.store.leases == 2
-        region = c._region
+        region = c.region
         assert region is not None
         real_read = region.read
         region.read = lambda slot, decoder: False  # type: ignore[method-assign]
@@ -551,7 +551,7 @@ async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> Non
     async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(12, numel=1 << 16)
         await c.get_and_update([item], ["kept"])  # one lease; over gRPC, so not yet resident
-        region = c._region
+        region = c.region
         assert region is not None
 
         def cleared_under_the_copy(slot: pb.ShmSlot, decoder: ItemDecoder) -> bool:
@@ -587,14 +587,14 @@ def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> Non
 
 async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) -> None:
     async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
-        assert server.region is not None and c._region is not None
+        assert server.region is not None and c.region is not None
         mapping = {"x": tensor(torch.float32, 1 << 18, 8), "y": tensor(torch.int8, 5, 9), "n": 2}
         await c.get_and_update([mapping, image_item(6)], ["v", "w"], lease=False)
         async with c.view(["v", "w"]) as items:
             assert same(items[0], mapping) and items[1] == image_item(6)
             assert len(server.region._holds) == 2
             # No copy: the tensor's bytes are the slot's, in the region.
-            slot_view = c._region._view
+            slot_view = c.region._view
             base = torch.frombuffer(slot_view, dtype=torch.uint8).data_ptr()
             assert base <= items[0]["x"].data_ptr() < base + len(slot_view)
             on_device = items[0]["x"].clone()
@@ -633,9 +633,9 @@ from mmcache.v1 import cache_pb2 as pb
 
 async def main() -> None:
     async with MMCacheClient(sys.argv[1], follow=False) as client:
-        assert client._region is not None
+        assert client.region is not None
         request = pb.FetchRequest(
-            mm_hashes=["held"], shm_token=client._region.token, shm_hold=True
+            mm_hashes=["held"], shm_token=client.region.token, shm_hold=True
         )
         await client._rpc.read_shm(request)  # a hold taken, never said done
         print("read", flush=True)
@@ -686,7 +686,7 @@ async def test_the_capacity_bound_holds_with_shared_memory_on(tmp_path: Path) ->
         assert server.stdout is not None
         port = int(await asyncio.wait_for(server.stdout.readline(), 30))
         async with MMCacheClient(f"127.0.0.1:{port}", follow=False) as c:
-            assert c._region is not None
+            assert c.region is not None
             for i in range(6 * capacity // 4):  # 4 MiB items, 6x the capacity: all through slots
                 await c.get_and_update(
                     [{"x": tensor(torch.float32, 1 << 20, i)}], [f"c{i}"], lease=False

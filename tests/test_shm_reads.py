@@ -105,7 +105,7 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
 ) -> None:
     # 24 MiB: 1.5x the region, kept in the heap
     async with in_the_heap(tmp_path, 6) as (server, region, items, hashes), client(server) as local:
-        assert local._region is not None
+        assert local.region is not None
         stopped_clock(server)  # no resident is in for longer than the tenure
         for _ in range(3):
             for mm_hash, item in zip(hashes, items, strict=True):

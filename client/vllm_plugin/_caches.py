@@ -439,7 +439,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     @override
     def invalidate(self, mm_hash: str) -> None:
-        self._sync.client._mirror.forget([self.key(mm_hash)])
+        self._sync.client.forget([self.key(mm_hash)])
         with self._lock:
             self._updates.pop(mm_hash, None)
 

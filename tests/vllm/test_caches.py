@@ -234,7 +234,7 @@ def test_p1_takes_a_hash_no_server_takes_for_a_miss_not_an_error(
     # Read first with no call (shared memory), then by call: either refuses the
     # hash (too long); the engine sees vLLM's miss, never mmcache's error.
     p1 = MMCacheReceiverCache(clients(), SCOPE)
-    eventually(lambda: p1._sync.client._region is not None)
+    eventually(lambda: p1._sync.client.region is not None)
     with pytest.raises(MultiModalCacheMissError) as info:
         p1.get_and_update_features([feature("x" * 300, None)])
     assert info.value.mm_hashes == ["x" * 300]

@@ -1,0 +1,273 @@
+"""The client's side of its server's shared-memory region (docs/shm.md): the
+mapping (made from Info, and made again when the server restarts), write
+slots for uploads, reads and leases with no call, and the reports that tell
+the server of them afterwards. A client of a server on another host has no
+region: then `region` is None and every path goes over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from mmcache._errors import InvalidArgumentError, MMCacheError
+from mmcache._items import Item
+from mmcache._spec import store_key
+from mmcache.v1 import cache_pb2 as pb
+
+from ._batch import Entry
+from ._fetched import decode_items, no_frames, parse_fetch_header
+from ._pool import BufferPool
+from ._reports import Reports
+from ._resident import ResidentHits, ResidentLeases
+from ._shm import ClientRegion, ClientRing, attach
+from ._slots import Size, WriteSlots, size_of
+from ._transport import CacheTransport
+
+__all__ = ["SHM_MIN_BYTES", "CoLocated"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# Uploads from this size up go through shared memory when the region is
+# mapped: below it, the copy saves less than a slot's bookkeeping costs.
+SHM_MIN_BYTES = 1 << 20
+
+
+class CoLocated:
+    """The region this client maps, if any, and what goes through it."""
+
+    def __init__(
+        self,
+        namespace: str,
+        enabled: bool,
+        rpc: Callable[[], CacheTransport],
+        pool: BufferPool | None,
+        *,
+        connect_timeout: float,
+        allocate_timeout: float | None,
+    ) -> None:
+        self._namespace = namespace
+        self._enabled = enabled
+        self._rpc = rpc
+        self._pool = pool
+        self._connect_timeout = connect_timeout
+        self._allocate_timeout = allocate_timeout
+        self.region: ClientRegion | None = None
+        self.reports = Reports(
+            lambda request: rpc().report(request), self.answered, self._open_report_ring
+        )
+        self.resident = ResidentHits(namespace, self.reports, pool)
+        self.write_slots = WriteSlots()
+        self._reattach: asyncio.Task[None] | None = None
+
+    # -- the mapping -------------------------------------------------------
+
+    def attach(self, info: pb.InfoReply) -> None:
+        """Map the server's region, if it has one this host can map."""
+        self.detach()
+        if self._enabled and info.HasField("shm"):
+            self.region = attach(info.instance_id, info.shm)
+            if self.region is not None:  # a ring now: leases with no call need one
+                self.reports.open(self.region.token)
+
+    def detach(self) -> None:
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+        self.write_slots.drain()  # the old region's
+
+    def answered(self, instance_id: str) -> None:
+        """A reply's instance: another than the mapped region's means a restart."""
+        if self.region is not None and instance_id != self.region.instance_id:
+            self.restarted()
+
+    def restarted(self) -> None:
+        """The server is a new instance: drop its old region, and map the new one."""
+        self.detach()
+        if self._reattach is None or self._reattach.done():
+            self._reattach = asyncio.create_task(self._attach_again())
+
+    async def _attach_again(self) -> None:
+        try:
+            self.attach(await self._rpc().info(timeout=self._connect_timeout))
+        except MMCacheError as exc:  # gone again: the next restart tries anew
+            _LOGGER.debug("shared memory not remapped: %s", exc)
+
+    async def _open_report_ring(self, token: bytes) -> ClientRing | None:
+        """A report ring in the region of `token`, if the server gives one."""
+        region = self.region
+        if region is None or region.token != token:
+            return None
+        reply = await self._rpc().open_report_ring(token)
+        if reply.instance_id != region.instance_id or len(reply.slots) != 1:
+            return None
+        try:
+            return region.ring(reply.slots[0])
+        except ValueError:
+            return None
+
+    async def flush(self, timeout: float) -> None:
+        """Tell the server what reads and spare slots owe it, within `timeout`."""
+        if self.region is not None:
+            self.reports.add(self.region.token, done=self.write_slots.drain(close=True))
+        await self.reports.flush(timeout)
+
+    def close(self) -> None:
+        self.reports.cancel()
+        if self._reattach is not None:
+            self._reattach.cancel()
+            self._reattach = None
+        self.detach()
+
+    # -- uploads -----------------------------------------------------------
+
+    async def slots_for(self, entries: Sequence[Entry]) -> tuple[dict[int, pb.ShmSlot], list[Size]]:
+        """Slots holding the payloads of this batch's larger uploads (none: all
+        over gRPC), by entry index; and the spares to ask for with its reply."""
+        region = self.region
+        if region is None:
+            return {}, []
+        sizes = {
+            i: size_of(e.data.size.payload, self._trailer(e))
+            for i, e in enumerate(entries)
+            if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
+        }
+        slots: dict[int, pb.ShmSlot] = {}
+        for index, size in sizes.items():
+            spare = self.write_slots.take(region, size)
+            if spare is not None:
+                slots[index] = spare
+        needed = [i for i in sizes if i not in slots]
+        if needed:
+            given = await self._allocate(region, [sizes[i] for i in needed])
+            if given is None:  # no room: all over gRPC, the spares taken kept for later
+                kept = self.write_slots.keep(slots.values(), [sizes[i] for i in slots], asked=False)
+                self.give_back_slots(region, kept)
+                return {}, []
+            slots.update(zip(needed, given, strict=True))
+        try:
+            for index, slot in slots.items():
+                region.write(slot, entries[index].data)  # type: ignore[arg-type]
+        except ValueError as exc:
+            _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
+            return {}, []
+        return slots, self.write_slots.top_up(list(sizes.values()))
+
+    async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
+        """Write slots of `sizes` (and spares kept for the next uploads), or None."""
+        extra = self.write_slots.top_up(sizes)
+        spares: Sequence[pb.ShmSlot] = ()
+        try:
+            for asked in (sizes + extra, sizes) if extra else (sizes,):
+                try:
+                    reply = await self._rpc().shm_allocate(
+                        region.token,
+                        [payload for payload, _ in asked],
+                        [room for _, room in asked],
+                        timeout=self._allocate_timeout,
+                    )
+                except InvalidArgumentError:
+                    self.restarted()  # the token is not the server's: a restart
+                    return None
+                if reply.instance_id != region.instance_id:
+                    self.restarted()
+                    return None
+                if len(reply.slots) == len(asked):
+                    spares = reply.slots[len(sizes) :]
+                    return list(reply.slots[: len(sizes)])
+            return None  # no room (even without spares)
+        finally:
+            self.give_back_slots(region, self.write_slots.keep(spares, extra))
+
+    def settle_spares(
+        self, region: ClientRegion | None, given: Sequence[pb.ShmSlot], asked: list[Size]
+    ) -> None:
+        """The spares a batch asked for came (`given`, maybe none): kept up to the
+        client's caps, the rest back to the server."""
+        surplus = self.write_slots.keep(given, asked)
+        if region is not None:
+            self.give_back_slots(region, surplus)
+
+    def give_back_slots(self, region: ClientRegion, leases: list[int]) -> None:
+        """Spare slots beyond the client's caps go back to the server."""
+        if leases:
+            self.reports.add(region.token, done=leases)
+
+    def _trailer(self, entry: Entry) -> int:
+        """Room after an upload's payload for its store key, spec and metadata
+        (the item becomes resident where it is written)."""
+        assert entry.data is not None
+        key = store_key(self._namespace, entry.mm_hash)
+        return len(key.encode()) + entry.data.spec.ByteSize() + len(entry.metadata)
+
+    # -- reads -------------------------------------------------------------
+
+    def lease(
+        self, mm_hashes: Sequence[str], usable: Callable[[int, bytes], bool] | None
+    ) -> ResidentLeases | None:
+        """Leases with no call of the resident items (None: no region)."""
+        region = self.region
+        return None if region is None else self.resident.lease(region, mm_hashes, usable)
+
+    def read_all(self, mm_hashes: Sequence[str], release: bool) -> list[Item] | None:
+        """Every item copied out with no call, or None (one not resident, no region)."""
+        region = self.region
+        return None if region is None else self.resident.read(region, mm_hashes, release)
+
+    def read_resident(
+        self, region: ClientRegion, mm_hashes: Sequence[str]
+    ) -> tuple[list[Item | None], int]:
+        """The items resident in the region, copied out with no call (None for the
+        rest), and the payload bytes read."""
+        if not region.open():  # the server stopped: its items are no longer served
+            self.restarted()
+            return [None] * len(mm_hashes), 0
+        found: list[Item | None] = []
+        nbytes = 0
+        for mm_hash in mm_hashes:
+            got = region.read_resident(store_key(self._namespace, mm_hash), self._pool)
+            found.append(None if got is None else got[0])
+            nbytes += 0 if got is None else got[1]
+        return found, nbytes
+
+    async def read_shm(
+        self,
+        mm_hashes: Sequence[str],
+        release: bool,
+        region: ClientRegion,
+        views: list[pb.ShmSlot] | None,
+        wait: bool = True,
+    ) -> list[Item] | None:
+        """The items through the region (copied out, or viewed into `views` under
+        holds), in one unary call; None when the server had no room (or is
+        another server now). ShmRace: an extent was freed under the copy."""
+        # Every extent under a hold, said done once copied (or viewed): an item
+        # the region has no room for then comes in a transient copy, freed by
+        # the done, instead of pushing another out. The holds done so far go
+        # with the call, so the server frees their extents before this read.
+        request = pb.FetchRequest(
+            mm_hashes=mm_hashes,
+            release=release,
+            shm_token=region.token,
+            shm_hold=True,
+            shm_done=self.reports.done(region.token),
+        )
+        try:
+            raw = await self._rpc().read_shm(request, wait)
+        except InvalidArgumentError:
+            self.restarted()  # the token is not the server's: a new server
+            return None
+        header = parse_fetch_header(raw)
+        if not header.items and mm_hashes:
+            return None
+        held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]
+        try:
+            items = await decode_items(
+                header, no_frames(), len(mm_hashes), self._pool, region, views
+            )
+        except BaseException:
+            self.reports.add(region.token, done=held)
+            raise
+        if views is None:  # copied out; a view's block says them done when it ends
+            self.reports.add(region.token, done=held)
+        return items

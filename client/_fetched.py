@@ -1,0 +1,93 @@
+"""Fetch and ReadShm replies decoded into items: from chunk frames, copied
+out of the shared-memory region, or viewed in place."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from google.protobuf.message import DecodeError
+
+from mmcache._errors import InvalidArgumentError
+from mmcache._items import Item
+from mmcache.v1 import cache_pb2 as pb
+
+from ._codec import ItemDecoder, view_item
+from ._pool import BufferPool
+from ._shm import ClientRegion
+
+__all__ = ["ShmRace", "decode_items", "no_frames", "parse_fetch_header", "read_fetch"]
+
+
+class ShmRace(Exception):
+    """An extent was freed while its bytes were copied: read again over gRPC."""
+
+
+async def no_frames() -> AsyncIterator[bytes]:
+    """A ReadShm reply's frames: none (every item is in a slot)."""
+    return
+    yield
+
+
+def parse_fetch_header(raw: bytes) -> pb.FetchHeader:
+    try:
+        return pb.FetchHeader.FromString(raw)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
+
+
+async def read_fetch(
+    frames: AsyncIterator[bytes], expected: int, pool: BufferPool | None = None
+) -> list[Item]:
+    """The items of a Fetch reply."""
+    # The transport gives the header's bytes first, wherever they travelled.
+    return await decode_items(parse_fetch_header(await anext(frames)), frames, expected, pool)
+
+
+async def decode_items(
+    header: pb.FetchHeader,
+    frames: AsyncIterator[bytes],
+    expected: int,
+    pool: BufferPool | None = None,
+    region: ClientRegion | None = None,
+    views: list[pb.ShmSlot] | None = None,
+) -> list[Item]:
+    """The items a reply's header names. Items in the region are copied out of
+    `region`; or, given `views`, viewed in place, their extents added to `views`
+    (the caller gives their holds back); the rest from chunk frames."""
+    if len(header.items) != expected:
+        raise InvalidArgumentError("the Fetch reply names a different number of items")
+    items: list[Item] = []
+    for fetched in header.items:
+        # Each frame is copied into the item's tensors as it arrives and dropped.
+        if fetched.HasField("shm") and views is not None and region is not None:
+            try:
+                items.append(view_item(fetched.item, region.view(fetched.shm)))
+            except ValueError as exc:
+                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
+            views.append(fetched.shm)
+            continue
+        decoder = ItemDecoder(fetched.item, pool)
+        if fetched.HasField("shm"):
+            if region is None:
+                raise InvalidArgumentError("the Fetch reply names a slot this client cannot map")
+            try:
+                copied = region.read(fetched.shm, decoder)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
+            if not copied:
+                raise ShmRace
+        for index in range(fetched.num_chunks):
+            frame = await anext(frames, None)
+            if frame is None:
+                raise InvalidArgumentError(
+                    f"the Fetch reply ended after {index} of the {fetched.num_chunks} chunk "
+                    f"frames of {fetched.mm_hash!r}"
+                )
+            decoder.feed(frame)
+        items.append(decoder.finish())
+    # Read to the end so the call completes with its status: a call left
+    # open would be cancelled, and grpc keeps a cancelled call (and its
+    # buffers) alive until the garbage collector runs.
+    if await anext(frames, None) is not None:
+        raise InvalidArgumentError("the Fetch reply carries more frames than its header declares")
+    return items
