@@ -7,8 +7,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from math import ceil
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -19,7 +17,6 @@ from mmcache._errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
-    MMCacheError,
     UnavailableError,
 )
 from mmcache._frames import (
@@ -28,12 +25,9 @@ from mmcache._frames import (
     MIN_CHUNK_BYTES,
 )
 from mmcache._items import Item
-from mmcache._lru import Outcome
-from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 from mmcache.v1 import cache_pb2 as pb
 
-from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
-from ._codec import EncodedItem, encode_item
+from ._batch import Lease
 from ._colocated import CoLocated
 from ._encoder import (
     EncoderBudget,
@@ -50,50 +44,18 @@ from ._resident import ResidentLeases
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
 from ._shm import ClientRegion
-from ._slots import Size
 from ._stats import CacheInfo
+from ._touch import OUT_OF_TOUCH, Touch
 from ._transport import CHANNEL_OPTIONS, CacheTransport
+from ._uploads import Call, UpdateResult, Uploads, check_hashes
 
 __all__ = ["Location", "MMCacheClient", "UpdateResult"]
 
 _LOGGER = logging.getLogger(__name__)
 
-_HELD = (Outcome.HIT, Outcome.REPLACED)
-# What a call that fails open gives up on: the server did not answer in time.
-_OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
 # Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
 # of their size (client/_pool.py): pages already mapped, no zeroing.
 DEFAULT_REUSE_BYTES = 256 << 20
-
-
-def _check_hashes(mm_hashes: Sequence[str]) -> None:
-    check_count("mm_hashes", len(mm_hashes))
-    for h in mm_hashes:
-        check_name("mm_hash", h)
-
-
-def _wait_ms(wait_s: float | None) -> int:
-    """The wire's wait_ms: 0 leaves the server's bounds; any wait asked is 1 ms at least."""
-    if wait_s is None:
-        return 0
-    if wait_s < 0:
-        raise InvalidArgumentError(f"wait_s is {wait_s}: give seconds, 0 or more")
-    return max(1, min(ceil(wait_s * 1000), (1 << 32) - 1))
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """What one get_and_update (or lookup, or inject) asks for."""
-
-    items: Sequence[Item | None]
-    mm_hashes: Sequence[str]
-    modalities: Sequence[str | None]
-    metadata: Sequence[bytes]
-    want_metadata: bool = False
-    lease: Lease = True
-    resend: Sequence[bool] | None = None  # per item: data a lookup found missing
-    missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
-    wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
 
 
 class Location(NamedTuple):
@@ -104,30 +66,6 @@ class Location(NamedTuple):
 
 
 _TIERS = {pb.TIER_L1: "l1", pb.TIER_L2: "l2"}
-
-
-class UpdateResult(list[Item | None]):
-    """What `get_and_update` returns: a list, None where the server held the
-    item, the item where it was sent (or could not be stored). Beside it:
-
-    - `held[i]`: the server holds item i for the engine's `fetch` (leased,
-      when the call leased); where False, deliver the item inline;
-    - `metadata[i]`: the metadata the server holds for a held item, when
-      asked (`want_metadata=True`), else None.
-    """
-
-    held: list[bool]
-    metadata: list[bytes | None]
-
-    def __init__(
-        self,
-        results: Sequence[Item | None],
-        held: Sequence[bool] | None = None,
-        metadata: Sequence[bytes | None] | None = None,
-    ) -> None:
-        super().__init__(results)
-        self.held = [False] * len(results) if held is None else list(held)
-        self.metadata = [None] * len(results) if metadata is None else list(metadata)
 
 
 class MMCacheClient:
@@ -208,7 +146,6 @@ class MMCacheClient:
         self._target = target
         self._timeout = timeout
         self._connect_timeout = connect_timeout
-        self._chunk_bytes = chunk_bytes
         self._credentials = channel_credentials(credentials, tls_ca, tls_cert, tls_key)
         self._token = token
         self._interceptors = metadata_interceptors(token, namespace)
@@ -229,19 +166,23 @@ class MMCacheClient:
         )
         self._channel_options = (*CHANNEL_OPTIONS, *server_name, *channel_options)
         self._follow = follow
-        self._fail_open = fail_open
-        self._fail_open_timeout = fail_open_timeout
-        self._on_fail_open = on_fail_open
+        self._touch = Touch(fail_open, fail_open_timeout, on_fail_open)
         self._channel: grpc.aio.Channel | None = None
         self._transport: CacheTransport | None = None
         self._mirror = Mirror()
         self._follower: FeedFollower | None = None
         self._follower_task: asyncio.Task[None] | None = None
-        self._in_touch = False
-        self._fail_opens = 0
         self._stats = CacheInfo()
         self._stats_lock = threading.Lock()  # lease_resident counts from callers' threads
         self._last_delta = CacheInfo()
+        self._uploads = Uploads(
+            lambda: self._rpc,
+            self._co,
+            lambda: self._mirror,
+            self._touch,
+            self._counted,
+            chunk_bytes,
+        )
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -274,10 +215,10 @@ class MMCacheClient:
         transport = self._transport = CacheTransport(channel, self._timeout, self._sessions)
         try:
             info = await transport.info(
-                timeout=self._fail_open_timeout if self._fail_open else self._connect_timeout
+                timeout=self._touch.timeout if self._touch.fail_open else self._connect_timeout
             )
-        except _OUT_OF_TOUCH as exc:
-            if not self._fail_open:
+        except OUT_OF_TOUCH as exc:
+            if not self._touch.fail_open:
                 await self.close()
                 raise UnavailableError(
                     f"cannot reach the mmcache server at {self._target} ({exc}): is it "
@@ -285,23 +226,23 @@ class MMCacheClient:
                     "or credentials=, one asking for client certificates also tls_cert= and "
                     "tls_key=; a plaintext server none)?"
                 ) from exc
-            self._fell_open(exc)
+            self._touch.fell_open(exc)
         except BaseException:
             await self.close()
             raise
         else:
             self._mirror = Mirror(info.instance_id, info.capacity_bytes, info.max_items)
-            self._in_touch = True
+            self._touch.back()
             self._attach(info)
         if self._follow:
             self._follower = FeedFollower(
-                transport.subscribe, lambda: self._mirror, self._back_in_touch
+                transport.subscribe, lambda: self._mirror, self._touch.back
             )
             self._follower_task = asyncio.create_task(self._follower.run())
 
     async def close(self) -> None:
         if self._transport is not None:  # what reads owe the server: leases, holds, spares
-            await self._co.flush(self._fail_open_timeout)
+            await self._co.flush(self._touch.timeout)
             await self._transport.close()
         self._co.close()
         if self._follower_task is not None:
@@ -363,7 +304,7 @@ class MMCacheClient:
     @property
     def fail_opens(self) -> int:
         """How often a call failed open, or the client lost touch with the server."""
-        return self._fail_opens
+        return self._touch.fail_opens
 
     def is_cached(self, mm_hashes: Sequence[str], *, pending: bool = False) -> list[bool]:
         """Whether the mirror holds each hash. Local: no round trip, no reordering.
@@ -374,13 +315,13 @@ class MMCacheClient:
         fail, a CacheMissError naming the hash (process it then). False for
         every hash while the client is out of touch (fail-open).
         """
-        if not self._in_touch:
+        if not self._touch.in_touch:
             return [False] * len(mm_hashes)
         mirror = self._mirror
         return [h in mirror or (pending and mirror.is_pending(h)) for h in mm_hashes]
 
     def is_cached_item(self, mm_hash: str) -> bool:
-        return self._in_touch and mm_hash in self._mirror
+        return self._touch.in_touch and mm_hash in self._mirror
 
     def touch(self, mm_hash: str) -> None:
         """Mark a held item recently used (sent to the server with the next batch).
@@ -477,8 +418,8 @@ class MMCacheClient:
                 f"{len(metadata)} metadata blobs for {len(items)} items: give one per item "
                 "(None where there is none)"
             )
-        return await self._update_or_fail_open(
-            _Call(
+        return await self._uploads.run(
+            Call(
                 items,
                 mm_hashes,
                 [modality] * len(mm_hashes),
@@ -514,8 +455,8 @@ class MMCacheClient:
         server's bounds when None: 0.5 s, `--l2-wait-ms`): a frontend gives
         its processing time, past which processing the item itself is as quick.
         """
-        return await self._update_or_fail_open(
-            _Call(
+        return await self._uploads.run(
+            Call(
                 [None] * len(mm_hashes),
                 mm_hashes,
                 [modality] * len(mm_hashes),
@@ -541,7 +482,7 @@ class MMCacheClient:
         the item where it goes to the engine inline. Never raises: a failure
         is logged as a warning.
         """
-        if self._transport is None or self._caching_disabled():
+        if self._transport is None or self._uploads.caching_disabled():
             return
         try:
             places: list[tuple[list[Any], int]] = []
@@ -558,8 +499,8 @@ class MMCacheClient:
                         modalities.append(modality)
             if not hashes:
                 return
-            results = await self._update_or_fail_open(
-                _Call(items, hashes, modalities, [b""] * len(items), lease="hits")
+            results = await self._uploads.run(
+                Call(items, hashes, modalities, [b""] * len(items), lease="hits")
             )
             for (listed, i), result in zip(places, results, strict=True):
                 listed[i] = result
@@ -585,7 +526,7 @@ class MMCacheClient:
         it fails at once with UnavailableError, for a reader that has
         something better to do than wait (the EC connector encodes instead).
         """
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         region = self._co.region
         try:
             if region is None:
@@ -626,8 +567,8 @@ class MMCacheClient:
             rest = [h for h, held in zip(hashes, leased.held) if not held]
             found = await client.lookup(rest, want_metadata=True) if rest else None
         """
-        _check_hashes(mm_hashes)
-        leased = None if self._caching_disabled() else self._co.lease(mm_hashes, usable)
+        check_hashes(mm_hashes)
+        leased = None if self._uploads.caching_disabled() else self._co.lease(mm_hashes, usable)
         if leased is None:
             return ResidentLeases([False] * len(mm_hashes), [b""] * len(mm_hashes))
         hits = sum(leased.held)
@@ -649,7 +590,7 @@ class MMCacheClient:
             if items is None:
                 items = await client.fetch(hashes)
         """
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         return self._co.read_all(mm_hashes, release)
 
     async def _fetch_through(
@@ -698,7 +639,7 @@ class MMCacheClient:
                 on_gpu = [item["pixel_values"].to("cuda") for item in items]
         """
         region = self._co.region
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         slots: list[pb.ShmSlot] = []
         items = None
         if region is not None:
@@ -730,7 +671,7 @@ class MMCacheClient:
             where = await client.locate(hashes, check_l2=True)
             local_bytes = sum(w.size for w in where if w.tier == "l1")
         """
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         reply = await self._rpc.locate(mm_hashes, check_l2)
         return [
             Location(_TIERS.get(tier), size)
@@ -742,7 +683,7 @@ class MMCacheClient:
         leaves the eviction order as it is, so a reader that keeps using what
         it fetches says so. How many the server held. (`touch` waits for the
         next batch instead.)"""
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         return int((await self._rpc.touch(mm_hashes)).touched)
 
     async def count_misses(self, modalities: Sequence[str]) -> None:
@@ -760,7 +701,7 @@ class MMCacheClient:
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves."""
-        _check_hashes(mm_hashes)
+        check_hashes(mm_hashes)
         return int((await self._rpc.release(mm_hashes)).released)
 
     # -- internals ---------------------------------------------------------
@@ -787,235 +728,3 @@ class MMCacheClient:
     def _attach(self, info: pb.InfoReply) -> None:
         self._shared_tier = info.shared_tier
         self._co.attach(info)
-
-    def _caching_disabled(self) -> bool:
-        # Known only once the server has answered: out of touch, ask it.
-        return self._in_touch and self._mirror.capacity == 0
-
-    def _back_in_touch(self) -> None:
-        self._in_touch = True
-
-    def _fell_open(self, exc: Exception) -> None:
-        self._fail_opens += 1
-        if self._on_fail_open is not None:
-            self._on_fail_open()
-        if self._in_touch or self._fail_opens == 1:
-            _LOGGER.warning("mmcache did not answer in time, failing open: %s", exc)
-        self._in_touch = False
-
-    async def _update_or_fail_open(self, call: _Call) -> UpdateResult:
-        try:
-            return await self._update(call)
-        except _OUT_OF_TOUCH as exc:
-            if not self._fail_open:
-                raise
-            self._fell_open(exc)
-        items = call.items
-        no_data = [h for h, item in zip(call.mm_hashes, items, strict=True) if item is None]
-        if no_data and not call.missing_ok:
-            raise CacheMissError(
-                no_data,
-                f"the cache did not answer in time and no data was given for {no_data}: "
-                "process those items and pass them in",
-            )
-        return UpdateResult(items)
-
-    async def _update(self, call: _Call) -> UpdateResult:
-        items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
-        want_metadata, missing_ok = call.want_metadata, call.missing_ok
-        mode = lease_mode(call.lease)
-        resent = [False] * len(items) if call.resend is None else list(call.resend)
-        if len(items) != len(mm_hashes) or len(resent) != len(items):
-            raise InvalidArgumentError(
-                f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
-                "give one hash (and flag) per item"
-            )
-        _check_hashes(mm_hashes)
-        for i, blob in enumerate(metadata):
-            if len(blob) > MAX_METADATA_BYTES:
-                raise InvalidArgumentError(
-                    f"the metadata of item {i} is {len(blob)} bytes; the limit is "
-                    f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
-                )
-        if self._caching_disabled():
-            missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
-            if missing:
-                raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
-            return UpdateResult(items)
-
-        encoded = [
-            None if item is None else encode_item(item, modality=m)
-            for item, m in zip(items, call.modalities, strict=True)
-        ]
-        labels = [
-            (e.modality if e is not None and e.modality else m) or ""
-            for e, m in zip(encoded, call.modalities, strict=True)
-        ]
-        send = self._mirror.plan(mm_hashes, [e is not None for e in encoded])
-        reply = await self._send(
-            [
-                self._entry(
-                    h, label, enc if s else None, blob, want_metadata=want_metadata, resend=r and s
-                )
-                for h, label, enc, blob, s, r in zip(
-                    mm_hashes, labels, encoded, metadata, send, resent, strict=True
-                )
-            ],
-            self._mirror.take_touches(),
-            mode,
-            wait_ms=_wait_ms(call.wait_s),
-        )
-        outcomes = reply.outcomes
-        hits = sum(o in _HELD for o in outcomes)
-        self._counted(hits, len(outcomes))
-        # Drift: the mirror thought the server held these, and it did not.
-        # Send the data now: a miss the caller could not foresee never fails.
-        drifted = [
-            i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
-        ]
-        held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
-        if drifted:
-            _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
-            # A later batch, which may evict what this one answered held: over
-            # gRPC, so that all it evicts is named in its reply (room made in
-            # the region is not), and `held` says what the call left held.
-            again = await self._send(
-                [
-                    self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
-                    for i in drifted
-                ],
-                [],
-                mode,
-                shm=False,
-            )
-            gone = set(again.evicted)
-            held = [kept and h not in gone for h, kept in zip(mm_hashes, held, strict=True)]
-            for i, outcome in zip(drifted, again.outcomes, strict=True):
-                held[i] = outcome == Outcome.STORED
-        no_data = [
-            mm_hashes[i]
-            for i, o in enumerate(outcomes)
-            if o == Outcome.MISSING and encoded[i] is None
-        ]
-        if no_data and not missing_ok:
-            # The request fails here: nobody will read what it leased.
-            if mode == pb.LEASE_HELD:
-                await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
-            elif mode == pb.LEASE_HITS:
-                await self._give_back(
-                    [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
-                )
-            raise CacheMissError(
-                no_data,
-                f"the server does not hold {no_data} and no data was given for them: "
-                "process those items again and pass them in",
-            )
-        returned = reply.metadata or [b""] * len(outcomes)
-        return UpdateResult(
-            [
-                None if o == Outcome.HIT and kept else item
-                for item, o, kept in zip(items, outcomes, held, strict=True)
-            ],
-            held,
-            [
-                blob if o == Outcome.HIT and want_metadata and blob else None
-                for o, blob in zip(outcomes, returned, strict=True)
-            ],
-        )
-
-    def _entry(
-        self,
-        mm_hash: str,
-        modality: str,
-        data: EncodedItem | None,
-        metadata: bytes,
-        *,
-        want_metadata: bool = False,
-        resend: bool = False,
-    ) -> Entry:
-        if data is None:
-            return Entry(mm_hash, modality, want_metadata=want_metadata)
-        # Larger than the whole cache: it could never be stored, so its bytes
-        # stay home (its spec still counts). Unknown capacity: let the server say.
-        capacity = self._mirror.capacity
-        withheld = self._in_touch and data.size.charged + len(metadata) > capacity
-        return Entry(mm_hash, modality, data, withheld, metadata, resend=resend)
-
-    async def _give_back(self, mm_hashes: Sequence[str]) -> None:
-        # Best effort: a lease not given back ends by itself.
-        if mm_hashes:
-            try:
-                await self._rpc.release(mm_hashes)
-            except MMCacheError as exc:
-                _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
-
-    async def _send(
-        self,
-        entries: Sequence[Entry],
-        touches: Sequence[str],
-        lease: pb.LeaseMode.ValueType,
-        *,
-        shm: bool = True,
-        wait_ms: int = 0,
-    ) -> Reply:
-        """One round trip: the batch out (`shm`: larger payloads through the
-        region, where there is one), the reply applied to the mirror."""
-        use_shm = shm and self._co.region is not None
-        slots, spares = await self._co.slots_for(entries) if use_shm else ({}, [])
-        if slots:
-            try:
-                return await self._send_batch(entries, touches, lease, slots, spares, wait_ms)
-            except InvalidArgumentError as exc:
-                # A slot that expired, or a server restarted since it gave them:
-                # the same batch as chunk frames (a bad batch fails again there).
-                _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
-        return await self._send_batch(entries, touches, lease, {}, [], wait_ms)
-
-    async def _send_batch(
-        self,
-        entries: Sequence[Entry],
-        touches: Sequence[str],
-        lease: pb.LeaseMode.ValueType,
-        slots: dict[int, pb.ShmSlot],
-        spares: list[Size],
-        wait_ms: int = 0,
-    ) -> Reply:
-        region = self._co.region if slots else None
-        mirror = self._mirror
-        call = mirror.call_started()
-        given: Sequence[pb.ShmSlot] = ()
-        try:
-            batch = build_batch(
-                entries,
-                touches,
-                lease=lease,
-                chunk_bytes=self._chunk_bytes,
-                shm=(b"" if region is None else region.token, slots),
-                spares=spares if region is not None else (),
-                wait_ms=wait_ms,
-            )
-            raw = await self._rpc.get_and_update(
-                batch.header,
-                batch.frames,
-                timeout=self._fail_open_timeout if self._fail_open else None,
-                wait_for_ready=not self._fail_open,
-            )
-            reply = read_reply(raw, len(entries))
-            mirror.apply_reply(
-                reply.instance_id,
-                reply.capacity,
-                reply.max_items,
-                reply.seq,
-                [e.mm_hash for e in entries],
-                reply.outcomes,
-                reply.sizes,
-                reply.evicted,
-            )
-            if region is not None and reply.instance_id == region.instance_id:
-                given = reply.spares
-        finally:
-            mirror.call_ended(call)
-            if spares:  # the ask settled, whatever became of the batch
-                self._co.settle_spares(region, given, spares)
-        self._in_touch = True
-        return reply

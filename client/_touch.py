@@ -1,0 +1,47 @@
+"""Whether a client is in touch with its server, and what failing open does
+when it is not (`MMCacheClient(fail_open=True)`): calls give up after
+`timeout`, and callers go on without the cache."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from mmcache._errors import DeadlineExceededError, UnavailableError
+
+__all__ = ["OUT_OF_TOUCH", "Touch"]
+
+_LOGGER = logging.getLogger(__name__)
+
+# What a call that fails open gives up on: the server did not answer in time.
+OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
+
+
+class Touch:
+    """In touch (the server answered last) or not, and how often the client
+    failed open."""
+
+    def __init__(
+        self, fail_open: bool, timeout: float, on_fail_open: Callable[[], None] | None
+    ) -> None:
+        self.fail_open = fail_open
+        self.timeout = timeout
+        self._on_fail_open = on_fail_open
+        self.in_touch = False
+        self.fail_opens = 0
+
+    @property
+    def call_timeout(self) -> float | None:
+        """A call's own bound: `timeout` when failing open, else the caller's."""
+        return self.timeout if self.fail_open else None
+
+    def back(self) -> None:
+        self.in_touch = True
+
+    def fell_open(self, exc: Exception) -> None:
+        self.fail_opens += 1
+        if self._on_fail_open is not None:
+            self._on_fail_open()
+        if self.in_touch or self.fail_opens == 1:
+            _LOGGER.warning("mmcache did not answer in time, failing open: %s", exc)
+        self.in_touch = False

@@ -1,0 +1,334 @@
+"""GetAndUpdate from the caller's items: encoded, planned against the mirror
+(what to send, what to name alone), sent (larger payloads through the
+shared-memory region), what drifted sent again, leases given back when the
+call fails, and the reply applied to the mirror; with fail-open, a server
+that does not answer in time hands the items back as misses."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import ceil
+
+from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
+from mmcache._items import Item
+from mmcache._lru import Outcome
+from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
+from mmcache.v1 import cache_pb2 as pb
+
+from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
+from ._codec import EncodedItem, encode_item
+from ._colocated import CoLocated
+from ._mirror import Mirror
+from ._slots import Size
+from ._touch import OUT_OF_TOUCH, Touch
+from ._transport import CacheTransport
+
+__all__ = ["Call", "UpdateResult", "Uploads", "check_hashes", "wait_ms_of"]
+
+_LOGGER = logging.getLogger(__name__)
+
+HELD = (Outcome.HIT, Outcome.REPLACED)
+
+
+def check_hashes(mm_hashes: Sequence[str]) -> None:
+    check_count("mm_hashes", len(mm_hashes))
+    for h in mm_hashes:
+        check_name("mm_hash", h)
+
+
+def wait_ms_of(wait_s: float | None) -> int:
+    """The wire's wait_ms: 0 leaves the server's bounds; any wait asked is 1 ms at least."""
+    if wait_s is None:
+        return 0
+    if wait_s < 0:
+        raise InvalidArgumentError(f"wait_s is {wait_s}: give seconds, 0 or more")
+    return max(1, min(ceil(wait_s * 1000), (1 << 32) - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What one get_and_update (or lookup, or inject) asks for."""
+
+    items: Sequence[Item | None]
+    mm_hashes: Sequence[str]
+    modalities: Sequence[str | None]
+    metadata: Sequence[bytes]
+    want_metadata: bool = False
+    lease: Lease = True
+    resend: Sequence[bool] | None = None  # per item: data a lookup found missing
+    missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
+    wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
+
+
+class UpdateResult(list[Item | None]):
+    """What `get_and_update` returns: a list, None where the server held the
+    item, the item where it was sent (or could not be stored). Beside it:
+
+    - `held[i]`: the server holds item i for the engine's `fetch` (leased,
+      when the call leased); where False, deliver the item inline;
+    - `metadata[i]`: the metadata the server holds for a held item, when
+      asked (`want_metadata=True`), else None.
+    """
+
+    held: list[bool]
+    metadata: list[bytes | None]
+
+    def __init__(
+        self,
+        results: Sequence[Item | None],
+        held: Sequence[bool] | None = None,
+        metadata: Sequence[bytes | None] | None = None,
+    ) -> None:
+        super().__init__(results)
+        self.held = [False] * len(results) if held is None else list(held)
+        self.metadata = [None] * len(results) if metadata is None else list(metadata)
+
+
+class Uploads:
+    """The upload path of one client (`MMCacheClient.get_and_update`, `lookup`,
+    `inject_into_mm_cache`)."""
+
+    def __init__(
+        self,
+        rpc: Callable[[], CacheTransport],
+        co: CoLocated,
+        mirror: Callable[[], Mirror],
+        touch: Touch,
+        counted: Callable[[int, int], None],
+        chunk_bytes: int,
+    ) -> None:
+        self._rpc_of = rpc
+        self._co = co
+        self._mirror = mirror
+        self._touch = touch
+        self._counted = counted
+        self._chunk_bytes = chunk_bytes
+
+    @property
+    def _rpc(self) -> CacheTransport:
+        return self._rpc_of()
+
+    def caching_disabled(self) -> bool:
+        # Known only once the server has answered: out of touch, ask it.
+        return self._touch.in_touch and self._mirror().capacity == 0
+
+    async def run(self, call: Call) -> UpdateResult:
+        """One get_and_update (or lookup, or inject); with fail-open, the items
+        handed back as misses when the server did not answer in time."""
+        try:
+            return await self._update(call)
+        except OUT_OF_TOUCH as exc:
+            if not self._touch.fail_open:
+                raise
+            self._touch.fell_open(exc)
+        items = call.items
+        no_data = [h for h, item in zip(call.mm_hashes, items, strict=True) if item is None]
+        if no_data and not call.missing_ok:
+            raise CacheMissError(
+                no_data,
+                f"the cache did not answer in time and no data was given for {no_data}: "
+                "process those items and pass them in",
+            )
+        return UpdateResult(items)
+
+    async def _update(self, call: Call) -> UpdateResult:
+        items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
+        want_metadata, missing_ok = call.want_metadata, call.missing_ok
+        mode = lease_mode(call.lease)
+        resent = [False] * len(items) if call.resend is None else list(call.resend)
+        if len(items) != len(mm_hashes) or len(resent) != len(items):
+            raise InvalidArgumentError(
+                f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
+                "give one hash (and flag) per item"
+            )
+        check_hashes(mm_hashes)
+        for i, blob in enumerate(metadata):
+            if len(blob) > MAX_METADATA_BYTES:
+                raise InvalidArgumentError(
+                    f"the metadata of item {i} is {len(blob)} bytes; the limit is "
+                    f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
+                )
+        if self.caching_disabled():
+            missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
+            if missing:
+                raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
+            return UpdateResult(items)
+
+        encoded = [
+            None if item is None else encode_item(item, modality=m)
+            for item, m in zip(items, call.modalities, strict=True)
+        ]
+        labels = [
+            (e.modality if e is not None and e.modality else m) or ""
+            for e, m in zip(encoded, call.modalities, strict=True)
+        ]
+        send = self._mirror().plan(mm_hashes, [e is not None for e in encoded])
+        reply = await self._send(
+            [
+                self._entry(
+                    h, label, enc if s else None, blob, want_metadata=want_metadata, resend=r and s
+                )
+                for h, label, enc, blob, s, r in zip(
+                    mm_hashes, labels, encoded, metadata, send, resent, strict=True
+                )
+            ],
+            self._mirror().take_touches(),
+            mode,
+            wait_ms=wait_ms_of(call.wait_s),
+        )
+        outcomes = reply.outcomes
+        hits = sum(o in HELD for o in outcomes)
+        self._counted(hits, len(outcomes))
+        # Drift: the mirror thought the server held these, and it did not.
+        # Send the data now: a miss the caller could not foresee never fails.
+        drifted = [
+            i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
+        ]
+        held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
+        if drifted:
+            _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
+            # A later batch, which may evict what this one answered held: over
+            # gRPC, so that all it evicts is named in its reply (room made in
+            # the region is not), and `held` says what the call left held.
+            again = await self._send(
+                [
+                    self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
+                    for i in drifted
+                ],
+                [],
+                mode,
+                shm=False,
+            )
+            gone = set(again.evicted)
+            held = [kept and h not in gone for h, kept in zip(mm_hashes, held, strict=True)]
+            for i, outcome in zip(drifted, again.outcomes, strict=True):
+                held[i] = outcome == Outcome.STORED
+        no_data = [
+            mm_hashes[i]
+            for i, o in enumerate(outcomes)
+            if o == Outcome.MISSING and encoded[i] is None
+        ]
+        if no_data and not missing_ok:
+            # The request fails here: nobody will read what it leased.
+            if mode == pb.LEASE_HELD:
+                await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
+            elif mode == pb.LEASE_HITS:
+                await self._give_back(
+                    [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
+                )
+            raise CacheMissError(
+                no_data,
+                f"the server does not hold {no_data} and no data was given for them: "
+                "process those items again and pass them in",
+            )
+        returned = reply.metadata or [b""] * len(outcomes)
+        return UpdateResult(
+            [
+                None if o == Outcome.HIT and kept else item
+                for item, o, kept in zip(items, outcomes, held, strict=True)
+            ],
+            held,
+            [
+                blob if o == Outcome.HIT and want_metadata and blob else None
+                for o, blob in zip(outcomes, returned, strict=True)
+            ],
+        )
+
+    def _entry(
+        self,
+        mm_hash: str,
+        modality: str,
+        data: EncodedItem | None,
+        metadata: bytes,
+        *,
+        want_metadata: bool = False,
+        resend: bool = False,
+    ) -> Entry:
+        if data is None:
+            return Entry(mm_hash, modality, want_metadata=want_metadata)
+        # Larger than the whole cache: it could never be stored, so its bytes
+        # stay home (its spec still counts). Unknown capacity: let the server say.
+        capacity = self._mirror().capacity
+        withheld = self._touch.in_touch and data.size.charged + len(metadata) > capacity
+        return Entry(mm_hash, modality, data, withheld, metadata, resend=resend)
+
+    async def _give_back(self, mm_hashes: Sequence[str]) -> None:
+        # Best effort: a lease not given back ends by itself.
+        if mm_hashes:
+            try:
+                await self._rpc.release(mm_hashes)
+            except MMCacheError as exc:
+                _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
+
+    async def _send(
+        self,
+        entries: Sequence[Entry],
+        touches: Sequence[str],
+        lease: pb.LeaseMode.ValueType,
+        *,
+        shm: bool = True,
+        wait_ms: int = 0,
+    ) -> Reply:
+        """One round trip: the batch out (`shm`: larger payloads through the
+        region, where there is one), the reply applied to the mirror."""
+        use_shm = shm and self._co.region is not None
+        slots, spares = await self._co.slots_for(entries) if use_shm else ({}, [])
+        if slots:
+            try:
+                return await self._send_batch(entries, touches, lease, slots, spares, wait_ms)
+            except InvalidArgumentError as exc:
+                # A slot that expired, or a server restarted since it gave them:
+                # the same batch as chunk frames (a bad batch fails again there).
+                _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
+        return await self._send_batch(entries, touches, lease, {}, [], wait_ms)
+
+    async def _send_batch(
+        self,
+        entries: Sequence[Entry],
+        touches: Sequence[str],
+        lease: pb.LeaseMode.ValueType,
+        slots: dict[int, pb.ShmSlot],
+        spares: list[Size],
+        wait_ms: int = 0,
+    ) -> Reply:
+        region = self._co.region if slots else None
+        mirror = self._mirror()
+        call = mirror.call_started()
+        given: Sequence[pb.ShmSlot] = ()
+        try:
+            batch = build_batch(
+                entries,
+                touches,
+                lease=lease,
+                chunk_bytes=self._chunk_bytes,
+                shm=(b"" if region is None else region.token, slots),
+                spares=spares if region is not None else (),
+                wait_ms=wait_ms,
+            )
+            raw = await self._rpc.get_and_update(
+                batch.header,
+                batch.frames,
+                timeout=self._touch.call_timeout,
+                wait_for_ready=not self._touch.fail_open,
+            )
+            reply = read_reply(raw, len(entries))
+            mirror.apply_reply(
+                reply.instance_id,
+                reply.capacity,
+                reply.max_items,
+                reply.seq,
+                [e.mm_hash for e in entries],
+                reply.outcomes,
+                reply.sizes,
+                reply.evicted,
+            )
+            if region is not None and reply.instance_id == region.instance_id:
+                given = reply.spares
+        finally:
+            mirror.call_ended(call)
+            if spares:  # the ask settled, whatever became of the batch
+                self._co.settle_spares(region, given, spares)
+        self._touch.in_touch = True
+        return reply
