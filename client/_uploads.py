@@ -62,6 +62,25 @@ class Call:
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
 
 
+def _checked(call: Call) -> list[bool]:
+    """The call's resend flags, once its shape, hashes and metadata are checked."""
+    items, mm_hashes = call.items, call.mm_hashes
+    resent = [False] * len(items) if call.resend is None else list(call.resend)
+    if len(items) != len(mm_hashes) or len(resent) != len(items):
+        raise InvalidArgumentError(
+            f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
+            "give one hash (and flag) per item"
+        )
+    check_hashes(mm_hashes)
+    for i, blob in enumerate(call.metadata):
+        if len(blob) > MAX_METADATA_BYTES:
+            raise InvalidArgumentError(
+                f"the metadata of item {i} is {len(blob)} bytes; the limit is "
+                f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
+            )
+    return resent
+
+
 class UpdateResult(list[Item | None]):
     """What `get_and_update` returns: a list, None where the server held the
     item, the item where it was sent (or could not be stored). Beside it:
@@ -135,27 +154,13 @@ class Uploads:
 
     async def _update(self, call: Call) -> UpdateResult:
         items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
-        want_metadata, missing_ok = call.want_metadata, call.missing_ok
+        resent = _checked(call)
         mode = lease_mode(call.lease)
-        resent = [False] * len(items) if call.resend is None else list(call.resend)
-        if len(items) != len(mm_hashes) or len(resent) != len(items):
-            raise InvalidArgumentError(
-                f"{len(items)} items, {len(mm_hashes)} hashes and {len(resent)} resend flags: "
-                "give one hash (and flag) per item"
-            )
-        check_hashes(mm_hashes)
-        for i, blob in enumerate(metadata):
-            if len(blob) > MAX_METADATA_BYTES:
-                raise InvalidArgumentError(
-                    f"the metadata of item {i} is {len(blob)} bytes; the limit is "
-                    f"{MAX_METADATA_BYTES} ({MAX_METADATA_BYTES // 1024} KiB): store less per item"
-                )
         if self.caching_disabled():
             missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
             if missing:
                 raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
             return UpdateResult(items)
-
         encoded = [
             None if item is None else encode_item(item, modality=m)
             for item, m in zip(items, call.modalities, strict=True)
@@ -165,64 +170,27 @@ class Uploads:
             for e, m in zip(encoded, call.modalities, strict=True)
         ]
         send = self._mirror().plan(mm_hashes, [e is not None for e in encoded])
+        entries = [
+            self._entry(
+                h, label, enc if s else None, blob, want_metadata=call.want_metadata, resend=r and s
+            )
+            for h, label, enc, blob, s, r in zip(
+                mm_hashes, labels, encoded, metadata, send, resent, strict=True
+            )
+        ]
         reply = await self._send(
-            [
-                self._entry(
-                    h, label, enc if s else None, blob, want_metadata=want_metadata, resend=r and s
-                )
-                for h, label, enc, blob, s, r in zip(
-                    mm_hashes, labels, encoded, metadata, send, resent, strict=True
-                )
-            ],
-            self._mirror().take_touches(),
-            mode,
-            wait_ms=wait_ms_of(call.wait_s),
+            entries, self._mirror().take_touches(), mode, wait_ms=wait_ms_of(call.wait_s)
         )
         outcomes = reply.outcomes
-        hits = sum(o in HELD for o in outcomes)
-        self._counted(hits, len(outcomes))
-        # Drift: the mirror thought the server held these, and it did not.
-        # Send the data now: a miss the caller could not foresee never fails.
-        drifted = [
-            i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
-        ]
-        held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
-        if drifted:
-            _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
-            # A later batch, which may evict what this one answered held: over
-            # gRPC, so that all it evicts is named in its reply (room made in
-            # the region is not), and `held` says what the call left held.
-            again = await self._send(
-                [
-                    self._entry(mm_hashes[i], labels[i], encoded[i], metadata[i], resend=True)
-                    for i in drifted
-                ],
-                [],
-                mode,
-                shm=False,
-            )
-            gone = set(again.evicted)
-            held = [kept and h not in gone for h, kept in zip(mm_hashes, held, strict=True)]
-            for i, outcome in zip(drifted, again.outcomes, strict=True):
-                held[i] = outcome == Outcome.STORED
+        self._counted(sum(o in HELD for o in outcomes), len(outcomes))
+        held = await self._resend_drifted(call, encoded, labels, outcomes, mode)
         no_data = [
             mm_hashes[i]
             for i, o in enumerate(outcomes)
             if o == Outcome.MISSING and encoded[i] is None
         ]
-        if no_data and not missing_ok:
-            # The request fails here: nobody will read what it leased.
-            if mode == pb.LEASE_HELD:
-                await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
-            elif mode == pb.LEASE_HITS:
-                await self._give_back(
-                    [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
-                )
-            raise CacheMissError(
-                no_data,
-                f"the server does not hold {no_data} and no data was given for them: "
-                "process those items again and pass them in",
-            )
+        if no_data and not call.missing_ok:
+            await self._fail_without_data(call, no_data, outcomes, held, mode)
         returned = reply.metadata or [b""] * len(outcomes)
         return UpdateResult(
             [
@@ -231,9 +199,68 @@ class Uploads:
             ],
             held,
             [
-                blob if o == Outcome.HIT and want_metadata and blob else None
+                blob if o == Outcome.HIT and call.want_metadata and blob else None
                 for o, blob in zip(outcomes, returned, strict=True)
             ],
+        )
+
+    async def _resend_drifted(
+        self,
+        call: Call,
+        encoded: Sequence[EncodedItem | None],
+        labels: Sequence[str],
+        outcomes: Sequence[Outcome],
+        mode: pb.LeaseMode.ValueType,
+    ) -> list[bool]:
+        """Drift: the mirror thought the server held these, and it did not. Send
+        the data now: a miss the caller could not foresee never fails. What
+        the call leaves held."""
+        mm_hashes = call.mm_hashes
+        held = [o in (Outcome.HIT, Outcome.STORED, Outcome.REPLACED) for o in outcomes]
+        drifted = [
+            i for i, o in enumerate(outcomes) if o == Outcome.MISSING and encoded[i] is not None
+        ]
+        if not drifted:
+            return held
+        _LOGGER.debug("re-sending %d items the server did not hold", len(drifted))
+        # A later batch, which may evict what this one answered held: over
+        # gRPC, so that all it evicts is named in its reply (room made in
+        # the region is not), and `held` says what the call left held.
+        again = await self._send(
+            [
+                self._entry(mm_hashes[i], labels[i], encoded[i], call.metadata[i], resend=True)
+                for i in drifted
+            ],
+            [],
+            mode,
+            shm=False,
+        )
+        gone = set(again.evicted)
+        held = [kept and h not in gone for h, kept in zip(mm_hashes, held, strict=True)]
+        for i, outcome in zip(drifted, again.outcomes, strict=True):
+            held[i] = outcome == Outcome.STORED
+        return held
+
+    async def _fail_without_data(
+        self,
+        call: Call,
+        no_data: list[str],
+        outcomes: Sequence[Outcome],
+        held: Sequence[bool],
+        mode: pb.LeaseMode.ValueType,
+    ) -> None:
+        """The request fails here: nobody will read what it leased."""
+        mm_hashes = call.mm_hashes
+        if mode == pb.LEASE_HELD:
+            await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
+        elif mode == pb.LEASE_HITS:
+            await self._give_back(
+                [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
+            )
+        raise CacheMissError(
+            no_data,
+            f"the server does not hold {no_data} and no data was given for them: "
+            "process those items again and pass them in",
         )
 
     def _entry(
