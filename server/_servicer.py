@@ -31,8 +31,8 @@ from ._replays import Replays, batch_key
 from ._session_calls import SessionCalls
 from ._status import guard, protobuf_method, write
 from ._upload import (
+    Batch,
     Context,
-    EntryHeader,
     TruncatedUploadError,
     build_reply,
     check_no_surplus,
@@ -217,53 +217,39 @@ class CacheServicer:
         """Apply one batch, once (server._replays); its serialised reply. `last`:
         no frame may follow it."""
         entries = parse_header(request, namespace.key)
+        batch = Batch(namespace, request, entries, frames, in_metadata, last)
         key = batch_key(namespace.name, request.batch_id)
-        apply = partial(
-            self._apply, context, namespace, request, entries, frames, in_metadata, last
-        )
+        apply = partial(self._apply, context, batch)
         return await (apply() if key is None else self._replays.once(key, apply, call=last))
 
-    async def _apply(
-        self,
-        context: Context,
-        namespace: Namespace,
-        request: pb.UpdateRequest,
-        entries: list[EntryHeader],
-        frames: AsyncIterator[bytes],
-        in_metadata: bool,
-        last: bool,
-    ) -> bytes:
+    async def _apply(self, context: Context, batch: Batch) -> bytes:
         """Receive and store one batch, and build its reply with no await after
         the store changed (server._replays relies on it)."""
+        request = batch.request
         spare_sizes = slot_sizes(
             "the upload's spares", request.shm_spare_lengths, request.shm_spare_trailers
         )
         deadline, said_wait = times_of(request, context.time_remaining())
         try:
             async with self._cache.prepare(
-                request.shm_token, entries, deadline, said_wait
+                request.shm_token, batch.entries, deadline, said_wait
             ) as ready:
-                result = await self._receive(
-                    namespace, request, entries, frames, in_metadata, last, ready
-                )
+                result = await self._receive(batch, ready)
         except TruncatedUploadError:
             await grace_for_cancel(context)
             raise
-        return self._reply(namespace, request, entries, result, spare_sizes)
+        return self._reply(batch, result, spare_sizes)
 
     def _reply(
-        self,
-        namespace: Namespace,
-        request: pb.UpdateRequest,
-        entries: list[EntryHeader],
-        result: BatchResult,
-        spare_sizes: list[tuple[int, int]],
+        self, batch: Batch, result: BatchResult, spare_sizes: list[tuple[int, int]]
     ) -> bytes:
+        namespace, request = batch.namespace, batch.request
         # Only the caller's own evictions: another namespace's hashes are not its business.
         result = replace(result, evicted=namespace.hashes(result.evicted))
         seq = self._namespaces.seq_of(namespace)
         # After `seq`: what the spares push out of the cache comes by the feed.
-        spares = self._cache.spares(request.shm_token, spare_sizes, [e.key for e in entries])
+        keys = [e.key for e in batch.entries]
+        spares = self._cache.spares(request.shm_token, spare_sizes, keys)
         leased = request.lease != pb.LEASE_NONE
         store = self._cache.store
         lease_ms = int(self._cache.lease_s * 1000) if leased else 0
@@ -272,32 +258,24 @@ class CacheServicer:
             self._instance_id, store.capacity, store.max_items, seq, lease_ms, result, spare_slots
         )
 
-    async def _receive(
-        self,
-        namespace: Namespace,
-        request: pb.UpdateRequest,
-        entries: list[EntryHeader],
-        frames: AsyncIterator[bytes],
-        in_metadata: bool,
-        last: bool,
-        prepared: PreparedUpdate,
-    ) -> BatchResult:
+    async def _receive(self, batch: Batch, prepared: PreparedUpdate) -> BatchResult:
         """Read the batch's data (from the call, or its region slots), check it
         all, and commit it."""
         # Made only now: an iterator never started (a call refused on its
         # header) would warn when collected. grpc hands back the same one.
-        stream = aiter(frames)
+        stream = aiter(batch.frames)
         uploads = []
-        for e in entries:
+        for e in batch.entries:
             if e.chunks is None:
                 uploads.append(upload_entry(e, ()))
             elif prepared.in_region(e):
                 uploads.append(upload_entry(e, *prepared.from_region(e)))
             else:
                 uploads.append(upload_entry(e, await read_chunks(stream, e)))
-        if last:
-            await check_no_surplus(stream, in_metadata)
-        return prepared.commit(uploads, namespace.keys(request.touches), request.lease)
+        if batch.last:
+            await check_no_surplus(stream, batch.in_metadata)
+        touches = batch.namespace.keys(batch.request.touches)
+        return prepared.commit(uploads, touches, batch.request.lease)
 
     async def fetch(self, request_bytes: bytes, context: Context) -> None:
         try:

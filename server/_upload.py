@@ -28,11 +28,13 @@ from mmcache._frames import (
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
+from ._namespaces import Namespace
 from .cache._deadline import Deadline
 from .cache._region import Resident, Slot
 from .cache._store import BatchResult, StoredItem, UploadEntry
 
 __all__ = [
+    "Batch",
     "EntryHeader",
     "TruncatedUploadError",
     "build_reply",
@@ -84,6 +86,19 @@ class EntryHeader:
     @property
     def where(self) -> str:
         return f"entry {self.index} ({self.mm_hash!r})"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One GetAndUpdate batch as the servicer handles it: its namespace, its
+    header parsed, and the frames its data comes in."""
+
+    namespace: Namespace
+    request: pb.UpdateRequest
+    entries: list[EntryHeader]
+    frames: AsyncIterator[bytes]
+    in_metadata: bool  # its header came in the call's metadata, not as a frame
+    last: bool  # no frame may follow it (a call; a session's batch has more after it)
 
 
 async def read_request(
