@@ -15,9 +15,10 @@ import itertools
 import os
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
 from math import ceil
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from mmcache._errors import (
     DeadlineExceededError,
@@ -42,6 +43,9 @@ __all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
 
 BATCH_ID_BYTES = 16  # random: a name no other batch has
 _MAX_TIMEOUT_MS = (1 << 32) - 1  # UpdateRequest.timeout_ms is a uint32
+
+Request = TypeVar("Request", bound=Message)
+Response = TypeVar("Response", bound=Message)
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 
@@ -81,45 +85,21 @@ class CacheTransport:
 
     def __init__(self, channel: grpc.aio.Channel, timeout: float, sessions: int = 0) -> None:
         self._timeout = timeout
-        self._info = channel.unary_unary(
-            f"{_SERVICE}/Info",
-            request_serializer=pb.InfoRequest.SerializeToString,
-            response_deserializer=pb.InfoReply.FromString,
-        )
-        self._touch = channel.unary_unary(
-            f"{_SERVICE}/Touch",
-            request_serializer=pb.TouchRequest.SerializeToString,
-            response_deserializer=pb.TouchReply.FromString,
-        )
-        self._clear = channel.unary_unary(
-            f"{_SERVICE}/Clear",
-            request_serializer=pb.ClearRequest.SerializeToString,
-            response_deserializer=pb.ClearReply.FromString,
-        )
-        self._release = channel.unary_unary(
-            f"{_SERVICE}/Release",
-            request_serializer=pb.ReleaseRequest.SerializeToString,
-            response_deserializer=pb.ReleaseReply.FromString,
-        )
-        self._locate = channel.unary_unary(
-            f"{_SERVICE}/Locate",
-            request_serializer=pb.LocateRequest.SerializeToString,
-            response_deserializer=pb.LocateReply.FromString,
-        )
+        self._info = _unary(channel, "Info", pb.InfoRequest, pb.InfoReply)
+        self._touch = _unary(channel, "Touch", pb.TouchRequest, pb.TouchReply)
+        self._clear = _unary(channel, "Clear", pb.ClearRequest, pb.ClearReply)
+        self._release = _unary(channel, "Release", pb.ReleaseRequest, pb.ReleaseReply)
+        self._locate = _unary(channel, "Locate", pb.LocateRequest, pb.LocateReply)
         self._read_shm: grpc.aio.UnaryUnaryMultiCallable[pb.FetchRequest, bytes] = (
             channel.unary_unary(
                 f"{_SERVICE}/ReadShm", request_serializer=pb.FetchRequest.SerializeToString
             )
         )
-        self._shm_allocate = channel.unary_unary(
-            f"{_SERVICE}/ShmAllocate",
-            request_serializer=pb.ShmAllocateRequest.SerializeToString,
-            response_deserializer=pb.ShmAllocateReply.FromString,
+        self._shm_allocate = _unary(
+            channel, "ShmAllocate", pb.ShmAllocateRequest, pb.ShmAllocateReply
         )
-        self._open_report_ring = channel.unary_unary(
-            f"{_SERVICE}/OpenReportRing",
-            request_serializer=pb.OpenReportRingRequest.SerializeToString,
-            response_deserializer=pb.ShmAllocateReply.FromString,
+        self._open_report_ring = _unary(
+            channel, "OpenReportRing", pb.OpenReportRingRequest, pb.ShmAllocateReply
         )
         self._subscribe = channel.unary_stream(
             f"{_SERVICE}/Subscribe",
@@ -257,16 +237,7 @@ class CacheTransport:
                 batch_id=os.urandom(BATCH_ID_BYTES),
                 timeout_ms=min(ceil(timeout * 1000), _MAX_TIMEOUT_MS),
             ).SerializeToString()
-            try:
-                async with asyncio.timeout(timeout):
-                    with translate_errors():
-                        sent = await self._sessions.exchange(
-                            header, chunks(), wait_for_ready=wait_for_ready
-                        )
-            except TimeoutError:
-                raise DeadlineExceededError(
-                    f"GetAndUpdate did not answer within {timeout:g} s"
-                ) from None
+            sent = await self._over_session(header, chunks, timeout, wait_for_ready)
             if sent is not None:
                 return pb.UpdateReply.FromString(sent)
             timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
@@ -279,6 +250,39 @@ class CacheTransport:
                 )
             return pb.UpdateReply.FromString(reply_bytes)
         data = itertools.chain((first,), frames)
+        return await self._stream_upload(header, data, timeout, deadline, wait_for_ready)
+
+    async def _over_session(
+        self,
+        header: bytes,
+        chunks: Callable[[], Iterable[bytes]],
+        timeout: float,
+        wait_for_ready: bool,
+    ) -> bytes | None:
+        """The batch over a session kept open (`header` names it); None when
+        none was idle or it was lost before its reply (then it goes as a call,
+        with the same name)."""
+        assert self._sessions is not None
+        try:
+            async with asyncio.timeout(timeout):
+                with translate_errors():
+                    return await self._sessions.exchange(
+                        header, chunks(), wait_for_ready=wait_for_ready
+                    )
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"GetAndUpdate did not answer within {timeout:g} s"
+            ) from None
+
+    async def _stream_upload(
+        self,
+        header: bytes,
+        data: Iterable[bytes],
+        timeout: float,
+        deadline: float,
+        wait_for_ready: bool,
+    ) -> pb.UpdateReply:
+        """The batch as a GetAndUpdate call streaming its frames."""
         if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
                 metadata=((UPDATE_HEADER_KEY, header),),
@@ -310,7 +314,7 @@ class CacheTransport:
                 # the call ends under it: the call's own status tells why.
                 call.cancel()
                 raise UnavailableError(f"the upload stream broke: {exc!r}") from exc
-            reply_bytes = await call
+            reply_bytes: bytes = await call
         return pb.UpdateReply.FromString(reply_bytes)
 
     async def fetch(
@@ -329,3 +333,14 @@ class CacheTransport:
                     yield frame
         finally:
             call.cancel()
+
+
+def _unary(
+    channel: grpc.aio.Channel, method: str, request: type[Request], reply: type[Response]
+) -> grpc.aio.UnaryUnaryMultiCallable[Request, Response]:
+    """A protobuf unary method of the service on `channel`."""
+    return channel.unary_unary(
+        f"{_SERVICE}/{method}",
+        request_serializer=request.SerializeToString,
+        response_deserializer=reply.FromString,
+    )
