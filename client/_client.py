@@ -137,12 +137,7 @@ class MMCacheClient:
         fail_open_timeout: float = 1.0,
         on_fail_open: Callable[[], None] | None = None,
     ) -> None:
-        if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidArgumentError(
-                f"chunk_bytes must be {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}, got {chunk_bytes}"
-            )
-        if sessions < 0:
-            raise InvalidArgumentError(f"sessions must be 0 (none) or more, got {sessions}")
+        _check_settings(chunk_bytes, sessions)
         self._target = target
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -161,10 +156,7 @@ class MMCacheClient:
             connect_timeout=connect_timeout,
             allocate_timeout=fail_open_timeout if fail_open else None,
         )
-        server_name = (
-            () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
-        )
-        self._channel_options = (*CHANNEL_OPTIONS, *server_name, *channel_options)
+        self._channel_options = _channel_options(tls_server_name, channel_options)
         self._follow = follow
         self._touch = Touch(fail_open, fail_open_timeout, on_fail_open)
         self._channel: grpc.aio.Channel | None = None
@@ -175,14 +167,8 @@ class MMCacheClient:
         self._stats = CacheInfo()
         self._stats_lock = threading.Lock()  # lease_resident counts from callers' threads
         self._last_delta = CacheInfo()
-        self._uploads = Uploads(
-            lambda: self._rpc,
-            self._co,
-            lambda: self._mirror,
-            self._touch,
-            self._counted,
-            chunk_bytes,
-        )
+        rpc, mirror = lambda: self._rpc, lambda: self._mirror
+        self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counted, chunk_bytes)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -728,3 +714,19 @@ class MMCacheClient:
     def _attach(self, info: pb.InfoReply) -> None:
         self._shared_tier = info.shared_tier
         self._co.attach(info)
+
+
+def _check_settings(chunk_bytes: int, sessions: int) -> None:
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise InvalidArgumentError(
+            f"chunk_bytes must be {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}, got {chunk_bytes}"
+        )
+    if sessions < 0:
+        raise InvalidArgumentError(f"sessions must be 0 (none) or more, got {sessions}")
+
+
+def _channel_options(
+    tls_server_name: str | None, extra: Sequence[tuple[str, Any]]
+) -> tuple[tuple[str, Any], ...]:
+    named = () if tls_server_name is None else (("grpc.ssl_target_name_override", tls_server_name),)
+    return (*CHANNEL_OPTIONS, *named, *extra)

@@ -88,40 +88,9 @@ class SessionPool:
         call, fresh = taken
         reply = None
         try:
-            if fresh:
-                # The server answers a new session's headers before anything is
-                # written: a refusal (a token, a namespace) then comes with its
-                # own status, which a failed write would hide.
-                await call.initial_metadata()
-                if call.done():
-                    if await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        # The server's sessions are all taken (--max-sessions):
-                        # calls for a while. (Its namespaces all taken: the
-                        # call is refused too, and says so.)
-                        self._full_until = asyncio.get_running_loop().time() + FULL_BACKOFF_S
-                        return None
-                    await call.read()  # raises the refusal; EOF: ended with OK
-                    return None
-            try:
-                await call.write(header_frame(header))
-                for frame in frames:
-                    await call.write(frame)
-            except Exception:  # grpc's core fails writes in several ways
-                # The stream ended under the writes, so this batch never reached
-                # the server whole and nothing of it was applied. A status of
-                # the server's own (a revoked token) is the batch's answer;
-                # INTERNAL (grpc's, for a stream cut under its writes) and
-                # those of a session that ended say nothing of it: a call tells.
-                code = await call.code()
-                if code == grpc.StatusCode.UNIMPLEMENTED:
-                    self._limit = 0
-                elif code not in _SEND_AGAIN and code != grpc.StatusCode.INTERNAL:
-                    raise grpc.aio.AioRpcError(
-                        code,
-                        await call.initial_metadata(),
-                        await call.trailing_metadata(),
-                        await call.details(),
-                    ) from None
+            if fresh and not await self._opened(call):
+                return None
+            if not await self._written(call, header, frames):
                 return None
             reply = await call.read()  # raises the status of a session ended otherwise
         except grpc.aio.AioRpcError as exc:
@@ -138,6 +107,47 @@ class SessionPool:
         # EOF: the server ended it with OK between batches (a status other than
         # OK would have raised).
         return reply if isinstance(reply, bytes) else None
+
+    async def _opened(self, call: _Call) -> bool:
+        """Whether a new session was taken. The server answers its headers
+        before anything is written: a refusal (a token, a namespace) then comes
+        with its own status, which a failed write would hide."""
+        await call.initial_metadata()
+        if not call.done():
+            return True
+        if await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # The server's sessions are all taken (--max-sessions): calls for a
+            # while. (Its namespaces all taken: the call is refused too, and
+            # says so.)
+            self._full_until = asyncio.get_running_loop().time() + FULL_BACKOFF_S
+            return False
+        await call.read()  # raises the refusal; EOF: ended with OK
+        return False
+
+    async def _written(self, call: _Call, header: bytes, frames: Iterable[bytes]) -> bool:
+        """The batch written to the session; False where it must go as a call."""
+        try:
+            await call.write(header_frame(header))
+            for frame in frames:
+                await call.write(frame)
+        except Exception:  # grpc's core fails writes in several ways
+            # The stream ended under the writes, so this batch never reached
+            # the server whole and nothing of it was applied. A status of
+            # the server's own (a revoked token) is the batch's answer;
+            # INTERNAL (grpc's, for a stream cut under its writes) and
+            # those of a session that ended say nothing of it: a call tells.
+            code = await call.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self._limit = 0
+            elif code not in _SEND_AGAIN and code != grpc.StatusCode.INTERNAL:
+                raise grpc.aio.AioRpcError(
+                    code,
+                    await call.initial_metadata(),
+                    await call.trailing_metadata(),
+                    await call.details(),
+                ) from None
+            return False
+        return True
 
     async def close(self) -> None:
         """End the idle sessions: the server sees each one end cleanly."""
