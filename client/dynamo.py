@@ -106,13 +106,25 @@ def install() -> None:
 # -- frontend ---------------------------------------------------------------
 
 
+class _Leased:
+    """A request's hits: their leases end with it."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+
+async def _release(sync: Any, keys: list[str]) -> None:
+    """End a request's leases (best effort: they end by themselves)."""
+    if not keys:
+        return
+    try:
+        await asyncio.wrap_future(sync.submit(sync.client.release(keys)))
+    except Exception as exc:
+        _LOGGER.debug("mmcache: could not release %d leases: %s", len(keys), exc)
+
+
 def _install_frontend() -> None:
     import dynamo.common.multimodal.media_connector  # noqa: F401  (Dynamo's "dynamo" registered now)
-    from dynamo.common.multimodal.mm_kwargs_transfer import (
-        MmKwargsSender,
-        MmKwargsShmSender,
-        encode_mm_kwargs_item,
-    )
     from dynamo.frontend import vllm_processor
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
@@ -126,12 +138,18 @@ def _install_frontend() -> None:
     # Dynamo's (imported above, so its own registration is done), that name
     # now gives vLLM's connector decoding lazily, as `vllm serve` with the plugin has.
     MEDIA_CONNECTOR_REGISTRY.register(DYNAMO_CONNECTOR)(MMCacheMediaConnector)
+    _patch_frontend(vllm_processor.VllmProcessor, _sender_class(), MMCacheProcessorCache)
 
-    class _Leased:
-        """A request's hits: their leases end with it."""
 
-        def __init__(self, keys: list[str]) -> None:
-            self.keys = keys
+def _sender_class() -> type:
+    """Dynamo's frontend sender, sending hits as their sidecar keys."""
+    from dynamo.common.multimodal.mm_kwargs_transfer import (
+        MmKwargsSender,
+        MmKwargsShmSender,
+        encode_mm_kwargs_item,
+    )
+
+    from .vllm_plugin._caches import MMCacheProcessorCache
 
     class MMCacheSender(MmKwargsSender):  # type: ignore[misc]
         """Hits as their sidecar keys, misses as Dynamo's shm sender sends them."""
@@ -180,14 +198,13 @@ def _install_frontend() -> None:
             (whether the worker read them or processed the media instead)."""
             await self._inline.cleanup([i for i in items if not isinstance(i, _Leased)])
             keys = [key for i in items if isinstance(i, _Leased) for key in i.keys]
-            if keys:
-                sync = self._cache._sync
-                try:
-                    await asyncio.wrap_future(sync.submit(sync.client.release(keys)))
-                except Exception as exc:  # the leases end by themselves
-                    _LOGGER.debug("mmcache: could not release %d leases: %s", len(keys), exc)
+            await _release(self._cache._sync, keys)
 
-    processor = vllm_processor.VllmProcessor
+    return MMCacheSender
+
+
+def _patch_frontend(processor: Any, sender: type, cache_type: type) -> None:
+    """Dynamo's frontend processor sends through `sender` when vLLM's cache is mmcache's."""
     original_init = processor.__init__
     original_prepare = processor._prepare_mm_routing
 
@@ -195,16 +212,16 @@ def _install_frontend() -> None:
         original_init(self, *args, **kwargs)
         renderer = getattr(self.input_processor, "renderer", None)
         cache = getattr(renderer, "mm_processor_cache", None)
-        if isinstance(cache, MMCacheProcessorCache) and self.nixl_mm_enabled:
+        if isinstance(cache, cache_type) and self.nixl_mm_enabled:
             if self.use_shm_transfer:
-                self._sender = MMCacheSender(cache)
+                self._sender = sender(cache)
                 _LOGGER.info("mmcache: Dynamo's multimodal transport is mmcache")
             else:
                 _LOGGER.info("mmcache: DYNAMO_MM_TRANSFER is not shm: Dynamo's NIXL stays")
 
     async def _prepare_mm_routing(self: Any, *args: Any, **kwargs: Any) -> Any:
         info, cleanup, transferred = await original_prepare(self, *args, **kwargs)
-        if isinstance(self._sender, MMCacheSender):
+        if isinstance(self._sender, sender):
             transferred = False  # the media go too: a worker-side miss processes them
         return info, cleanup, transferred
 
@@ -216,17 +233,21 @@ def _install_frontend() -> None:
 
 
 def _install_worker() -> None:
+    from dynamo.vllm.multimodal_utils import request_processor
+
+    _patch_worker(request_processor, _receiver_class())
+
+
+def _receiver_class() -> type:
+    """Dynamo's worker receiver, reading held items from this worker's sidecar."""
     from dynamo.common.multimodal.mm_kwargs_transfer import (
         MmKwargsReceiver,
         MmKwargsShmItem,
         MmKwargsShmReceiver,
         MmKwargsShmTransferMetadata,
     )
-    from dynamo.vllm.multimodal_utils import request_processor
-    from vllm.multimodal.inputs import MultiModalKwargsItem
 
     from . import vllm_plugin
-    from .vllm_plugin._caches import already_shared
     from .vllm_plugin._convert import to_vllm
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
@@ -261,6 +282,15 @@ def _install_worker() -> None:
             items = [to_vllm(next(held)) if item.key else next(sent) for item in metadata.items]
             return {"__pickled_kwargs_item__": items}
 
+    return MMCacheReceiver
+
+
+def _patch_worker(request_processor: Any, receiver: type) -> None:
+    """Dynamo's worker receives mmcache's transfers through `receiver`."""
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    from .vllm_plugin._caches import already_shared
+
     processor = request_processor.VllmMultimodalRequestProcessor
     original_receive = processor.try_receive_mm_kwargs
     original_decode = request_processor.decode_mm_kwargs_item
@@ -275,9 +305,7 @@ def _install_worker() -> None:
             # Items the frontend uploaded or the sidecar gave: vLLM's cache
             # here takes them (inject_into_mm_cache) without uploading them again.
             with already_shared():
-                return await self._receive_mm_kwargs(
-                    extra_args, "mmcache", MMCacheReceiver(), metadata
-                )
+                return await self._receive_mm_kwargs(extra_args, "mmcache", receiver(), metadata)
         except Exception:
             _LOGGER.warning("mmcache: the transfer failed; the media are processed", exc_info=True)
             return None

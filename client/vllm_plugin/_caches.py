@@ -239,32 +239,39 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             except MMCacheError as exc:  # a hash no server takes: the lookup says so
                 _LOGGER.debug("mmcache lease with no call failed: %s", exc)
         if ask:
-            try:
-                wait_s = self._processing.wait_for(len(ask))
-                found = self._sync.call(
-                    client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
-                )
-            except MMCacheError as exc:
-                _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
-                request.asked = _stamp()
-                return [h in request.confirmed for h in mm_hashes]
-            unusable: list[str] = []
-            for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
-                mm_hash = mm_hashes[i]
-                request.looked_up.add(mm_hash)
-                if not held:
-                    continue
-                updates = self._local_updates(mm_hash)
-                if updates is None and blob is not None:
-                    updates = decode_updates(blob)
-                if updates is None:  # held, but not usable here: process it
-                    unusable.append(keys[i])
-                else:
-                    request.confirmed[mm_hash] = updates
-            if unusable:
-                self._sync.submit(client.release(unusable))
+            self._look_up(request, mm_hashes, keys, ask)
         request.asked = _stamp()
         return [h in request.confirmed for h in mm_hashes]
+
+    def _look_up(
+        self, request: _Request, mm_hashes: list[str], keys: list[str], ask: list[int]
+    ) -> None:
+        """Ask the server about the hashes at `ask` (one call): those held with
+        updates usable here are confirmed; a failure leaves them misses."""
+        client = self._sync.client
+        try:
+            wait_s = self._processing.wait_for(len(ask))
+            found = self._sync.call(
+                client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
+            )
+        except MMCacheError as exc:
+            _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
+            return
+        unusable: list[str] = []
+        for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
+            mm_hash = mm_hashes[i]
+            request.looked_up.add(mm_hash)
+            if not held:
+                continue
+            updates = self._local_updates(mm_hash)
+            if updates is None and blob is not None:
+                updates = decode_updates(blob)
+            if updates is None:  # held, but not usable here: process it
+                unusable.append(keys[i])
+            else:
+                request.confirmed[mm_hash] = updates
+        if unusable:
+            self._sync.submit(client.release(unusable))
 
     def _lease_resident(
         self, request: _Request, mm_hashes: list[str], keys: list[str], ask: list[int]
