@@ -13,9 +13,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from mmcache._errors import (
-    CacheMissError,
     DeadlineExceededError,
-    FailedPreconditionError,
     InvalidArgumentError,
     UnavailableError,
 )
@@ -37,9 +35,9 @@ from ._encoder import (
     request_encoder_cache_stats,
 )
 from ._feed import FeedFollower
-from ._fetched import ShmRace, read_fetch
 from ._mirror import Mirror
 from ._pool import BufferPool
+from ._reads import Reads
 from ._resident import ResidentLeases
 from ._security import channel_credentials, metadata_interceptors, open_channel
 from ._sessions import MAX_SESSIONS
@@ -169,6 +167,7 @@ class MMCacheClient:
         self._last_delta = CacheInfo()
         rpc, mirror = lambda: self._rpc, lambda: self._mirror
         self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counted, chunk_bytes)
+        self._reads = Reads(rpc, self._co, self._pool, self.forget)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -513,29 +512,7 @@ class MMCacheClient:
         something better to do than wait (the EC connector encodes instead).
         """
         check_hashes(mm_hashes)
-        region = self._co.region
-        try:
-            if region is None:
-                return await self._fetch(mm_hashes, release, wait)
-            found, nbytes = self._co.read_resident(region, mm_hashes)
-            missing = [h for h, item in zip(mm_hashes, found, strict=True) if item is None]
-            read = [h for h, item in zip(mm_hashes, found, strict=True) if item is not None]
-            whole = False
-            try:
-                if missing:  # (a region found closed is unmapped by now)
-                    fetched = iter(await self._fetch_through(missing, release, wait))
-                    found = [next(fetched) if item is None else item for item in found]
-                whole = True
-            finally:
-                # Leases go back only when the whole read succeeded, as a Fetch's
-                # do: a caller whose read failed releases them itself.
-                if read:
-                    released = read if release and whole else ()
-                    self._co.reports.add(region.token, released=released, read_bytes=nbytes)
-            return found  # type: ignore[return-value]
-        except CacheMissError as exc:
-            self._mirror.forget(exc.missing_hashes)
-            raise
+        return await self._reads.fetch(mm_hashes, release, wait)
 
     def lease_resident(
         self, mm_hashes: Sequence[str], *, usable: Callable[[int, bytes], bool] | None = None
@@ -579,34 +556,6 @@ class MMCacheClient:
         check_hashes(mm_hashes)
         return self._co.read_all(mm_hashes, release)
 
-    async def _fetch_through(
-        self, mm_hashes: Sequence[str], release: bool, wait: bool
-    ) -> list[Item]:
-        """Items not (yet) resident: ReadShm moves them into the region and says
-        where, or the chunk frames of a Fetch bring them."""
-        region = self._co.region  # (a region found closed is unmapped by now)
-        if region is not None:
-            try:
-                # Leases go back once the bytes are copied out, not with the reply:
-                # an item moved out of the region under the copy is read again
-                # below, and must still be there.
-                read = await self._co.read_shm(mm_hashes, False, region, None, wait)
-            except ShmRace:
-                read = None
-            if read is not None:
-                if release:
-                    self._co.reports.add(region.token, released=mm_hashes)
-                return read
-        return await self._fetch(mm_hashes, release, wait)
-
-    async def _fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
-        """The items as the chunk frames of a Fetch."""
-        frames = self._rpc.fetch(pb.FetchRequest(mm_hashes=mm_hashes, release=release), wait)
-        try:
-            return await read_fetch(frames, len(mm_hashes), self._pool)
-        finally:
-            await frames.aclose()
-
     @contextlib.asynccontextmanager
     async def view(
         self, mm_hashes: Sequence[str], *, release: bool = True
@@ -624,29 +573,9 @@ class MMCacheClient:
             async with client.view(hashes) as items:
                 on_gpu = [item["pixel_values"].to("cuda") for item in items]
         """
-        region = self._co.region
         check_hashes(mm_hashes)
-        slots: list[pb.ShmSlot] = []
-        items = None
-        if region is not None:
-            try:
-                items = await self._co.read_shm(mm_hashes, release, region, slots)
-            except CacheMissError as exc:
-                self._mirror.forget(exc.missing_hashes)
-                raise
-        if items is None or region is None:  # no shared memory: owned, as fetch gives
-            yield await self.fetch(mm_hashes, release=release)
-            return
-        try:
+        async with self._reads.view(mm_hashes, release) as items:
             yield items
-        finally:
-            outlived = [s.lease for s in slots if not region.live(s)]
-            self._co.reports.add(region.token, done=[s.hold for s in slots])
-        if outlived:
-            raise FailedPreconditionError(
-                f"a view of {len(outlived)} items outlived its lease (--lease-s on the "
-                "server): their memory may have been reused under it; copy sooner"
-            )
 
     async def locate(self, mm_hashes: Sequence[str], *, check_l2: bool = False) -> list[Location]:
         """Where each hash is, for a router choosing an engine: held by this
