@@ -156,7 +156,7 @@ class MMCacheServer:
             shm_leased_bytes=lambda: r.leased_bytes if (r := region()) else 0,
             shm_resident_bytes=lambda: r.resident_bytes if (r := region()) else 0,
             shm_transient_bytes=lambda: r.transient_bytes if (r := region()) else 0,
-            shm_reserve_bytes=lambda: r.reserve if (r := region()) else 0,
+            shm_reserve_bytes=lambda: self.cache.placement.reserve,
         )
 
     @property

@@ -492,7 +492,7 @@ def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) 
 
     now = [0.0]
     region = open_region(str(tmp_path), 1 << 20, lease_s=1.0)
-    region._clock = lambda: now[0]
+    region.clock = lambda: now[0]
     try:
         stalled = region.allocate(4096, WRITE)
         assert stalled is not None

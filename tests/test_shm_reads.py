@@ -18,6 +18,7 @@ import torch
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server.cache._placement import ReadRoom
 from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
@@ -84,7 +85,7 @@ class Clock:
 def stopped_clock(server: MMCacheServer) -> Clock:
     assert server.region is not None
     clock = Clock()
-    server.region._clock = clock
+    server.region.clock = clock
     return clock
 
 
@@ -119,7 +120,8 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_shm_transient_bytes") == 0
-        assert sample(samples, "mmcache_shm_reserve_bytes") == region.reserve > 4 * MIB
+        reserve = server.cache.placement.reserve
+        assert sample(samples, "mmcache_shm_reserve_bytes") == reserve > 4 * MIB
         assert region.expired == 0  # said done, not expired
 
 
@@ -137,7 +139,9 @@ async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
         clock.now += 5
         await read(2)  # a copy
         await read(2)  # read again, but the residents are in for less than the tenure
-        clock.now += server.region.tenure_s - 2  # the residents' tenure is over, not the copy's
+        assert server.region is not None
+        tenure_s = server.cache.placement.room(server.region).tenure_s
+        clock.now += tenure_s - 2  # the residents' tenure is over, not the copy's
         await read(3)  # a first read never takes a resident's place
         assert resident(server, hashes) == hashes[:2]
         await read(2)  # read again: it takes the place of the resident in longest
@@ -228,44 +232,48 @@ def test_residents_and_write_slots_leave_the_reserve_to_transient_extents(
     tmp_path: Path,
 ) -> None:
     region = open_region(str(tmp_path), REGION, lease_s=30)
+    room = ReadRoom(region)
     try:
-        assert region.reserve == 0
-        region.need_read(4 * MIB)
-        reserve = region.reserve
+        assert room.reserve == 0
+        room.need_read(4 * MIB)
+        reserve = room.reserve
         assert 4 * MIB < reserve < 5 * MIB
-        assert region.allocate(4 * MIB, ITEM) is not None
-        assert region.allocate(4 * MIB, WRITE) is not None
+        assert region.allocate(4 * MIB, ITEM, keep_free=reserve) is not None
+        assert region.allocate(4 * MIB, WRITE, keep_free=reserve) is not None
         # A third would leave less than the reserve: only a read's copy takes it.
-        assert region.allocate(4 * MIB, ITEM) is None
-        assert region.allocate(4 * MIB, WRITE) is None
+        assert region.allocate(4 * MIB, ITEM, keep_free=reserve) is None
+        assert region.allocate(4 * MIB, WRITE, keep_free=reserve) is None
         copy = region.allocate(4 * MIB, READ)
         assert copy is not None and region.transient_bytes == copy.span
         assert region.allocate(4 * MIB, READ) is None  # full
         # The reserve is never more than half the region.
-        region.need_read(15 * MIB)
-        assert reserve < region.reserve <= REGION // 2
+        room.need_read(15 * MIB)
+        assert reserve < room.reserve <= REGION // 2
     finally:
         region.close()
 
 
 def test_the_reserve_gives_its_room_back_when_no_read_needs_it(tmp_path: Path) -> None:
     region = open_region(str(tmp_path), REGION, lease_s=30)
-    clock = region._clock = Clock()
+    clock = region.clock = Clock()
+    room = ReadRoom(region)
     try:
-        region.need_read(4 * MIB)
-        large = region.reserve
-        clock.now += region.reserve_s / 2
-        region.need_read(1 * MIB)  # smaller: the large one is still the window's max
-        assert region.reserve == large
-        assert region.allocate(4 * MIB, ITEM) and region.allocate(4 * MIB, ITEM)
-        assert region.allocate(4 * MIB, ITEM) is None  # the reserve is kept
-        clock.now += region.reserve_s / 2 + 1  # no 4 MiB read for longer than reserve_s
-        assert MIB < region.reserve < 2 * MIB
-        assert region.allocate(4 * MIB, ITEM) is not None  # its room is the residents' again
-        region.need_read(4 * MIB)  # a large read again: kept at once
-        assert region.reserve == large
-        clock.now += region.reserve_s + 1
-        assert region.reserve == 0
+        room.need_read(4 * MIB)
+        large = room.reserve
+        clock.now += room.reserve_s / 2
+        room.need_read(1 * MIB)  # smaller: the large one is still the window's max
+        assert room.reserve == large
+        assert region.allocate(4 * MIB, ITEM, keep_free=room.reserve)
+        assert region.allocate(4 * MIB, ITEM, keep_free=room.reserve)
+        assert region.allocate(4 * MIB, ITEM, keep_free=room.reserve) is None  # kept
+        clock.now += room.reserve_s / 2 + 1  # no 4 MiB read for longer than reserve_s
+        assert MIB < room.reserve < 2 * MIB
+        # Its room is the residents' again.
+        assert region.allocate(4 * MIB, ITEM, keep_free=room.reserve) is not None
+        room.need_read(4 * MIB)  # a large read again: kept at once
+        assert room.reserve == large
+        clock.now += room.reserve_s + 1
+        assert room.reserve == 0
     finally:
         region.close()
 
@@ -274,9 +282,11 @@ def test_an_item_too_large_to_sit_beside_the_reserve_still_gets_an_extent(
     tmp_path: Path,
 ) -> None:
     region = open_region(str(tmp_path), REGION, lease_s=30)
+    room = ReadRoom(region)
     try:
-        region.need_read(4 * MIB)
-        assert region.allocate(12 * MIB, WRITE) is not None  # as before the reserve
+        room.need_read(4 * MIB)
+        # As before the reserve: 12 MiB beside a 4 MiB reserve could never be had.
+        assert region.allocate(12 * MIB, WRITE, keep_free=room.reserve) is not None
     finally:
         region.close()
 

@@ -5,19 +5,92 @@ the rules are here, apart from the calls that use them."""
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
+from mmcache._shm_layout import PAGE
 from mmcache.metrics import CacheMetrics
 
-from ._region import ITEM, READ, WRITE, Region, Resident, Slot, copy_payload, region_frames
+from ._region import (
+    ITEM,
+    READ,
+    WRITE,
+    Region,
+    Resident,
+    Slot,
+    copy_payload,
+    extent_span,
+    region_frames,
+)
 from ._store import ItemStore, StoredItem
 
 if TYPE_CHECKING:  # the upload's parser imports this package
     from .._upload import EntryHeader
 
-__all__ = ["Placement"]
+__all__ = ["RESERVE_S", "TENURE_S", "Placement", "ReadRoom"]
+
+# How long a resident is safe from items read again (`read_again`): reads
+# change the region's content at most at that pace (a copy out, one in), so
+# a hot set larger than the region does not churn it.
+TENURE_S = 10.0
+MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
+# How long the read reserve keeps room for an item of a size no read has
+# needed since: one large item read once does not hold half the region for good.
+RESERVE_S = 300.0
+
+
+class ReadRoom:
+    """What reads of items in the heap need of one region: the reserve that
+    residents and write slots leave free for their transient copies (the
+    largest such copy in the last `reserve_s`, at most half the region), so
+    that reads of a hot set larger than the region do not push residents out;
+    and which items come back within the tenure (only those take the place of
+    residents in for longer than that). Reads with no call are not seen: a
+    resident's time counts from when it came in, or was last read by ReadShm.
+    On the region's clock."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self.reserve_s = RESERVE_S
+        self.tenure_s = TENURE_S
+        # (when, span), spans falling: the window's max first.
+        self._needs: deque[tuple[float, int]] = deque()
+        # Items read from transient extents: store key -> when, oldest first.
+        self._rereads: OrderedDict[str, float] = OrderedDict()
+
+    @property
+    def reserve(self) -> int:
+        """The bytes residents and write slots leave free for reads' copies."""
+        cutoff = self.region.clock() - self.reserve_s
+        while self._needs and self._needs[0][0] < cutoff:
+            self._needs.popleft()
+        return self._needs[0][1] if self._needs else 0
+
+    def need_read(self, length: int) -> None:
+        """A read needs a transient extent of `length` payload bytes: keep that much
+        free for the next `reserve_s`, but never more than half the region."""
+        span = min(extent_span(length), self.region.room // 2 // PAGE * PAGE)
+        while self._needs and self._needs[-1][1] <= span:
+            self._needs.pop()  # smaller and older: never the window's max again
+        self._needs.append((self.region.clock(), span))
+
+    def read_again(self, key: str) -> bool:
+        """Note a read of the item under `key` from a transient extent; whether
+        it had one within the tenure before."""
+        now = self.region.clock()
+        last = self._rereads.pop(key, None)
+        self._rereads[key] = now
+        while len(self._rereads) > MAX_REREADS or next(iter(self._rereads.values())) < (
+            now - self.tenure_s
+        ):
+            self._rereads.popitem(last=False)
+        return last is not None and last >= now - self.tenure_s
+
+    def aged(self) -> float:
+        """Residents in since before this time are past their tenure."""
+        return self.region.clock() - self.tenure_s
 
 
 class Placement:
@@ -30,6 +103,19 @@ class Placement:
         self._store = store
         self._metrics = metrics
         self.region = region
+        self._room: ReadRoom | None = None
+
+    def room(self, region: Region) -> ReadRoom:
+        """The read reserve and re-reads of `region` (new with each region)."""
+        if self._room is None or self._room.region is not region:
+            self._room = ReadRoom(region)
+        return self._room
+
+    @property
+    def reserve(self) -> int:
+        """The region's read reserve now (0 without a region)."""
+        region = self.region()
+        return 0 if region is None else self.room(region).reserve
 
     def region_of(self, token: bytes) -> Region:
         """The region a client's token names; InvalidArgumentError (with the fix) if none."""
@@ -171,9 +257,10 @@ class Placement:
         item moves in, as room is made."""
         if not hold:
             return self._allocate(region, payload, ITEM, trailer, keep=keys)
-        region.need_read(payload)
-        slot = region.allocate(payload, ITEM, trailer)
-        if slot is None and region.read_again(key):
+        room = self.room(region)
+        room.need_read(payload)
+        slot = region.allocate(payload, ITEM, trailer, room.reserve)
+        if slot is None and room.read_again(key):
             slot = self._allocate(region, payload, ITEM, trailer, keep=keys, aged=True)
         if slot is None:
             slot = self._allocate(region, payload, READ, 0, keep=keys)
@@ -195,13 +282,17 @@ class Placement:
         in for longer than its tenure); None when even that fails."""
         if not region.fits(length, trailer):
             return None
-        slot = region.allocate(length, kind, trailer)
+        room = self.room(region)
+        # Only a transient extent (READ) may take the read reserve.
+        keep_free = 0 if kind == READ else room.reserve
+        slot = region.allocate(length, kind, trailer, keep_free)
         if slot is None:
-            residents = region.resident_keys(keep, aged=aged)
+            since = room.aged() if aged else None
+            residents = region.resident_keys(keep, since_before=since)
             for moved in self._store.leave_region(residents, incoming):
                 if moved:
                     self._metrics.shm_copies.labels("out").inc()
-                slot = region.allocate(length, kind, trailer)
+                slot = region.allocate(length, kind, trailer, keep_free)
                 if slot is not None:
                     break
         return slot

@@ -21,12 +21,9 @@ The region holds three kinds of extent, from one allocator:
   names them in GetAndUpdate, under a lease that expires;
 - transient extents: a copy of an item that stays in the heap, made for one
   ReadShm when the region has no room for it to move in, and freed when its
-  reader's hold ends. Residents and write slots leave a reserve free for them
-  (the largest item read so in the last RESERVE_S, at most half the region),
-  so that reads of a hot set larger than the region do not push residents
-  out. Only an item read again within TENURE_S takes the place of residents
-  in for longer than that (reads with no call are not seen: a resident's
-  time counts from when it came in, or was last read through ReadShm).
+  reader's hold ends. Residents and write slots may be asked to leave room
+  free for them (`allocate`'s `keep_free`: the read reserve, whose rule is
+  _placement.py's, as is which residents a read may take the place of).
 
 An extent's generation word is zeroed when it is freed, before its memory
 can be used again: a reader checks the word before and after copying, and
@@ -58,7 +55,6 @@ import os
 import secrets
 import time
 from bisect import insort
-from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +87,7 @@ __all__ = [
     "Resident",
     "Slot",
     "copy_payload",
+    "extent_span",
     "frame_count",
     "open_region",
     "region_frames",
@@ -105,15 +102,6 @@ WRITE = "write"
 ITEM = "item"
 READ = "read"  # a transient extent: one read's copy of an item in the heap
 RING = "ring"  # a client's report ring (mmcache._rings), until the server retires it
-
-# How long a resident is safe from items read again (`read_again`): reads
-# change the region's content at most at that pace (a copy out, one in), so
-# a hot set larger than the region does not churn it.
-TENURE_S = 10.0
-MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
-# How long the read reserve keeps room for an item of a size no read has
-# needed since: one large item read once does not hold half the region for good.
-RESERVE_S = 300.0
 
 
 @dataclass(slots=True)
@@ -179,7 +167,7 @@ class Region:
             self._map, 0, MAGIC, self.id, self.token, size, HEADER_BYTES, self._buckets
         )
         self._lease_s = lease_s
-        self._clock = clock
+        self.clock = clock
         self._closed = False
         self._data = HEADER_BYTES + index_bytes
         # Free extents (start, length), by start; neighbours merge on free.
@@ -199,14 +187,6 @@ class Region:
         self.leased_bytes = 0  # write slots
         self.resident_bytes = 0  # resident items' extents
         self.transient_bytes = 0  # transient extents
-        # Kept free for transient extents by residents and write slots: the
-        # largest extent a read of an item in the heap needed (`need_read`)
-        # in the last `reserve_s`. (when, span), spans falling: the window's max.
-        self._needs: deque[tuple[float, int]] = deque()
-        self.reserve_s = RESERVE_S
-        self.tenure_s = TENURE_S
-        # Items read from transient extents: store key -> when, oldest first.
-        self._rereads: OrderedDict[str, float] = OrderedDict()
         self.expired = 0  # slots and holds ended by expiry: clients that never said "done"
         # Whether an unread report-ring record leases the extent of this
         # generation (and item key) with no call: then it is kept (`drop`).
@@ -219,13 +199,12 @@ class Region:
         """Write slots and holds outstanding: what clients have yet to give back."""
         return len(self._writes) + len(self._holds)
 
-    def allocate(self, length: int, kind: str, trailer: int = 0) -> Slot | None:
+    def allocate(self, length: int, kind: str, trailer: int = 0, keep_free: int = 0) -> Slot | None:
         """An extent for `length` payload bytes and `trailer` bytes after them, or
-        None when the region has no room. Only a transient extent (READ) may
-        take the reserve, unless the region could never hold both."""
-        span = _span(length, trailer)
-        reserve = self.reserve if kind != READ else 0
-        keep = reserve if span + reserve <= self._room else 0
+        None when the region has no room; one that leaves an extent of
+        `keep_free` bytes free, unless the region could never hold both."""
+        span = extent_span(length, trailer)
+        keep = keep_free if span + keep_free <= self.room else 0
         index = self._first_fit(span, keep)
         if index is None:
             return None
@@ -234,7 +213,7 @@ class Region:
             del self._free[index]
         else:
             self._free[index] = (start + span, free - span)
-        slot = Slot(self._new_lease(), kind, start, span, length, self._clock() + self._lease_s)
+        slot = Slot(self._new_lease(), kind, start, span, length, self.clock() + self._lease_s)
         WORD.pack_into(self._map, start, slot.lease)
         self._slots[slot.lease] = slot
         if kind == WRITE:
@@ -258,27 +237,12 @@ class Region:
 
     def fits(self, length: int, trailer: int = 0) -> bool:
         """Whether an extent of that size could ever be had (the region is large enough)."""
-        return _span(length, trailer) <= self._room
+        return extent_span(length, trailer) <= self.room
 
     @property
-    def _room(self) -> int:
+    def room(self) -> int:
+        """The bytes extents can have: the region less its header and index."""
         return self.size - self._data
-
-    @property
-    def reserve(self) -> int:
-        """The bytes residents and write slots leave free for reads' copies."""
-        cutoff = self._clock() - self.reserve_s
-        while self._needs and self._needs[0][0] < cutoff:
-            self._needs.popleft()
-        return self._needs[0][1] if self._needs else 0
-
-    def need_read(self, length: int) -> None:
-        """A read needs a transient extent of `length` payload bytes: keep that much
-        free for the next `reserve_s`, but never more than half the region."""
-        span = min(_span(length), self._room // 2 // PAGE * PAGE)
-        while self._needs and self._needs[-1][1] <= span:
-            self._needs.pop()  # smaller and older: never the window's max again
-        self._needs.append((self._clock(), span))
 
     def _new_lease(self) -> int:
         lease = secrets.randbits(63) | 1
@@ -339,7 +303,7 @@ class Region:
         del self._slots[slot.lease]
         self._writes.pop(slot.lease, None)
         slot.kind, slot.lease, slot.expires, slot.key = ITEM, self._new_lease(), float("inf"), key
-        slot.since = self._clock()
+        slot.since = self.clock()
         self._slots[slot.lease] = slot
         self._count(slot, 1)
         # The generation last: a reader that sees it sees the rest written.
@@ -356,30 +320,21 @@ class Region:
         slot = resident.slot
         if self._slots.get(slot.lease) is slot:
             self._slots[slot.lease] = self._slots.pop(slot.lease)
-            slot.since = self._clock()
+            slot.since = self.clock()
         if slot.lease not in self._indexed:
             self._index(fingerprint(slot.key), slot)
 
-    def resident_keys(self, keep: Collection[str] = (), *, aged: bool = False) -> list[str]:
+    def resident_keys(
+        self, keep: Collection[str] = (), *, since_before: float | None = None
+    ) -> list[str]:
         """The store keys of the items resident here, first to leave first, but
-        none of `keep`; `aged`: only those in for longer than the tenure."""
+        none of `keep`; `since_before`: only those in since before that time
+        (the clock's)."""
         residents: Iterable[Slot] = (s for s in self._slots.values() if s.kind == ITEM)
-        if aged:
-            cutoff = self._clock() - self.tenure_s
+        if since_before is not None:
+            cutoff = since_before
             residents = itertools.takewhile(lambda s: s.since <= cutoff, residents)
         return [s.key for s in residents if s.key not in keep]
-
-    def read_again(self, key: str) -> bool:
-        """Note a read of the item under `key` from a transient extent; whether
-        it had one within the tenure before."""
-        now = self._clock()
-        last = self._rereads.pop(key, None)
-        self._rereads[key] = now
-        while len(self._rereads) > MAX_REREADS or next(iter(self._rereads.values())) < (
-            now - self.tenure_s
-        ):
-            self._rereads.popitem(last=False)
-        return last is not None and last >= now - self.tenure_s
 
     def _index(self, fp: int, slot: Slot) -> None:
         mask = self._buckets - 1
@@ -406,7 +361,7 @@ class Region:
         """Keep a resident item's (or a transient) extent until `release` or the
         lease ends; the hold's id."""
         hold = self._new_lease()
-        self._holds[hold] = (resident, self._clock() + self._lease_s)
+        self._holds[hold] = (resident, self.clock() + self._lease_s)
         return hold
 
     def release(self, lease: int) -> bool:
@@ -500,13 +455,13 @@ class Region:
         found the ring live for."""
         if self._slots.pop(slot.lease, None) is slot:
             WORD.pack_into(self._map, slot.start, 0)
-            self._quarantine.append((self._clock() + self._lease_s, slot))
+            self._quarantine.append((self.clock() + self._lease_s, slot))
 
     def expire(self) -> int:
         """End the write slots and holds past their lease (a client that died or
         stalled); how many. A write slot's memory waits one more lease before
         it is used again."""
-        now = self._clock()
+        now = self.clock()
         late = [s for s in self._writes.values() if s.expires <= now]
         for slot in late:
             del self._slots[slot.lease]
@@ -559,7 +514,7 @@ class Region:
             del free[index]
 
 
-def _span(length: int, trailer: int = 0) -> int:
+def extent_span(length: int, trailer: int = 0) -> int:
     """The bytes an extent of `length` payload bytes and `trailer` takes: whole pages."""
     return -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
 
