@@ -84,6 +84,19 @@ async def test_many_commands_at_once_each_get_their_own_reply(cluster: RedisClus
             await reader.close()
 
 
+async def test_a_burst_of_commands_opens_no_more_connections_than_the_most(
+    cluster: RedisCluster,
+) -> None:
+    port = cluster.ports[0]
+    reader = BulkReader("127.0.0.1", port, connections=2)
+    try:
+        replies = await asyncio.gather(*(reader.command("PING") for _ in range(20)))
+        assert replies == [b"PONG"] * 20
+        assert len(reader._open) == 2
+    finally:
+        await reader.close()
+
+
 async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: RedisCluster) -> None:
     port = _master_of(cluster, "{g}big")
     big = os.urandom(16 * MIB)

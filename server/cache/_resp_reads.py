@@ -231,7 +231,7 @@ class BulkReader:
         self._connect_timeout_s = connect_timeout_s
         self._most = connections
         self._open: list[_Replies] = []
-        self._opening = 0
+        self._opening = asyncio.Lock()
 
     async def command(self, *args: bytes | str | int) -> Reply:
         replies = await self._connected()
@@ -263,20 +263,26 @@ class BulkReader:
 
     async def _connected(self) -> _Replies:
         """An idle connection, a new one while there are fewer than the most,
-        else the least busy."""
+        else the least busy. Connections are opened one at a time, so that a
+        burst of commands at start opens no more than the most."""
+        taken = self._taken()
+        if taken is not None:
+            return taken
+        async with self._opening:
+            taken = self._taken()
+            if taken is not None:
+                return taken
+            replies = await self._connect()
+            self._open.append(replies)
+            return replies
+
+    def _taken(self) -> _Replies | None:
+        """An open connection to use now: an idle one, or with all open, the least busy."""
         self._open = [r for r in self._open if r.lost is None]
         least = min(self._open, key=lambda r: len(r.waiters), default=None)
-        if least is not None and (
-            not least.waiters or len(self._open) + self._opening >= self._most
-        ):
+        if least is not None and (not least.waiters or len(self._open) >= self._most):
             return least
-        self._opening += 1
-        try:
-            replies = await self._connect()
-        finally:
-            self._opening -= 1
-        self._open.append(replies)
-        return replies
+        return None
 
     async def _connect(self) -> _Replies:
         loop = asyncio.get_running_loop()
