@@ -38,7 +38,6 @@ from mmcache.metrics import (
     StoreGauges,
     register_build_info,
 )
-from mmcache.v1 import cache_pb2 as pb
 
 from ._auth import AuthInterceptor, Metadata, TokenBook, check_call
 from ._config import ConfigError, ServerConfig, is_loopback
@@ -46,11 +45,13 @@ from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._events import ItemEvents
 from ._feed import Feed
 from ._namespaces import Namespaces
+from ._records import WIRE_MANIFESTS
+from ._reports import parse_report
 from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
 from ._session_calls import SessionCalls
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
-from .cache import InflightBudget, ItemCache, ItemStore, Region, open_region
+from .cache import Change, InflightBudget, ItemCache, ItemStore, Region, open_region
 from .cache._tier import L2Settings, L2Tier
 
 __all__ = ["MMCacheServer", "serve"]
@@ -116,6 +117,7 @@ class MMCacheServer:
             lambda: self.region,
             self.l2,
             self.namespaces.emit,
+            parse_report,
         )
         session_calls = SessionCalls(
             self.sessions,
@@ -260,10 +262,10 @@ class MMCacheServer:
             self.instance_id,
         )
 
-    def _changed(self, kind: pb.ChangeKind.ValueType, key: str, size: int) -> None:
+    def _changed(self, kind: Change, key: str, size: int) -> None:
         """The store's change: to its namespace's feed, and to routers."""
         self.namespaces.emit(kind, key, size)
-        if self.l2 is not None and kind == pb.CHANGE_REMOVED:
+        if self.l2 is not None and kind == Change.REMOVED:
             self.l2.removed(key)
         if self.events is not None:
             self.events.changed(kind, key, size)
@@ -362,6 +364,7 @@ def _l2_tier(
         store,
         metrics,
         settings,
+        WIRE_MANIFESTS,
         node=instance_id,
         on_written=(lambda key, size: None) if events is None else events.written_to_l2,
     )

@@ -33,9 +33,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from mmcache.v1 import cache_pb2 as pb
-
 from ._namespaces import split_key
+from .cache import Change
 
 __all__ = [
     "END_SEQ",
@@ -144,11 +143,11 @@ class ItemEvents:
         self._flush()
         self._close_sockets()
 
-    def changed(self, kind: pb.ChangeKind.ValueType, key: str, size: int) -> None:
+    def changed(self, kind: Change, key: str, size: int) -> None:
         """A store change (the store's hook): stored or removed, in L1."""
-        if kind == pb.CHANGE_STORED:
+        if kind == Change.STORED:
             self._add("stored", key, "l1", size)
-        elif kind == pb.CHANGE_REMOVED:
+        elif kind == Change.REMOVED:
             self._add("removed", key, "l1", 0)
 
     def written_to_l2(self, key: str, size: int) -> None:

@@ -26,23 +26,14 @@ from dataclasses import dataclass
 
 from mmcache.v1 import cache_pb2 as pb
 
+from .cache import Change, FeedState
+
 __all__ = ["Feed", "FeedState", "Subscriber"]
 
 # Changes per message, and keys per snapshot part: ~0.5-1 MiB each for
 # 64-character hashes, well inside the 8 MiB message cap.
 MAX_CHANGES_PER_MESSAGE = 8192
 SNAPSHOT_PART_KEYS = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class FeedState:
-    """The store's key set at one moment: what a snapshot sends."""
-
-    mm_hashes: list[str]
-    sizes: list[int]
-    pending: list[str]
-    capacity: int
-    max_items: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +89,7 @@ class Feed:
         """No subscriber, and nothing batched for one."""
         return not self._subscribers and not self._kinds
 
-    def emit(self, kind: pb.ChangeKind.ValueType, mm_hash: str, size: int = 0) -> None:
+    def emit(self, kind: Change, mm_hash: str, size: int = 0) -> None:
         """Record one change; subscribers get it with the next batch."""
         self._seq += 1
         if not self._subscribers:
@@ -108,7 +99,7 @@ class Feed:
                 self._snapshot = None
                 self._drop_ring()
             return
-        self._kinds.append(kind)
+        self._kinds.append(pb.ChangeKind.ValueType(kind))  # the same numbers
         self._hashes.append(mm_hash)
         self._sizes.append(size)
         if len(self._kinds) >= MAX_CHANGES_PER_MESSAGE:

@@ -30,9 +30,9 @@ from mmcache._spec import (
     check_namespace,
     store_key,
 )
-from mmcache.v1 import cache_pb2 as pb
 
-from ._feed import Feed, FeedState
+from ._feed import Feed
+from .cache import Change, FeedState
 
 __all__ = ["Namespace", "Namespaces", "namespace_name", "split_key"]
 
@@ -144,7 +144,7 @@ class Namespaces:
             )
         return self._make(name)
 
-    def emit(self, kind: pb.ChangeKind.ValueType, key: str, size: int = 0) -> None:
+    def emit(self, kind: Change, key: str, size: int = 0) -> None:
         """The store's change hook: the change goes to its namespace's feed."""
         self._changes += 1
         name, mm_hash = split_key(key)

@@ -28,6 +28,7 @@ from mmcache.v1 import cache_pb2 as pb
 
 from ._namespaces import Namespace, Namespaces
 from ._replays import Replays, batch_key
+from ._reports import report_of
 from ._session_calls import SessionCalls
 from ._status import guard, protobuf_method, write
 from ._upload import (
@@ -44,9 +45,17 @@ from ._upload import (
     slot_message,
     slot_sizes,
     times_of,
+)
+from .cache import (
+    BatchResult,
+    Deadline,
+    ItemCache,
+    Lease,
+    PreparedUpdate,
+    StoredItem,
+    Tier,
     upload_entry,
 )
-from .cache import BatchResult, Deadline, ItemCache, PreparedUpdate, StoredItem, Tier
 
 __all__ = ["SERVICE_NAME", "CacheServicer"]
 
@@ -166,7 +175,7 @@ class CacheServicer:
     async def release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseReply:
         namespace = self._namespace(context)
         keys = namespace.checked_keys(request.mm_hashes)
-        released = self._cache.release(namespace, keys, request)
+        released = self._cache.release(namespace, keys, report_of(request))
         return pb.ReleaseReply(instance_id=self._instance_id, released=released)
 
     async def locate(self, request: pb.LocateRequest, context: Context) -> pb.LocateReply:
@@ -250,7 +259,7 @@ class CacheServicer:
         # After `seq`: what the spares push out of the cache comes by the feed.
         keys = [e.key for e in batch.entries]
         spares = self._cache.spares(request.shm_token, spare_sizes, keys)
-        leased = request.lease != pb.LEASE_NONE
+        leased = request.lease != pb.LEASE_NONE  # checked by parse_header
         store = self._cache.store
         lease_ms = int(self._cache.lease_s * 1000) if leased else 0
         spare_slots = [slot_message(s) for s in spares]
@@ -275,7 +284,7 @@ class CacheServicer:
         if batch.last:
             await check_no_surplus(stream, batch.in_metadata)
         touches = batch.namespace.keys(batch.request.touches)
-        return prepared.commit(uploads, touches, batch.request.lease)
+        return prepared.commit(uploads, touches, Lease(batch.request.lease))
 
     async def fetch(self, request_bytes: bytes, context: Context) -> None:
         try:
@@ -288,7 +297,7 @@ class CacheServicer:
         header = pb.FetchHeader(instance_id=self._instance_id)
         for mm_hash, item in zip(request.mm_hashes, items, strict=True):
             chunks = self._cache.chunk_count(item)
-            header.items.add(mm_hash=mm_hash, item=item.spec, num_chunks=chunks)
+            header.items.add(mm_hash=mm_hash, num_chunks=chunks).item.MergeFromString(item.spec)
         await write(context, header_frame(header.SerializeToString()))
         for item in items:
             for frame in self._cache.frames_of(item):
@@ -313,7 +322,7 @@ class CacheServicer:
         for mm_hash, read in zip(request.mm_hashes, reads, strict=True):
             where = slot_message(read.slot)
             where.hold = read.hold
-            header.items.add(mm_hash=mm_hash, item=read.item.spec, shm=where)
+            header.items.add(mm_hash=mm_hash, shm=where).item.MergeFromString(read.item.spec)
         if request.release:  # the reply says where every item is: the leases' promise is kept
             self._cache.release_leases(keys)
         return header

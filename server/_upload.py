@@ -2,9 +2,10 @@
 
 The header comes from the call's metadata or its first frame; `parse_header`
 turns each of its entries into one frozen `EntryHeader`, checked before any
-byte is read; `read_chunks` reads one entry's frames; `upload_entry` joins
-the two into what the store applies; `build_reply` writes the answer. No
-other module reads or writes these wire messages.
+byte is read, its spec kept as the bytes it came in (the data plane never
+reads protobuf); `read_chunks` reads one entry's frames, checked as
+server/cache/_entries.py checks every item's frames; `build_reply` writes the
+answer. No other module reads or writes these wire messages.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from mmcache._frames import (
     HEADER_TAG,
     MAX_CHUNK_BYTES,
     UPDATE_HEADER_KEY,
-    chunk_payload_offset,
     header_frame_body,
 )
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
@@ -30,15 +30,16 @@ from mmcache.v1 import cache_pb2 as pb
 
 from ._namespaces import Namespace
 from .cache._deadline import Deadline
-from .cache._region import Resident, Slot
-from .cache._store import BatchResult, StoredItem, UploadEntry
+from .cache._entries import EntryHeader, check_received, chunk_length
+from .cache._region import Slot
+from .cache._store import BatchResult
+from .cache._types import Lease, ShmRef
 
 __all__ = [
     "Batch",
     "EntryHeader",
     "TruncatedUploadError",
     "build_reply",
-    "check_frames",
     "check_no_surplus",
     "chunks_declared",
     "frames_of",
@@ -51,10 +52,11 @@ __all__ = [
     "slot_message",
     "slot_sizes",
     "times_of",
-    "upload_entry",
 ]
 
 Context = grpc.aio.ServicerContext[Any, Any]
+
+_LEASE_MODES = frozenset(int(mode) for mode in Lease)
 
 # How long a stream that ended mid-upload is given to show its client's cancel.
 TRUNCATION_GRACE_S = 0.5
@@ -63,29 +65,6 @@ TRUNCATION_GRACE_S = 0.5
 class TruncatedUploadError(InvalidArgumentError):
     """The stream ended before the chunks its header declared: a client's bug,
     or (more often) a client that cancelled, seen before grpc reports it."""
-
-
-@dataclass(frozen=True, slots=True)
-class EntryHeader:
-    """One entry as its header describes it, checked."""
-
-    index: int
-    mm_hash: str  # as the caller named it
-    key: str  # the store's key: the hash in the caller's namespace
-    modality: str  # the metrics label
-    spec: pb.ItemSpec | None  # None: the hash alone
-    chunks: int | None  # chunk frames that follow for it; None: no data follows
-    payload: int  # tensor bytes those frames carry
-    charged: int  # what the LRU charges: the spec's size plus the metadata's
-    withheld: bool  # data larger than the whole cache, kept home by the client
-    resend: bool
-    metadata: bytes
-    want_metadata: bool
-    shm: pb.ShmSlot | None = None  # the payload is in this shared-memory slot (chunks: 0)
-
-    @property
-    def where(self) -> str:
-        return f"entry {self.index} ({self.mm_hash!r})"
 
 
 @dataclass(frozen=True)
@@ -154,6 +133,11 @@ def parse_header(
     """
     check_count("touches", len(request.touches))
     check_count("entries", len(request.entries))
+    if request.lease not in _LEASE_MODES:
+        raise InvalidArgumentError(
+            f"lease mode {request.lease} is not one this server knows: give LEASE_NONE, "
+            "LEASE_HELD or LEASE_HITS"
+        )
     for h in request.touches:
         check_name("touched mm_hash", h)
     return [_entry_header(i, entry, key_of) for i, entry in enumerate(request.entries)]
@@ -197,7 +181,7 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         mm_hash=entry.mm_hash,
         key=key_of(entry.mm_hash),
         modality=entry.modality,
-        spec=entry.item,
+        spec=entry.item.SerializeToString(),
         chunks=_chunks_of(entry, size.payload, where),
         payload=size.payload,
         charged=size.charged + len(entry.metadata),
@@ -205,8 +189,13 @@ def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str
         resend=entry.resend,
         metadata=entry.metadata,
         want_metadata=entry.want_metadata,
-        shm=entry.shm if entry.HasField("shm") else None,
+        shm=_shm_ref(entry.shm) if entry.HasField("shm") else None,
+        item_modality=entry.item.fields[0].modality if entry.item.fields else "",
     )
+
+
+def _shm_ref(slot: pb.ShmSlot) -> ShmRef:
+    return ShmRef(slot.offset, slot.length, slot.lease)
 
 
 def _chunks_of(entry: pb.UpdateEntry, payload: int, where: str) -> int | None:
@@ -243,38 +232,10 @@ async def read_chunks(stream: AsyncIterator[bytes], entry: EntryHeader) -> tuple
             raise TruncatedUploadError(
                 f"the upload ended after {n} of the {entry.chunks} chunks of {entry.where}"
             )
-        received += _chunk_length(frame, n, entry)
+        received += chunk_length(frame, n, entry)
         frames.append(frame)
-    _check_received(received, entry)
+    check_received(received, entry)
     return tuple(frames)
-
-
-def check_frames(frames: Sequence[bytes], entry: EntryHeader) -> None:
-    """Check chunk frames that came all at once (from the L2 tier) as
-    `read_chunks` checks those of an upload."""
-    if len(frames) != entry.chunks:
-        raise InvalidArgumentError(
-            f"{entry.where} declares {entry.chunks} chunks but {len(frames)} came"
-        )
-    _check_received(sum(_chunk_length(f, n, entry) for n, f in enumerate(frames)), entry)
-
-
-def _chunk_length(frame: bytes, n: int, entry: EntryHeader) -> int:
-    length = len(frame) - chunk_payload_offset(frame)
-    if not 0 < length <= MAX_CHUNK_BYTES:
-        raise InvalidArgumentError(
-            f"chunk {n} of entry {entry.index} carries {length} bytes; chunks carry 1 to "
-            f"{MAX_CHUNK_BYTES}"
-        )
-    return length
-
-
-def _check_received(received: int, entry: EntryHeader) -> None:
-    if received != entry.payload:
-        raise InvalidArgumentError(
-            f"{entry.where} declares {entry.payload} payload bytes (from its dtypes and "
-            f"shapes) but its {entry.chunks} chunks carry {received}"
-        )
 
 
 async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: bool) -> None:
@@ -288,19 +249,6 @@ async def check_no_surplus(stream: AsyncIterator[bytes], header_in_metadata: boo
             "send one or the other"
         )
     raise InvalidArgumentError("more chunk frames arrived than the header's num_chunks declare")
-
-
-def upload_entry(
-    entry: EntryHeader, frames: tuple[bytes, ...], resident: Resident | None = None
-) -> UploadEntry:
-    """What the store applies for one entry, its frames read (or its payload
-    resident in the shared-memory region)."""
-    if entry.spec is None:
-        return UploadEntry(entry.key, want_metadata=entry.want_metadata)
-    if entry.withheld:
-        return UploadEntry(entry.key, withheld=True)
-    item = StoredItem(entry.spec, frames, entry.payload, entry.charged, entry.metadata, resident)
-    return UploadEntry(entry.key, item)
 
 
 def build_reply(

@@ -4,9 +4,11 @@ Metrics are read from each cache's registry."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,9 +18,23 @@ from mmcache._frames import MAX_CHUNK_BYTES
 from mmcache._lru import Outcome
 from mmcache.client._codec import encode_item, iter_chunk_frames
 from mmcache.metrics import CacheMetrics, L2Metrics
+from mmcache.server import cache as server_cache
 from mmcache.server._namespaces import Namespaces
-from mmcache.server._upload import EntryHeader, parse_header, upload_entry
-from mmcache.server.cache import Deadline, InflightBudget, ItemCache, ItemStore, Tier
+from mmcache.server._records import WIRE_MANIFESTS
+from mmcache.server._reports import parse_report
+from mmcache.server._upload import parse_header
+from mmcache.server.cache import (
+    Change,
+    Deadline,
+    EntryHeader,
+    InflightBudget,
+    ItemCache,
+    ItemStore,
+    Lease,
+    Report,
+    Tier,
+    upload_entry,
+)
 from mmcache.server.cache._l2 import L2Error, Poll, Sighting, Want, record_of_item
 from mmcache.server.cache._l2_memory import MemoryL2
 from mmcache.server.cache._store import BatchResult
@@ -68,15 +84,21 @@ def _node(
     tier = None
     if backend is not None:
         settings = settings or L2Settings(beat_s=0.05, recheck_s=0.01, wait_s=2.0)
-        tier = L2Tier(backend, store, L2Metrics(registry), settings, node=name)
+        tier = L2Tier(backend, store, L2Metrics(registry), settings, WIRE_MANIFESTS, node=name)
         tier.start()
     cache = ItemCache(
-        store, InflightBudget(inflight), CacheMetrics(registry), lambda: None, tier, _ignore
+        store,
+        InflightBudget(inflight),
+        CacheMetrics(registry),
+        lambda: None,
+        tier,
+        _ignore,
+        parse_report,
     )
     return Node(cache, store, registry, tier)
 
 
-def _ignore(kind: pb.ChangeKind.ValueType, key: str) -> None:
+def _ignore(kind: Change, key: str) -> None:
     pass
 
 
@@ -98,7 +120,7 @@ async def _update(
     sent: Sequence[tuple[str, int | None]],
     deadline: Deadline = NO_DEADLINE,
     said_wait_s: float | None = None,
-    lease: pb.LeaseMode.ValueType = pb.LEASE_NONE,
+    lease: Lease = Lease.NONE,
 ) -> BatchResult:
     """One batch, as the servicer runs it: prepared, its data read, committed."""
     parsed = [_header(h, seed) for h, seed in sent]
@@ -132,7 +154,7 @@ async def test_a_hash_sent_alone_waits_for_another_uploads_commit_and_hits() -> 
         waiter = asyncio.create_task(_update(node.cache, [("x", None)]))
         await asyncio.sleep(0.05)
         assert not waiter.done()  # it waits for the upload in flight
-        uploading.commit([upload_entry(entry, frames)], [], pb.LEASE_NONE)
+        uploading.commit([upload_entry(entry, frames)], [], Lease.NONE)
     assert (await waiter).outcomes == [Outcome.HIT]
     assert node.cache.pending == []
     assert node.sample("mmcache_upload_waits_total") == 1
@@ -181,10 +203,10 @@ async def test_a_read_names_the_missing_and_locate_tells_tiers_and_sizes() -> No
 
 async def test_leases_taken_by_an_update_end_with_a_release() -> None:
     node = _node(None)
-    await _update(node.cache, [("x", 1)], lease=pb.LEASE_HELD)
+    await _update(node.cache, [("x", 1)], lease=Lease.HELD)
     assert node.store.leases == 1
     namespace = Namespaces("test", node.store.state, list).default
-    released = node.cache.release(namespace, ["x"], pb.ReleaseRequest(mm_hashes=["x"]))
+    released = node.cache.release(namespace, ["x"], Report(mm_hashes=["x"]))
     assert released == 1 and node.store.leases == 0
 
 
@@ -272,7 +294,7 @@ async def test_an_l2_that_fails_is_a_miss_never_an_error(nodes: list[Node]) -> N
 async def test_a_read_with_no_time_left_does_not_ask_l2(nodes: list[Node]) -> None:
     a, b, _ = nodes
     assert b.tier is not None
-    record = record_of_item("x", await _stored_item(a, "x"))
+    record = record_of_item(await _stored_item(a, "x"), WIRE_MANIFESTS)
     backend = b.tier.backend
     await backend.write("x", record, 0)
     with pytest.raises(CacheMissError):
@@ -291,7 +313,7 @@ async def _stored_item(node: Node, key: str):  # type: ignore[no-untyped-def]
 
 async def test_memory_l2_records_are_whole_bounded_and_expire() -> None:
     now = [0.0]
-    record = record_of_item("x", await _stored_item(_node(None), "x"))
+    record = record_of_item(await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
     backend = MemoryL2(max_bytes=3 * record.nbytes, clock=lambda: now[0])
     await backend.write("a", record, ttl_s=10)
     await backend.write("b", record, ttl_s=0)
@@ -327,3 +349,77 @@ async def test_memory_l2_claims_wants_and_heartbeats_follow_the_redis_scripts() 
     with pytest.raises(L2Error, match="down"):
         await backend.read("k")
     assert not backend.up and backend.nodes_down == 1
+
+
+# -- the package's own types, and the edge that converts the wire to them --------
+
+
+def test_the_data_plane_imports_neither_grpc_nor_protobuf() -> None:
+    package = Path(server_cache.__file__).parent
+    wire = ("grpc", "google.protobuf", "mmcache.v1")
+    offenders = []
+    for module in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.ImportFrom) and node.level > 1:
+                names = [f"{'.' * node.level}{node.module or ''}"]  # out of the package
+            offenders += [
+                f"{module.name}: {name}"
+                for name in names
+                if name.startswith(wire) or name.startswith("..")
+            ]
+    assert offenders == []
+
+
+def test_the_enums_keep_the_wires_numbers() -> None:
+    assert {c.name: int(c) for c in Change} == {
+        name.removeprefix("CHANGE_"): number
+        for name, number in pb.ChangeKind.items()
+        if number != pb.CHANGE_UNSPECIFIED
+    }
+    assert {m.name: int(m) for m in Lease} == {
+        name.removeprefix("LEASE_"): number for name, number in pb.LeaseMode.items()
+    }
+
+
+async def test_an_l2_manifest_is_written_as_every_release_wrote_it() -> None:
+    """Records written by older sidecars read back, and ours read there:
+    the manifest is the UpdateEntry a client would send, spec and all."""
+    item = await _stored_item(_node(None), "x")
+    spec = pb.ItemSpec.FromString(item.spec)
+    frames = len(item.frames)
+    before = pb.UpdateEntry(mm_hash="l2", item=spec, num_chunks=frames, metadata=b"m")
+    ours = WIRE_MANIFESTS.encode(replace(item, metadata=b"m"), frames)
+    assert pb.UpdateEntry.FromString(ours) == before
+    entry = WIRE_MANIFESTS.decode("x", before.SerializeToString())
+    assert (entry.spec, entry.payload, entry.chunks) == (item.spec, item.payload, frames)
+    assert entry.item_modality == item.modality == "image"
+    with pytest.raises(InvalidArgumentError, match="not an item record"):
+        WIRE_MANIFESTS.decode("x", pb.UpdateEntry(mm_hash="x", item=spec).SerializeToString())
+
+
+def test_a_ring_record_converts_whole_and_garbage_is_refused() -> None:
+    release = pb.ReleaseRequest(
+        mm_hashes=["a"],
+        shm_token=b"t",
+        shm_read_bytes=5,
+        shm_done=[7],
+        misses={"image": 2},
+        hits={"video": 1},
+        shm_leases=[pb.ShmLease(mm_hash="b", generation=9)],
+        client_cpu_ns=11,
+    )
+    report = parse_report(release.SerializeToString())
+    assert (list(report.mm_hashes), report.shm_token, report.shm_read_bytes) == (["a"], b"t", 5)
+    assert (list(report.shm_done), dict(report.misses), dict(report.hits)) == (
+        [7],
+        {"image": 2},
+        {"video": 1},
+    )
+    assert (list(report.shm_leases), report.client_cpu_ns) == ([("b", 9)], 11)
+    with pytest.raises(InvalidArgumentError, match="does not parse"):
+        parse_report(b"\xff\xff\xff")

@@ -362,9 +362,7 @@ class MirrorAndStoreAgainstOracle(RuleBasedStateMachine):
     def batch(self, keys: list[str]) -> None:
         send = self.mirror.plan(keys, [True] * len(keys))
         entries = [
-            UploadEntry(k, StoredItem(pb.ItemSpec(), (), 0, self.sizes[k]))
-            if data
-            else UploadEntry(k)
+            UploadEntry(k, StoredItem(b"", (), 0, self.sizes[k])) if data else UploadEntry(k)
             for k, data in zip(keys, send, strict=True)
         ]
         held = set(self.store.keys())

@@ -50,13 +50,12 @@ from mmcache.client._codec import (
 from mmcache.client._fetched import read_fetch
 from mmcache.server._upload import (
     Context,
-    EntryHeader,
     check_no_surplus,
     parse_header,
     read_chunks,
     read_request,
-    upload_entry,
 )
+from mmcache.server.cache import EntryHeader, upload_entry
 from mmcache.server.cache._store import UploadEntry
 from mmcache.v1 import cache_pb2 as pb
 
@@ -271,7 +270,7 @@ def test_uploads_pass_the_server_parsers_and_come_back_bit_exact_in_a_fetch(
     assert len(stored) == len(batch)
     assert [f for s in stored for f in s.frames] == chunks  # kept as received
     for entry, upload, (_, metadata) in zip(entries[: len(batch)], stored, batch, strict=True):
-        size = item_size(upload.spec)
+        size = item_size(pb.ItemSpec.FromString(upload.spec))
         assert (upload.payload, upload.size) == (size.payload, size.charged + len(metadata))
         assert upload.metadata == metadata and entry.charged == upload.size
     assert all(not u.withheld and u.want_metadata for u in uploads[len(batch) :])
@@ -279,7 +278,9 @@ def test_uploads_pass_the_server_parsers_and_come_back_bit_exact_in_a_fetch(
     # The Fetch reply: the stored specs and the very same frames, read by the client.
     fetched = pb.FetchHeader(instance_id="i")
     for n, upload in enumerate(stored):
-        fetched.items.add(mm_hash=f"h{n}", item=upload.spec, num_chunks=len(upload.frames))
+        fetched.items.add(mm_hash=f"h{n}", num_chunks=len(upload.frames)).item.MergeFromString(
+            upload.spec
+        )
     reply = [header_frame(fetched.SerializeToString())]
     reply += [f for upload in stored for f in upload.frames]
     transported = [header_frame_body(reply[0], "the first Fetch frame"), *reply[1:]]
@@ -428,7 +429,8 @@ def check_accepted(received: Received) -> None:
         check_name("mm_hash", entry.mm_hash)
         if upload.item is None:
             continue
-        size = item_size(upload.item.spec)
+        spec = pb.ItemSpec.FromString(upload.item.spec)  # kept as it came
+        size = item_size(spec)
         assert entry.chunks == len(upload.item.frames)
         assert all(
             0 < len(f) - chunk_payload_offset(f) <= MAX_CHUNK_BYTES for f in upload.item.frames
@@ -436,7 +438,7 @@ def check_accepted(received: Received) -> None:
         assert len(payload_of(upload.item.frames)) == size.payload == upload.item.payload
         assert upload.item.size == size.charged + len(upload.item.metadata)
         # Held, it would go back verbatim in a Fetch: the client must be able to read it.
-        decode_item(upload.item.spec, upload.item.frames)
+        decode_item(spec, upload.item.frames)
 
 
 def chunk_frames(data: st.DataObject, total: int, exact: bool = False) -> list[bytes]:

@@ -285,6 +285,10 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
         ),
         ([b"\x0a\x7f" + header(pb.UpdateEntry(mm_hash="h"))[2:]], "declares a header of 127"),
         ([b"\x0a\xff"], "truncated length"),
+        (
+            [pb.UpdateFrame(header=pb.UpdateRequest(lease=7)).SerializeToString()],  # type: ignore[arg-type]
+            "lease mode 7 is not one this server knows",
+        ),
     ],
     ids=[
         "unknown-dtype",
@@ -301,6 +305,7 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
         "second-header",
         "header-cut-short",
         "header-length-truncated",
+        "unknown-lease-mode",
     ],
 )
 async def test_bad_input_is_invalid_argument_and_nothing_is_lost(

@@ -16,19 +16,18 @@ from mmcache._errors import CacheMissError
 from mmcache._lru import Outcome
 from mmcache._spec import check_count, check_counts
 from mmcache.metrics import CacheMetrics
-from mmcache.v1 import cache_pb2 as pb
 
 from ._deadline import Deadline
+from ._entries import EntryHeader
 from ._inflight import InflightBudget
 from ._pending import PendingUploads
 from ._placement import Placement
 from ._region import Region, Resident, Slot, frame_count, region_frames
 from ._report_rings import ReportRings
 from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
+from ._types import Change, Lease, Report, Scope
 
-if TYPE_CHECKING:  # the upload's parser and the tier import this package
-    from .._namespaces import Namespace
-    from .._upload import EntryHeader
+if TYPE_CHECKING:  # the tier imports the facade's modules
     from ._tier import L2Tier
 
 __all__ = ["CacheStats", "ItemCache", "PreparedUpdate", "ShmRead", "Tier"]
@@ -96,7 +95,7 @@ class PreparedUpdate:
         self,
         uploads: Sequence[UploadEntry],
         touches: Sequence[str],
-        lease: pb.LeaseMode.ValueType,
+        lease: Lease,
     ) -> BatchResult:
         """Store the batch (no await: what came from L2 is in L1 when answered,
         and its room is made without evicting what this batch names); count
@@ -136,7 +135,8 @@ class ItemCache:
         metrics: CacheMetrics,
         region: Callable[[], Region | None],
         l2: L2Tier | None,
-        emit: Callable[[pb.ChangeKind.ValueType, str], None],
+        emit: Callable[[Change, str], None],
+        parse_report: Callable[[bytes], Report],
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -146,6 +146,7 @@ class ItemCache:
         self._l2 = l2
         self._pending = PendingUploads(emit)
         self._rings: ReportRings | None = None
+        self._parse_report = parse_report
 
     # -- state --
 
@@ -343,7 +344,7 @@ class ItemCache:
     def modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""
         item = self.store.peek(key)
-        return item.spec.fields[0].modality if item is not None and item.spec.fields else ""
+        return "" if item is None else item.modality
 
     def count(self, modality: str, outcome: Outcome, resend: bool) -> None:
         if resend:
@@ -355,16 +356,16 @@ class ItemCache:
 
     # -- co-located clients' reports --
 
-    def release(self, namespace: Namespace, keys: list[str], request: pb.ReleaseRequest) -> int:
+    def release(self, namespace: Scope, keys: list[str], report: Report) -> int:
         """A Release call: the leases it ended."""
         self.drain_reports()  # what came before this call, first
         region = self._region()
         # Only a client that maps the region reports; one of a region gone is
         # too late, but its leases are still given back.
-        mapped = region is not None and region.matches(request.shm_token)
-        return self._report(namespace, keys, request, region if mapped else None)
+        mapped = region is not None and region.matches(report.shm_token)
+        return self._report(namespace, keys, report, region if mapped else None)
 
-    def open_ring(self, token: bytes, namespace: Namespace) -> Slot | None:
+    def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
         """A report ring for a co-located client; None when there is no room."""
         region = self.placement.region_of(token)
         return self._rings_of(region).open(namespace)
@@ -383,31 +384,31 @@ class ItemCache:
 
     def _report(
         self,
-        namespace: Namespace,
+        namespace: Scope,
         keys: list[str],
-        request: pb.ReleaseRequest,
+        report: Report,
         region: Region | None,
     ) -> int:
         """Apply a Release, or a report ring's record; the leases it ended.
         `region`: the client maps it (its holds and its bytes read count)."""
-        check_count("shm_done", len(request.shm_done))
-        check_count("shm_leases", len(request.shm_leases))
-        check_counts("misses", request.misses)
-        check_counts("hits", request.hits)
+        check_count("shm_done", len(report.shm_done))
+        check_count("shm_leases", len(report.shm_leases))
+        check_counts("misses", report.misses)
+        check_counts("hits", report.hits)
         # Queries a client answered itself count as lookups would.
-        for modality, count in request.misses.items():
+        for modality, count in report.misses.items():
             self.metrics.queried(modality, hit=False, count=count)
-        for modality, count in request.hits.items():
+        for modality, count in report.hits.items():
             self.metrics.queried(modality, hit=True, count=count)
         if region is None:
             return self.store.release(keys)
-        for hold in request.shm_done:
+        for hold in report.shm_done:
             region.release(hold)
-        self.metrics.shm_bytes.labels("read").inc(request.shm_read_bytes)
-        self.metrics.sent_bytes.inc(request.shm_read_bytes)  # as if Fetch had sent them
-        self.metrics.shm_client_cpu.inc(request.client_cpu_ns / 1e9)
-        if request.shm_leases:  # taken with no call: as a lookup's hits are
-            leased = [lease.mm_hash for lease in request.shm_leases]
+        self.metrics.shm_bytes.labels("read").inc(report.shm_read_bytes)
+        self.metrics.sent_bytes.inc(report.shm_read_bytes)  # as if Fetch had sent them
+        self.metrics.shm_client_cpu.inc(report.client_cpu_ns / 1e9)
+        if report.shm_leases:  # taken with no call: as a lookup's hits are
+            leased = [mm_hash for mm_hash, _ in report.shm_leases]
             self.store.lease(namespace.checked_keys(leased))
         if region.orphans:  # a lease of an extent kept after its item left
             for key in [key for key in keys if not self.store.is_leased(key)]:
@@ -417,10 +418,10 @@ class ItemCache:
     def _rings_of(self, region: Region) -> ReportRings:
         if self._rings is None or self._rings.region is not region:
 
-            def apply(namespace: Namespace, report: pb.ReleaseRequest) -> None:
+            def apply(namespace: Scope, report: Report) -> None:
                 self._report(namespace, namespace.checked_keys(report.mm_hashes), report, region)
 
-            rings = self._rings = ReportRings(region, apply)
+            rings = self._rings = ReportRings(region, apply, self._parse_report)
 
             def keep_leased(generation: int, key: str) -> bool:
                 # An item still in the store (moved to the heap) is leased there.

@@ -7,8 +7,10 @@ An item is one record under its store key: a manifest (the serialised
 its chunk frames, exactly as they travel over gRPC (each at most
 MAX_CHUNK_BYTES of payload). A record is written all at once or not at all,
 so a reader sees a whole item or none, and a store's eviction takes it whole.
-What is read back is checked as an upload is (server/_upload.py): the store
-is shared, so its bytes are input like any client's.
+What is read back is checked as an upload is: the store is shared, so its
+bytes are input like any client's. The manifest is in the wire's format, so
+the edge (server/_records.py) writes and parses it (`Manifests`); its frames
+are checked here, by the one check of every item's frames (_entries.py).
 """
 
 from __future__ import annotations
@@ -17,12 +19,9 @@ import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from google.protobuf.message import DecodeError
+from mmcache._errors import MMCacheError
 
-from mmcache._errors import InvalidArgumentError, MMCacheError
-from mmcache.v1 import cache_pb2 as pb
-
-from .._upload import check_frames, parse_header, upload_entry
+from ._entries import EntryHeader, check_frames, upload_entry
 from ._region import region_frames
 from ._store import StoredItem
 
@@ -30,15 +29,13 @@ __all__ = [
     "L2Backend",
     "L2Error",
     "L2Record",
+    "Manifests",
     "Poll",
     "Sighting",
     "Want",
     "item_of_record",
     "record_of_item",
 ]
-
-
-_NAMED_BY_KEY = "l2"
 
 
 class L2Error(MMCacheError):
@@ -152,35 +149,31 @@ class L2Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def record_of_item(key: str, item: StoredItem) -> L2Record:
+class Manifests(Protocol):
+    """An item's manifest in its L2 record, in the wire's format (server/_records.py)."""
+
+    def encode(self, item: StoredItem, chunks: int) -> bytes:
+        """The manifest of `item`, whose payload is in `chunks` chunk frames."""
+        ...
+
+    def decode(self, key: str, manifest: bytes) -> EntryHeader:
+        """The entry a manifest describes, its spec checked as an upload's is;
+        InvalidArgumentError says what is wrong with one no sidecar wrote."""
+        ...
+
+
+def record_of_item(item: StoredItem, manifests: Manifests) -> L2Record:
     """The record of a held item (copied out of the region when resident there)."""
     frames = item.frames
     if item.resident is not None:
         frames = tuple(region_frames(item.resident.payload()))
-    # The record's key names it; a store key may hold the namespace's NUL,
-    # which no mm_hash may, so the manifest names it by a placeholder.
-    entry = pb.UpdateEntry(
-        mm_hash=_NAMED_BY_KEY, item=item.spec, num_chunks=len(frames), metadata=item.metadata
-    )
-    return L2Record(entry.SerializeToString(), frames)
+    return L2Record(manifests.encode(item, len(frames)), frames)
 
 
-def item_of_record(key: str, record: L2Record) -> StoredItem:
-    """The item a record holds, checked as an upload is; InvalidArgumentError
-    says what is wrong with a record no sidecar could have written."""
-    try:
-        entry = pb.UpdateEntry.FromString(record.manifest)
-    except DecodeError as exc:
-        raise InvalidArgumentError(f"the L2 manifest of {key!r} does not parse: {exc}") from None
-    if (
-        entry.mm_hash != _NAMED_BY_KEY
-        or not entry.HasField("item")
-        or entry.withheld
-        or entry.HasField("shm")
-    ):
-        raise InvalidArgumentError(f"the L2 record under {key!r} is not an item record")
-    (header,) = parse_header(pb.UpdateRequest(entries=[entry]))
-    check_frames(record.chunks, header)
-    item = upload_entry(header, record.chunks).item
+def item_of_record(key: str, record: L2Record, manifests: Manifests) -> StoredItem:
+    """The item a record holds, checked as an upload is (InvalidArgumentError)."""
+    entry = manifests.decode(key, record.manifest)
+    check_frames(record.chunks, entry)
+    item = upload_entry(entry, record.chunks).item
     assert item is not None  # an entry with a spec, not withheld
     return item

@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 
-from mmcache.v1 import cache_pb2 as pb
+from ._types import Change
 
 __all__ = ["PendingUploads"]
 
 
 class PendingUploads:
-    def __init__(self, emit: Callable[[pb.ChangeKind.ValueType, str], None]) -> None:
+    def __init__(self, emit: Callable[[Change, str], None]) -> None:
         self._emit = emit
         self._ends: dict[str, asyncio.Future[None]] = {}
 
@@ -42,7 +42,7 @@ class PendingUploads:
         for h in mm_hashes:
             if h not in self._ends:
                 self._ends[h] = loop.create_future()
-                self._emit(pb.CHANGE_PENDING, h)
+                self._emit(Change.PENDING, h)
                 marked.append(h)
         return marked
 
@@ -50,4 +50,4 @@ class PendingUploads:
         """The upload ended (stored or not): wake its waiters."""
         for h in marked:
             self._ends.pop(h).set_result(None)
-            self._emit(pb.CHANGE_SETTLED, h)
+            self._emit(Change.SETTLED, h)

@@ -26,8 +26,8 @@ from ._region import (
 )
 from ._store import ItemStore, StoredItem
 
-if TYPE_CHECKING:  # the upload's parser imports this package
-    from .._upload import EntryHeader
+if TYPE_CHECKING:  # _entries imports the store, as this does
+    from ._entries import EntryHeader
 
 __all__ = ["RESERVE_S", "TENURE_S", "Placement", "ReadRoom"]
 
@@ -195,7 +195,7 @@ class Placement:
         region = self.region()
         assert region is not None and entry.spec is not None
         self._metrics.shm_bytes.labels("write").inc(slot.length)
-        resident = region.settle(slot, entry.key, entry.spec.SerializeToString(), entry.metadata)
+        resident = region.settle(slot, entry.key, entry.spec, entry.metadata)
         if resident is not None:
             return (), resident
         try:
@@ -216,8 +216,7 @@ class Placement:
                 region.read(item.resident)
                 residents.append(item.resident)
                 continue
-            spec = item.spec.SerializeToString()
-            trailer = len(key.encode()) + len(spec) + len(item.metadata)
+            trailer = len(key.encode()) + len(item.spec) + len(item.metadata)
             slot = self._extent_for(region, key, item.payload, trailer, keys, hold)
             if slot is None:
                 return None
@@ -227,7 +226,7 @@ class Placement:
                 residents.append(Resident(region, slot))  # freed when its hold ends
                 continue
             self._metrics.shm_copies.labels("in").inc()
-            resident = region.settle(slot, key, spec, item.metadata)
+            resident = region.settle(slot, key, item.spec, item.metadata)
             assert resident is not None  # allocated with room for its trailer
             self._store.make_resident(key, item, resident)
             residents.append(resident)

@@ -28,14 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from google.protobuf.message import DecodeError
-
 from mmcache._errors import MMCacheError
 from mmcache._rings import RING_BYTES, RingCorrupt, commit_tail, read_records, ring_head
-from mmcache.v1 import cache_pb2 as pb
 
-from .._namespaces import Namespace
 from ._region import Region, Slot
+from ._types import Report, Scope
 
 __all__ = ["ReportRings"]
 
@@ -50,19 +47,22 @@ STUCK_S = 2.0  # a record that does not become whole within this is no record
 class _Ring:
     slot: Slot
     view: memoryview  # the slot's payload: the ring itself
-    namespace: Namespace
+    namespace: Scope
     tail: int = 0
     used: float = 0.0  # when a record was last read
     stuck: float = 0.0  # since when records wait that never became whole (0: none)
 
 
 class ReportRings:
-    """The rings of one region; `apply` takes each report as the Release it stands for."""
+    """The rings of one region; `apply` takes each report as the Release it
+    stands for; `parse` reads a record (InvalidArgumentError when it cannot:
+    the record is in the wire's format, server/_reports.py)."""
 
     def __init__(
         self,
         region: Region,
-        apply: Callable[[Namespace, pb.ReleaseRequest], None],
+        apply: Callable[[Scope, Report], None],
+        parse: Callable[[bytes], Report],
         *,
         most: int = MAX_RINGS,
         idle_s: float = IDLE_S,
@@ -70,6 +70,7 @@ class ReportRings:
     ) -> None:
         self.region = region
         self._apply = apply
+        self._parse = parse
         self._most = most
         self._idle_s = idle_s
         self._clock = clock
@@ -78,7 +79,7 @@ class ReportRings:
     def __len__(self) -> int:
         return len(self._rings)
 
-    def open(self, namespace: Namespace) -> Slot | None:
+    def open(self, namespace: Scope) -> Slot | None:
         """A new ring for a client of `namespace`, or None (all taken, or no room)."""
         if len(self._rings) >= self._most:
             return None
@@ -134,17 +135,17 @@ class ReportRings:
                 continue  # the next drain retires it
             for payload in payloads:
                 try:
-                    leases = pb.ReleaseRequest.FromString(payload).shm_leases
-                except DecodeError:
+                    leases = self._parse(payload).shm_leases
+                except MMCacheError:
                     continue
-                if any(lease.generation == generation for lease in leases):
+                if any(leased == generation for _, leased in leases):
                     return True
         return False
 
     def _report(self, ring: _Ring, payload: bytes) -> int:
         try:
-            self._apply(ring.namespace, pb.ReleaseRequest.FromString(payload))
-        except (DecodeError, MMCacheError) as exc:  # its client's mistake: the rest go on
+            self._apply(ring.namespace, self._parse(payload))
+        except MMCacheError as exc:  # its client's mistake: the rest go on
             _LOGGER.warning("a report in a shared-memory ring was refused: %s", exc)
             return 0
         return 1

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 
 from mmcache._errors import CacheMissError
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
-from mmcache.v1 import cache_pb2 as pb
 
-from .._feed import FeedState
 from ._leases import LeaseBook
 from ._region import Resident, region_frames
+from ._types import Change, FeedState, Lease
 
 __all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
 
@@ -30,18 +29,19 @@ MAX_REPLY_METADATA_BYTES = 6 << 20
 
 _HELD = (Outcome.HIT, Outcome.STORED, Outcome.REPLACED)
 
-ChangeHook = Callable[["pb.ChangeKind.ValueType", str, int], None]
+ChangeHook = Callable[[Change, str, int], None]
 
 
 @dataclass(frozen=True, slots=True)
 class StoredItem:
-    spec: pb.ItemSpec
+    spec: bytes  # the serialised mmcache.v1.ItemSpec, checked when it arrived
     frames: tuple[bytes, ...]  # empty when resident
     payload: int  # tensor bytes carried by the frames
     size: int  # bytes charged to the LRU: the spec's size plus the metadata's
     metadata: bytes = b""
     # The payload's home in the shared-memory region instead of `frames`.
     resident: Resident | None = None
+    modality: str = ""  # its spec's own (the first field's): a label for its lookups
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +144,7 @@ class ItemStore:
         touches: Iterable[str],
         entries: Sequence[UploadEntry],
         *,
-        lease: pb.LeaseMode.ValueType = pb.LEASE_NONE,
+        lease: Lease = Lease.NONE,
     ) -> BatchResult:
         """Apply a client's pending touches, then one get_and_update batch."""
         self.expire()
@@ -175,20 +175,20 @@ class ItemStore:
         self._evicted = []
         for entry, outcome in zip(entries, outcomes, strict=True):
             if outcome in (Outcome.STORED, Outcome.REPLACED):
-                self._change(pb.CHANGE_STORED, entry.mm_hash, self._lru.size_of(entry.mm_hash))
+                self._change(Change.STORED, entry.mm_hash, self._lru.size_of(entry.mm_hash))
             elif (
                 outcome == Outcome.UNCACHED
                 and entry.mm_hash in held_before
                 and entry.mm_hash not in self._lru
             ):
                 self._leases.forget(entry.mm_hash)
-                self._change(pb.CHANGE_REMOVED, entry.mm_hash)
+                self._change(Change.REMOVED, entry.mm_hash)
         sizes = [
             (self._lru.size_of(e.mm_hash) or 0) if o in _HELD else 0
             for e, o in zip(entries, outcomes, strict=True)
         ]
-        if lease != pb.LEASE_NONE:
-            leased = _HELD if lease == pb.LEASE_HELD else (Outcome.HIT,)
+        if lease != Lease.NONE:
+            leased = _HELD if lease == Lease.HELD else (Outcome.HIT,)
             self._leases.grant(
                 (e.mm_hash for e, o in zip(entries, outcomes, strict=True) if o in leased),
                 self._clock(),
@@ -306,7 +306,7 @@ class ItemStore:
                     self._lru.pop(key)
                     removed.append(key)
         for key in removed:
-            self._change(pb.CHANGE_REMOVED, key)
+            self._change(Change.REMOVED, key)
         return len(removed), kept
 
     def state(self, pending: Iterable[str] = ()) -> FeedState:
@@ -332,7 +332,7 @@ class ItemStore:
     def _drop(self, mm_hash: str) -> None:
         if self._lru.pop(mm_hash) is not None:
             self._leases.forget(mm_hash)
-            self._change(pb.CHANGE_REMOVED, mm_hash)
+            self._change(Change.REMOVED, mm_hash)
 
     def _evicted_one(self, key: str, value: StoredItem, size: int) -> None:
         self._evicted_count += 1
@@ -340,8 +340,8 @@ class ItemStore:
             self._evicted.append(key)
         if self._on_evict is not None:
             self._on_evict(size)
-        self._change(pb.CHANGE_REMOVED, key)
+        self._change(Change.REMOVED, key)
 
-    def _change(self, kind: pb.ChangeKind.ValueType, mm_hash: str, size: int | None = 0) -> None:
+    def _change(self, kind: Change, mm_hash: str, size: int | None = 0) -> None:
         if self._on_change is not None:
             self._on_change(kind, mm_hash, size or 0)

@@ -42,7 +42,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
@@ -54,13 +54,16 @@ from ._l2 import (
     L2Backend,
     L2Error,
     L2Record,
+    Manifests,
     Poll,
     Sighting,
     Want,
     item_of_record,
     record_of_item,
 )
+from ._l2_calls import L2Calls
 from ._store import ItemStore, StoredItem
+from ._write_queue import WriteQueue
 
 __all__ = ["L2Settings", "L2Tier"]
 
@@ -102,20 +105,28 @@ class L2Tier:
         store: ItemStore,
         metrics: L2Metrics,
         settings: L2Settings,
+        manifests: Manifests,
         clock: Callable[[], float] = time.monotonic,
         on_written: Callable[[str, int], None] = lambda key, size: None,
         node: str = "",
     ) -> None:
         self._node = node or uuid.uuid4().hex
         self._on_written = on_written
+        self._manifests = manifests
+        self._calls = L2Calls(
+            backend,
+            metrics,
+            concurrency=settings.concurrency,
+            timeout_s=settings.timeout_s,
+            clock=clock,
+        )
         self._backend = backend
         self._store = store
         self._metrics = metrics
         self._settings = settings
         self._clock = clock
-        self._gate = asyncio.Semaphore(settings.concurrency)
-        self._queue: deque[str] = deque()
-        self._queued: set[str] = set()
+        self._wake = asyncio.Event()
+        self._writes = WriteQueue(settings.queue_items, metrics, self._wake.set)
         # Keys whose claim this sidecar ends (it evicted or could not store them).
         # Deduplicated; bounded by the claims this sidecar holds (known_items each).
         self._unclaims: OrderedDict[str, None] = OrderedDict()
@@ -132,7 +143,6 @@ class L2Tier:
         self._sighting: dict[str, asyncio.Future[tuple[Sighting, str] | None]] = {}
         # Keys L2 holds as far as this sidecar knows (it wrote or read them).
         self._known: OrderedDict[str, None] = OrderedDict()
-        self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None
         self._stopping = False
@@ -144,7 +154,7 @@ class L2Tier:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._writes)
 
     def start(self) -> None:
         self._stopping = False
@@ -166,7 +176,7 @@ class L2Tier:
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
             # Other sidecars take this one's claims over at once, not after alive_s.
-            await self._quietly("claim", partial(self._backend.leave, self._node))
+            await self._calls.quietly("claim", partial(self._backend.leave, self._node))
         await self._backend.close()
 
     # -- read-through --
@@ -204,7 +214,7 @@ class L2Tier:
             self._metrics.misses.inc()
             return None
         try:
-            record = await self._op("read", lambda: self._backend.read(key), deadline)
+            record = await self._calls.within("read", lambda: self._backend.read(key), deadline)
         except L2Error:
             self._metrics.misses.inc()
             return None
@@ -243,7 +253,7 @@ class L2Tier:
         self._sighting[key] = future
         found = None
         try:
-            found = await self._op(
+            found = await self._calls.within(
                 "claim",
                 lambda: self._backend.sight(key, self._settings.window_s, self._node),
                 deadline,
@@ -262,11 +272,11 @@ class L2Tier:
         list (OTHERS: wait for it), or, when that sidecar is gone, take its
         claim over (FIRST: process it here)."""
         try:
-            if await self._op("claim", lambda: self._backend.want(owner, key), deadline) == (
-                Want.ASKED
-            ):
+            if await self._calls.within(
+                "claim", lambda: self._backend.want(owner, key), deadline
+            ) == (Want.ASKED):
                 return Sighting.OTHERS
-            taken = await self._op(
+            taken = await self._calls.within(
                 "claim",
                 lambda: self._backend.take_over(key, owner, self._node, self._settings.window_s),
                 deadline,
@@ -299,13 +309,15 @@ class L2Tier:
                 self._metrics.flight_waits.labels("arrived").inc()
                 return None
             try:
-                state = await self._op("check", lambda: self._backend.poll(key), until)
+                state = await self._calls.within("check", lambda: self._backend.poll(key), until)
                 if state == Poll.GONE:
                     self._metrics.flight_waits.labels("abandoned").inc()
                     self._metrics.misses.inc()
                     return None
                 if state == Poll.HELD:
-                    record = await self._op("read", lambda: self._backend.read(key), until)
+                    record = await self._calls.within(
+                        "read", lambda: self._backend.read(key), until
+                    )
                     if record is not None:
                         self._metrics.flight_waits.labels("arrived").inc()
                         return self._read_in(key, record)
@@ -317,7 +329,7 @@ class L2Tier:
 
     def _read_in(self, key: str, record: L2Record) -> StoredItem | None:
         try:
-            item = item_of_record(key, record)
+            item = item_of_record(key, record, self._manifests)
         except InvalidArgumentError as exc:
             _LOGGER.warning("L2 record ignored (a miss): %s", exc)
             self._metrics.errors.labels("read").inc()
@@ -335,7 +347,7 @@ class L2Tier:
 
         async def one(key: str) -> bool:
             try:
-                return await self._op("check", lambda: self._backend.holds(key), deadline)
+                return await self._calls.within("check", lambda: self._backend.holds(key), deadline)
             except L2Error:
                 return False
 
@@ -348,9 +360,9 @@ class L2Tier:
         held (sent data wins, in L2 too, and it is a second sighting anyway)."""
         self._claims.pop(key, None)
         if self._early_wants.pop(key, None) is not None:  # another sidecar waits for it
-            self._enqueue(key, urgent=True)
+            self._writes.add(key, urgent=True)
         elif replaced or self._settings.admit == "first":
-            self._enqueue(key)
+            self._writes.add(key)
         elif key not in self._known:
             # Claimed from now (the claim made or extended in the background),
             # so that a later asker, anywhere, asks this sidecar.
@@ -378,27 +390,8 @@ class L2Tier:
 
     def hit(self, key: str) -> None:
         """L1 answered `key` held: a second sighting here of an item L2 may lack."""
-        if key not in self._known and key not in self._queued:
-            self._enqueue(key)
-
-    def _enqueue(self, key: str, *, urgent: bool = False) -> None:
-        """Queue a write: `urgent` (another sidecar waits for it) at the head."""
-        if key in self._queued:
-            if urgent and self._queue[0] != key:  # a waiter's item: to the head
-                self._queue.remove(key)
-                self._queue.appendleft(key)
-            return
-        if len(self._queue) >= self._settings.queue_items:
-            self._metrics.writes.labels("dropped").inc()
-            if not urgent:
-                return
-            self._queued.discard(self._queue.pop())  # a waiter's item over the newest plain one
-        if urgent:
-            self._queue.appendleft(key)
-        else:
-            self._queue.append(key)
-        self._queued.add(key)
-        self._wake.set()
+        if key not in self._known and key not in self._writes:
+            self._writes.add(key)
 
     def _know(self, key: str) -> None:
         self._known[key] = None
@@ -410,7 +403,7 @@ class L2Tier:
 
     async def _write_behind(self) -> None:
         while not self._stopping:
-            if not (self._queue or self._unclaims or self._to_hold):
+            if not (self._writes or self._unclaims or self._to_hold):
                 self._wake.clear()
                 timeout = max(0.0, self._next_beat - self._clock())
                 woken = asyncio.ensure_future(self._wake.wait())
@@ -429,14 +422,13 @@ class L2Tier:
             await self._beat()  # long rounds keep the heartbeat (and take wants)
             if key in self._held:  # stored here again since: the claim is live
                 continue
-            await self._quietly("claim", partial(self._backend.unclaim, key, self._node))
+            await self._calls.quietly("claim", partial(self._backend.unclaim, key, self._node))
         while self._to_hold and not self._stopping:
             await self._hold(self._to_hold.popleft())
             await self._beat()
         await self._beat()
-        while self._queue and not self._stopping:
-            key = self._queue.popleft()
-            self._queued.discard(key)
+        while self._writes and not self._stopping:
+            key = self._writes.pop()
             await self._write(key)
             await self._beat()  # a waiter's item goes next, not last
 
@@ -445,7 +437,7 @@ class L2Tier:
         L1 keeps it; written at once when another sidecar asked or claims it."""
         if key not in self._held:  # evicted meanwhile: nothing to claim
             return
-        found = await self._quietly(
+        found = await self._calls.quietly(
             "claim", partial(self._backend.hold, key, self._node, self._settings.hold_s)
         )
         if found is None:
@@ -454,14 +446,7 @@ class L2Tier:
         if sighting == Sighting.OTHERS:  # another sidecar claims it: not this one's
             self._held.pop(key, None)
         if sighting == Sighting.OTHERS or asked:  # a second sighting in the fleet
-            self._enqueue(key, urgent=True)
-
-    async def _quietly(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
-        """A background operation: its failure is counted, and skipped."""
-        try:
-            return await self._op(op, call, self._clock() + self._settings.timeout_s)
-        except L2Error:
-            return None
+            self._writes.add(key, urgent=True)
 
     async def _beat(self) -> None:
         """Every `recheck_s` while this sidecar holds claims (else `beat_s`):
@@ -471,13 +456,13 @@ class L2Tier:
             return
         busy = self._held or self._claims
         self._next_beat = now + (self._settings.recheck_s if busy else self._settings.beat_s)
-        wants = await self._quietly(
+        wants = await self._calls.quietly(
             "check", partial(self._backend.beat, self._node, self._settings.alive_s, 256)
         )
         for key in wants or ():
             if key in self._store:
                 self._known.pop(key, None)  # asked for: L2 lacks it now
-                self._enqueue(key, urgent=True)
+                self._writes.add(key, urgent=True)
             elif key in self._claims:  # still being processed here: written once stored
                 self._early_wants[key] = now + self._settings.window_s
                 while self._early_wants and next(iter(self._early_wants.values())) < now:
@@ -490,10 +475,10 @@ class L2Tier:
         if item is None:
             self._metrics.writes.labels("gone").inc()
             return
-        record, size = record_of_item(key, item), item.size
+        record, size = record_of_item(item, self._manifests), item.size
         del item  # a resident item's extent is not held while the write waits
         try:
-            await self._op(
+            await self._calls.within(
                 "write",
                 lambda: self._backend.write(key, record, self._settings.ttl_s),
                 self._clock() + self._settings.timeout_s,
@@ -506,27 +491,3 @@ class L2Tier:
         self._metrics.written_bytes.inc(record.nbytes)
         self._know(key)
         self._on_written(key, size)
-
-    async def _op(self, op: str, call: Callable[[], Awaitable[T]], deadline: float) -> T:
-        """One backend call, at most `concurrency` at once, bounded by
-        `deadline`; L2Error (counted) when it fails in any way."""
-        left = deadline - self._clock()
-        if left <= 0:
-            raise L2Error("no time left for L2")
-        try:
-            return await asyncio.wait_for(self._gated(op, call), left)
-        except (L2Error, TimeoutError, asyncio.TimeoutError) as exc:
-            self._metrics.errors.labels(op).inc()
-            raise L2Error(f"L2 {op}: {exc or 'timed out'}") from None
-
-    async def _gated(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
-        async with self._gate:
-            started = time.perf_counter()
-            try:
-                result = await call()
-            except L2Error:
-                raise
-            except Exception as exc:  # a backend's surprise is a failure like any other
-                raise L2Error(f"{type(exc).__name__}: {exc}") from None
-            self._metrics.latency.labels(op).observe(time.perf_counter() - started)
-            return result
