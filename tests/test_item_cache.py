@@ -277,6 +277,28 @@ async def test_the_claim_of_a_node_that_left_passes_to_the_next_asker(nodes: lis
     assert asyncio.get_running_loop().time() - started < 1.0  # not its whole wait_s (2 s)
 
 
+async def test_a_record_that_fails_its_check_is_written_over_when_the_item_is_stored(
+    nodes: list[Node],
+) -> None:
+    """A rule of the data plane alone (server/cache/_tier.py): the sidecar that
+    found L2's record bad writes the item as soon as its frontend uploads it,
+    not at a second sighting, so the next node reads it instead of the bad bytes."""
+    a, b, c = nodes
+    assert a.tier is not None
+    good = record_of_item(await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
+    bad = replace(good, chunks=good.chunks[:-1])  # a chunk short: its check fails
+    await a.tier.backend.write("x", bad, 0)
+    assert (await _update(b.cache, [("x", None)])).outcomes == [Outcome.MISSING]
+    assert b.sample("mmcache_l2_errors_total", op="read") == 1
+    await _update(b.cache, [("x", 3)])  # b's frontend processed it: stored, seen once
+    for _ in range(200):
+        if await a.tier.backend.read("x") == good:
+            break
+        await asyncio.sleep(0.01)
+    assert (await _update(c.cache, [("x", None)])).outcomes == [Outcome.HIT]
+    assert c.sample("mmcache_l2_hits_total") == 1
+
+
 async def test_an_l2_that_fails_is_a_miss_never_an_error(nodes: list[Node]) -> None:
     a, b, _ = nodes
     backend = a.tier.backend if a.tier else None

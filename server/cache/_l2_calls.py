@@ -23,7 +23,6 @@ class L2Calls:
         self,
         backend: L2Backend,
         metrics: L2Metrics,
-        *,
         concurrency: int,
         timeout_s: float,
         clock: Callable[[], float],

@@ -113,14 +113,7 @@ class L2Tier:
         self._node = node or uuid.uuid4().hex
         self._on_written = on_written
         self._manifests = manifests
-        self._calls = L2Calls(
-            backend,
-            metrics,
-            concurrency=settings.concurrency,
-            timeout_s=settings.timeout_s,
-            clock=clock,
-        )
-        self._backend = backend
+        self._calls = L2Calls(backend, metrics, settings.concurrency, settings.timeout_s, clock)
         self._store = store
         self._metrics = metrics
         self._settings = settings
@@ -134,8 +127,9 @@ class L2Tier:
         self._to_hold: deque[str] = deque(maxlen=4096)
         # Keys whose claim this sidecar holds with the item in L1.
         self._held: OrderedDict[str, None] = OrderedDict()
-        # Wants taken for items still being processed here: key -> until when.
-        self._early_wants: OrderedDict[str, float] = OrderedDict()
+        # Keys written as soon as they are stored here, within the window: wants
+        # of items still being processed here, records that failed their check.
+        self._write_on_store: OrderedDict[str, float] = OrderedDict()
         # Cold keys this sidecar claimed and its frontend has not stored yet:
         # key -> when, within the window.
         self._claims: OrderedDict[str, float] = OrderedDict()
@@ -150,7 +144,7 @@ class L2Tier:
 
     @property
     def backend(self) -> L2Backend:
-        return self._backend
+        return self._calls.backend
 
     @property
     def queued(self) -> int:
@@ -160,7 +154,7 @@ class L2Tier:
         self._stopping = False
         self._writer = asyncio.create_task(self._write_behind())
         # At start, not on first use: a wrong --l2 is logged now, at ERROR.
-        self._watching = asyncio.create_task(self._backend.watch())
+        self._watching = asyncio.create_task(self.backend.watch())
 
     async def stop(self) -> None:
         if self._watching is not None:
@@ -176,8 +170,8 @@ class L2Tier:
             await asyncio.gather(self._writer, return_exceptions=True)
             self._writer = None
             # Other sidecars take this one's claims over at once, not after alive_s.
-            await self._calls.quietly("claim", partial(self._backend.leave, self._node))
-        await self._backend.close()
+            await self._calls.quietly("claim", partial(self.backend.leave, self._node))
+        await self.backend.close()
 
     # -- read-through --
 
@@ -214,7 +208,7 @@ class L2Tier:
             self._metrics.misses.inc()
             return None
         try:
-            record = await self._calls.within("read", lambda: self._backend.read(key), deadline)
+            record = await self._calls.within("read", lambda: self.backend.read(key), deadline)
         except L2Error:
             self._metrics.misses.inc()
             return None
@@ -255,7 +249,7 @@ class L2Tier:
         try:
             found = await self._calls.within(
                 "claim",
-                lambda: self._backend.sight(key, self._settings.window_s, self._node),
+                lambda: self.backend.sight(key, self._settings.window_s, self._node),
                 deadline,
             )
             if found[0] == Sighting.FIRST:
@@ -273,12 +267,12 @@ class L2Tier:
         claim over (FIRST: process it here)."""
         try:
             if await self._calls.within(
-                "claim", lambda: self._backend.want(owner, key), deadline
+                "claim", lambda: self.backend.want(owner, key), deadline
             ) == (Want.ASKED):
                 return Sighting.OTHERS
             taken = await self._calls.within(
                 "claim",
-                lambda: self._backend.take_over(key, owner, self._node, self._settings.window_s),
+                lambda: self.backend.take_over(key, owner, self._node, self._settings.window_s),
                 deadline,
             )
         except L2Error:
@@ -309,15 +303,13 @@ class L2Tier:
                 self._metrics.flight_waits.labels("arrived").inc()
                 return None
             try:
-                state = await self._calls.within("check", lambda: self._backend.poll(key), until)
+                state = await self._calls.within("check", lambda: self.backend.poll(key), until)
                 if state == Poll.GONE:
                     self._metrics.flight_waits.labels("abandoned").inc()
                     self._metrics.misses.inc()
                     return None
                 if state == Poll.HELD:
-                    record = await self._calls.within(
-                        "read", lambda: self._backend.read(key), until
-                    )
+                    record = await self._calls.within("read", lambda: self.backend.read(key), until)
                     if record is not None:
                         self._metrics.flight_waits.labels("arrived").inc()
                         return self._read_in(key, record)
@@ -334,6 +326,10 @@ class L2Tier:
             _LOGGER.warning("L2 record ignored (a miss): %s", exc)
             self._metrics.errors.labels("read").inc()
             self._metrics.misses.inc()
+            # Written over as soon as this sidecar stores the item (its caller
+            # processes it now), not at a second sighting: every sidecar that
+            # asks meanwhile reads the bad record whole, and misses.
+            self._write_when_stored(key)
             return None
         self._metrics.hits.inc()
         self._metrics.read_bytes.inc(record.nbytes)
@@ -347,7 +343,7 @@ class L2Tier:
 
         async def one(key: str) -> bool:
             try:
-                return await self._calls.within("check", lambda: self._backend.holds(key), deadline)
+                return await self._calls.within("check", lambda: self.backend.holds(key), deadline)
             except L2Error:
                 return False
 
@@ -359,7 +355,7 @@ class L2Tier:
         """A client's data was stored in L1 under `key`; `replaced`: over data
         held (sent data wins, in L2 too, and it is a second sighting anyway)."""
         self._claims.pop(key, None)
-        if self._early_wants.pop(key, None) is not None:  # another sidecar waits for it
+        if self._write_on_store.pop(key, None) is not None:  # wanted, or L2's record is bad
             self._writes.add(key, urgent=True)
         elif replaced or self._settings.admit == "first":
             self._writes.add(key)
@@ -393,6 +389,13 @@ class L2Tier:
         if key not in self._known and key not in self._writes:
             self._writes.add(key)
 
+    def _write_when_stored(self, key: str) -> None:
+        """Write `key` to L2 at once if it is stored here within the window."""
+        now = self._clock()
+        self._write_on_store[key] = now + self._settings.window_s
+        while self._write_on_store and next(iter(self._write_on_store.values())) < now:
+            self._write_on_store.popitem(last=False)
+
     def _know(self, key: str) -> None:
         self._known[key] = None
         self._known.move_to_end(key)
@@ -422,7 +425,7 @@ class L2Tier:
             await self._beat()  # long rounds keep the heartbeat (and take wants)
             if key in self._held:  # stored here again since: the claim is live
                 continue
-            await self._calls.quietly("claim", partial(self._backend.unclaim, key, self._node))
+            await self._calls.quietly("claim", partial(self.backend.unclaim, key, self._node))
         while self._to_hold and not self._stopping:
             await self._hold(self._to_hold.popleft())
             await self._beat()
@@ -438,7 +441,7 @@ class L2Tier:
         if key not in self._held:  # evicted meanwhile: nothing to claim
             return
         found = await self._calls.quietly(
-            "claim", partial(self._backend.hold, key, self._node, self._settings.hold_s)
+            "claim", partial(self.backend.hold, key, self._node, self._settings.hold_s)
         )
         if found is None:
             return
@@ -457,16 +460,14 @@ class L2Tier:
         busy = self._held or self._claims
         self._next_beat = now + (self._settings.recheck_s if busy else self._settings.beat_s)
         wants = await self._calls.quietly(
-            "check", partial(self._backend.beat, self._node, self._settings.alive_s, 256)
+            "check", partial(self.backend.beat, self._node, self._settings.alive_s, 256)
         )
         for key in wants or ():
             if key in self._store:
                 self._known.pop(key, None)  # asked for: L2 lacks it now
                 self._writes.add(key, urgent=True)
             elif key in self._claims:  # still being processed here: written once stored
-                self._early_wants[key] = now + self._settings.window_s
-                while self._early_wants and next(iter(self._early_wants.values())) < now:
-                    self._early_wants.popitem(last=False)
+                self._write_when_stored(key)
             else:  # a claim left behind (an unclaim that failed): end it
                 self._unclaims[key] = None
 
@@ -480,7 +481,7 @@ class L2Tier:
         try:
             await self._calls.within(
                 "write",
-                lambda: self._backend.write(key, record, self._settings.ttl_s),
+                lambda: self.backend.write(key, record, self._settings.ttl_s),
                 self._clock() + self._settings.timeout_s,
             )
         except L2Error as exc:
