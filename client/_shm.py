@@ -38,11 +38,14 @@ from mmcache._shm_layout import (
     HEADER_BYTES,
     MAGIC,
     PAGE,
-    PROBES,
     STALE_S,
     WORD,
+    bucket_at,
+    data_start,
     fingerprint,
     index_buckets,
+    payload_at,
+    probes,
 )
 from mmcache.v1 import cache_pb2 as pb
 
@@ -75,15 +78,14 @@ class ClientRegion:
         self.token = token
         self._map = buffer
         self._view = memoryview(buffer)
-        self._index = index
-        self._mask = buckets - 1
-        self._data = index + -(-buckets * BUCKET.size // PAGE) * PAGE
+        self._buckets = buckets
+        self._data = data_start(buckets)  # the index is at HEADER_BYTES (checked at open)
         # The heartbeat last seen to move, and when (this process's clock).
         self._beats = self._word(BEAT_AT)
         self._beat_seen = time.monotonic()
 
     def _payload(self, slot: pb.ShmSlot) -> memoryview:
-        if slot.offset < self._data + HEAD_BYTES or slot.offset + slot.length > len(self._view):
+        if slot.offset < payload_at(self._data) or slot.offset + slot.length > len(self._view):
             raise ValueError(f"slot {slot.lease} lies outside the region")
         return self._view[slot.offset : slot.offset + slot.length]
 
@@ -133,7 +135,7 @@ class ClientRegion:
         found = self._find(key)
         if found is None:
             return None
-        offset = found.start + HEAD_BYTES
+        offset = payload_at(found.start)
         got = decode_from_region(found.spec, self._view[offset : offset + found.length], pool)
         if got is None or self._word(found.start) != found.generation:
             return None
@@ -154,15 +156,15 @@ class ClientRegion:
         fp = fingerprint(key)
         wanted = key.encode()
         size = len(self._map)
-        for probe in range(PROBES):
-            at = self._index + ((fp + probe) & self._mask) * BUCKET.size
+        for bucket in probes(fp, self._buckets):
+            at = bucket_at(bucket)
             bucket_fp, start, generation, _ = BUCKET.unpack_from(self._map, at)
             if bucket_fp != fp or not generation:
                 continue
-            if start < self._data or start % PAGE or start + HEAD_BYTES > size:
+            if start < self._data or start % PAGE or payload_at(start) > size:
                 continue
             word, length, key_len, spec_len, meta_len = EXTENT_HEAD.unpack_from(self._map, start)
-            end = start + HEAD_BYTES + length
+            end = payload_at(start) + length
             if word != generation or end + key_len + spec_len + meta_len > size:
                 continue
             if key_len != len(wanted) or self._map[end : end + key_len] != wanted:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator
 
 __all__ = [
     "BEAT_AT",
@@ -40,8 +41,13 @@ __all__ = [
     "PROBES",
     "STALE_S",
     "WORD",
+    "bucket_at",
+    "data_start",
+    "extent_span",
     "fingerprint",
     "index_buckets",
+    "payload_at",
+    "probes",
 ]
 
 MAGIC = b"MMCSHM03"
@@ -72,6 +78,33 @@ def index_buckets(size: int) -> int:
     """How many index buckets a region of `size` bytes has: a power of two."""
     wanted = max(64, size // _BYTES_PER_BUCKET)
     return 1 << (wanted - 1).bit_length()
+
+
+def data_start(buckets: int) -> int:
+    """Where extents begin: after the header and an index of `buckets`, on a page."""
+    return HEADER_BYTES + -(-buckets * BUCKET.size // PAGE) * PAGE
+
+
+def bucket_at(bucket: int) -> int:
+    """Where index bucket number `bucket` lies."""
+    return HEADER_BYTES + bucket * BUCKET.size
+
+
+def probes(fp: int, buckets: int) -> Iterator[int]:
+    """The buckets a key of fingerprint `fp` may sit in, in the order both
+    sides try them (`buckets`: a power of two)."""
+    mask = buckets - 1
+    return ((fp + probe) & mask for probe in range(PROBES))
+
+
+def payload_at(start: int) -> int:
+    """Where the payload of the extent at `start` begins: after its head."""
+    return start + HEAD_BYTES
+
+
+def extent_span(length: int, trailer: int = 0) -> int:
+    """The bytes an extent of `length` payload bytes and `trailer` takes: whole pages."""
+    return -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
 
 
 def fingerprint(key: str) -> int:

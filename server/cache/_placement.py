@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
-from mmcache._shm_layout import PAGE
+from mmcache._shm_layout import PAGE, extent_span
 from mmcache.metrics import CacheMetrics
 
 from ._region import (
@@ -21,7 +21,6 @@ from ._region import (
     Resident,
     Slot,
     copy_payload,
-    extent_span,
     region_frames,
 )
 from ._store import ItemStore, StoredItem

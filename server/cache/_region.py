@@ -67,15 +67,18 @@ from mmcache._shm_layout import (
     BEAT_AT,
     BUCKET,
     EXTENT_HEAD,
-    HEAD_BYTES,
     HEADER,
     HEADER_BYTES,
     MAGIC,
     PAGE,
-    PROBES,
     WORD,
+    bucket_at,
+    data_start,
+    extent_span,
     fingerprint,
     index_buckets,
+    payload_at,
+    probes,
 )
 
 __all__ = [
@@ -87,7 +90,6 @@ __all__ = [
     "Resident",
     "Slot",
     "copy_payload",
-    "extent_span",
     "frame_count",
     "open_region",
     "region_frames",
@@ -119,7 +121,7 @@ class Slot:
 
     @property
     def offset(self) -> int:
-        return self.start + HEAD_BYTES
+        return payload_at(self.start)
 
 
 class Resident:
@@ -157,8 +159,7 @@ class Region:
         self.id = secrets.token_bytes(16)
         self.token = secrets.token_bytes(32)
         self._buckets = index_buckets(size)
-        index_bytes = -(-self._buckets * BUCKET.size // PAGE) * PAGE
-        if HEADER_BYTES + index_bytes + 2 * PAGE > size:
+        if data_start(self._buckets) + 2 * PAGE > size:
             raise OSError(f"a shared-memory region of {size} bytes holds nothing")
         self._fd = fd  # held open: its lock tells other servers this file is alive
         self._map = mmap.mmap(fd, size)
@@ -169,7 +170,7 @@ class Region:
         self._lease_s = lease_s
         self.clock = clock
         self._closed = False
-        self._data = HEADER_BYTES + index_bytes
+        self._data = data_start(self._buckets)
         # Free extents (start, length), by start; neighbours merge on free.
         self._free: list[tuple[int, int]] = [(self._data, size - self._data)]
         # Every extent, by its generation; resident items in the order they
@@ -337,11 +338,9 @@ class Region:
         return [s.key for s in residents if s.key not in keep]
 
     def _index(self, fp: int, slot: Slot) -> None:
-        mask = self._buckets - 1
-        for probe in range(PROBES):
-            bucket = (fp + probe) & mask
+        for bucket in probes(fp, self._buckets):
             gen = self._bucket_gen[bucket]
-            at = HEADER_BYTES + bucket * BUCKET.size
+            at = bucket_at(bucket)
             if gen == 0 or BUCKET.unpack_from(self._map, at)[0] == fp:
                 if gen:
                     self._indexed.pop(gen, None)
@@ -355,7 +354,7 @@ class Region:
         bucket = self._indexed.pop(lease, None)
         if bucket is not None and self._bucket_gen[bucket] == lease:
             self._bucket_gen[bucket] = 0
-            BUCKET.pack_into(self._map, HEADER_BYTES + bucket * BUCKET.size, 0, 0, 0, 0)
+            BUCKET.pack_into(self._map, bucket_at(bucket), 0, 0, 0, 0)
 
     def hold(self, resident: Resident) -> int:
         """Keep a resident item's (or a transient) extent until `release` or the
@@ -512,11 +511,6 @@ class Region:
         if index > 0 and free[index - 1][0] + free[index - 1][1] == free[index][0]:
             free[index - 1] = (free[index - 1][0], free[index - 1][1] + free[index][1])
             del free[index]
-
-
-def extent_span(length: int, trailer: int = 0) -> int:
-    """The bytes an extent of `length` payload bytes and `trailer` takes: whole pages."""
-    return -(-(HEAD_BYTES + length + trailer) // PAGE) * PAGE
 
 
 def copy_payload(frames: Sequence[bytes], into: memoryview) -> None:
