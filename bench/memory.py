@@ -102,7 +102,7 @@ async def run_workload(w: Workload, capacity: int, inflight: int, churn: float) 
         tensors = [torch.rand(n // 4) for n in range(w.low, w.high + 1, step)]
         made = 0
         async with MMCacheClient(f"127.0.0.1:{port}") as client:
-            bound = (await client._rpc.info()).max_items or capacity
+            bound = (await client.transport.info()).max_items or capacity
             # Items that fill the cache, by bytes or by count, times the churn.
             target = churn * min(capacity // ((w.low + w.high) // 2), bound)
 
@@ -115,7 +115,7 @@ async def run_workload(w: Workload, capacity: int, inflight: int, churn: float) 
                     await client.get_and_update(batch, keys, lease=False)  # churn: no reader
 
             await asyncio.gather(*(upload() for _ in range(w.tasks)))
-            info = await client._rpc.info()
+            info = await client.transport.info()
             assert client.region is not None or not info.HasField("shm")
         rss = status_bytes(server.pid, "VmRSS")
         beyond = rss - start_rss - info.used_bytes

@@ -400,7 +400,7 @@ class Soaker:
             for h in cached:
                 self.client.touch(h)  # local: sent with this client's next batch
         else:
-            await self.client._rpc.touch(hashes)  # the Touch call itself
+            await self.client.transport.touch(hashes)  # the Touch call itself
         return "OK"
 
     async def put_oversize(self) -> str:
@@ -554,7 +554,7 @@ async def pending_uploads(target: str) -> int:
     from mmcache.client import MMCacheClient
 
     async with MMCacheClient(target, follow=False) as client:
-        feed = client._rpc.subscribe()
+        feed = client.transport.subscribe()
         try:
             message = await anext(feed)
         finally:

@@ -25,7 +25,7 @@ from mmcache._errors import (
 )
 from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
 
-from ._client import Location, MMCacheClient
+from ._client import FailOpen, Location, MMCacheClient, Tls
 from ._encoder import (
     AllocateOp,
     BatchResult,
@@ -66,6 +66,7 @@ __all__ = [
     "EncoderCache",
     "EncoderCacheStats",
     "EncoderOp",
+    "FailOpen",
     "FailedPreconditionError",
     "FieldElem",
     "FlatField",
@@ -86,6 +87,7 @@ __all__ = [
     "ResidentLeases",
     "ResourceExhaustedError",
     "SharedField",
+    "Tls",
     "UnauthenticatedError",
     "UnavailableError",
 ]

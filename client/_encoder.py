@@ -42,6 +42,7 @@ __all__ = [
     "CheckAndUpdateCacheOp",
     "EncoderBatch",
     "EncoderBatchError",
+    "EncoderBooksAPI",
     "EncoderBudget",
     "EncoderBudgetInputs",
     "EncoderCache",
@@ -53,8 +54,6 @@ __all__ = [
     "GetFreedMmHashesOp",
     "OpResult",
     "ResetOp",
-    "request_encoder_budget",
-    "request_encoder_cache_stats",
 ]
 
 _SERVICE = "/" + epb.DESCRIPTOR.services_by_name["EncoderCache"].full_name
@@ -515,38 +514,51 @@ class EncoderBatch:
             await self.run()
 
 
-async def request_encoder_budget(
-    channel: grpc.aio.Channel,
-    timeout: float,
-    max_tokens_per_item_by_modality: Mapping[str, int],
-    *,
-    max_num_encoder_input_tokens: int,
-    encoder_cache_size: int,
-    max_num_batched_tokens: int,
-    disable_chunked_mm_input: bool = False,
-) -> EncoderBudget:
-    """The server's `compute_encoder_budget` (see `MMCacheClient.compute_encoder_budget`)."""
-    inputs = EncoderBudgetInputs(
-        max_tokens_per_item_by_modality,
-        max_num_encoder_input_tokens,
-        encoder_cache_size,
-        max_num_batched_tokens,
-        disable_chunked_mm_input,
-    )
-    request = epb.ComputeEncoderBudgetRequest(inputs=inputs._message())
-    reply = await _Calls(channel, timeout)(
-        "ComputeEncoderBudget", request, epb.ComputeEncoderBudgetReply.FromString
-    )
-    return EncoderBudget(reply.compute_budget, reply.cache_size)
+class EncoderBooksAPI:
+    """`MMCacheClient`'s calls to the server's encoder-cache books
+    (docs/encoder.md): its channel, with its deadline for each call."""
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        raise NotImplementedError  # the client's
 
-async def request_encoder_cache_stats(
-    channel: grpc.aio.Channel, timeout: float
-) -> dict[str, EncoderCacheStats]:
-    """The numbers of every book on the server, by engine id (sorted)."""
-    reply = await _Calls(channel, timeout)(
-        "GetEncoderCacheStats",
-        epb.GetEncoderCacheStatsRequest(),
-        epb.GetEncoderCacheStatsReply.FromString,
-    )
-    return {book.engine_id: _stats(book) for book in reply.books}
+    @property
+    def call_timeout(self) -> float:
+        """The deadline of each of the client's calls, in seconds."""
+        raise NotImplementedError  # the client's
+
+    def encoder_cache(self, engine_id: str) -> EncoderCache:
+        """The server's encoder-cache book of one engine (see `EncoderCache`)."""
+        return EncoderCache(self.channel, engine_id, timeout=self.call_timeout)
+
+    async def compute_encoder_budget(
+        self,
+        max_tokens_per_item_by_modality: Mapping[str, int],
+        *,
+        max_num_encoder_input_tokens: int,
+        encoder_cache_size: int,
+        max_num_batched_tokens: int,
+        disable_chunked_mm_input: bool = False,
+    ) -> EncoderBudget:
+        """(compute budget, cache size) in encoder tokens, computed by the server."""
+        inputs = EncoderBudgetInputs(
+            max_tokens_per_item_by_modality,
+            max_num_encoder_input_tokens,
+            encoder_cache_size,
+            max_num_batched_tokens,
+            disable_chunked_mm_input,
+        )
+        request = epb.ComputeEncoderBudgetRequest(inputs=inputs._message())
+        reply = await _Calls(self.channel, self.call_timeout)(
+            "ComputeEncoderBudget", request, epb.ComputeEncoderBudgetReply.FromString
+        )
+        return EncoderBudget(reply.compute_budget, reply.cache_size)
+
+    async def encoder_cache_stats(self) -> dict[str, EncoderCacheStats]:
+        """Every engine's book on the server, by engine id (sorted)."""
+        reply = await _Calls(self.channel, self.call_timeout)(
+            "GetEncoderCacheStats",
+            epb.GetEncoderCacheStatsRequest(),
+            epb.GetEncoderCacheStatsReply.FromString,
+        )
+        return {book.engine_id: _stats(book) for book in reply.books}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,7 +18,7 @@ import grpc
 from mmcache._errors import InvalidArgumentError
 from mmcache._spec import NAMESPACE_KEY, check_namespace
 
-__all__ = ["channel_credentials", "metadata_interceptors", "open_channel"]
+__all__ = ["Tls", "metadata_interceptors", "open_channel"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -34,25 +35,48 @@ def _read(path: str, what: str) -> bytes:
         raise InvalidArgumentError(f"cannot read the {what} {path}: {exc.strerror}") from None
 
 
-def channel_credentials(
-    credentials: grpc.ChannelCredentials | None,
-    tls_ca: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
-) -> grpc.ChannelCredentials | None:
-    """The channel's credentials: given ones, or TLS from PEM files; None for plaintext."""
-    files = (tls_ca, tls_cert, tls_key)
-    if credentials is not None and any(files):
-        raise InvalidArgumentError("give credentials= or the tls_* file paths, not both")
-    if (tls_cert is None) != (tls_key is None):
-        raise InvalidArgumentError("tls_cert and tls_key go together (the client's mTLS pair)")
-    if credentials is not None or not any(files):
-        return credentials
-    return grpc.ssl_channel_credentials(
-        root_certificates=None if tls_ca is None else _read(tls_ca, "CA file (tls_ca)"),
-        private_key=None if tls_key is None else _read(tls_key, "key file (tls_key)"),
-        certificate_chain=None if tls_cert is None else _read(tls_cert, "certificate (tls_cert)"),
-    )
+@dataclass(frozen=True)
+class Tls:
+    """How a client verifies its server, and proves itself when asked (mTLS).
+
+        Tls(ca="/etc/mmcache/tls/ca.crt")  # verify the server against this CA
+        Tls(ca="ca.crt", cert="client.crt", key="client.key")  # and present these
+        Tls()  # the system's CAs
+        Tls(credentials=grpc.ssl_channel_credentials(...))  # built by the caller
+
+    `server_name` checks the server's certificate against that name instead of
+    the target's host (a server reached by IP, or through a proxy). PEM files
+    are read when the client is made: a missing one fails then.
+    """
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+    credentials: grpc.ChannelCredentials | None = None
+
+    def __post_init__(self) -> None:
+        if self.credentials is not None and (self.ca or self.cert or self.key):
+            raise InvalidArgumentError("give Tls credentials= or the PEM file paths, not both")
+        if (self.cert is None) != (self.key is None):
+            raise InvalidArgumentError("Tls cert and key go together (the client's mTLS pair)")
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """The channel's credentials: given ones, or read from the PEM files."""
+        if self.credentials is not None:
+            return self.credentials
+        return grpc.ssl_channel_credentials(
+            root_certificates=None if self.ca is None else _read(self.ca, "CA file (Tls ca)"),
+            private_key=None if self.key is None else _read(self.key, "key file (Tls key)"),
+            certificate_chain=None
+            if self.cert is None
+            else _read(self.cert, "certificate (Tls cert)"),
+        )
+
+    def channel_options(self) -> tuple[tuple[str, Any], ...]:
+        if self.server_name is None:
+            return ()
+        return (("grpc.ssl_target_name_override", self.server_name),)
 
 
 def _with(details: grpc.aio.ClientCallDetails, extra: Metadata) -> grpc.aio.ClientCallDetails:
@@ -133,7 +157,7 @@ def open_channel(
         if token and not _is_local(target):
             _LOGGER.warning(
                 "mmcache client sends its token to %s without TLS: anyone on the network path "
-                "can read it (give tls_ca=, or credentials=)",
+                "can read it (give tls=Tls(ca=...))",
                 target,
             )
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

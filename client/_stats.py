@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
-__all__ = ["CacheInfo"]
+__all__ = ["CacheInfo", "HitCounts"]
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,24 @@ class CacheInfo:
 
     def __sub__(self, other: CacheInfo) -> CacheInfo:
         return CacheInfo(self.hits - other.hits, self.total - other.total)
+
+
+class HitCounts:
+    """A client's running counts, added to from any thread (`lease_resident`
+    counts on its caller's)."""
+
+    def __init__(self) -> None:
+        self._info = CacheInfo()
+        self._last_delta = CacheInfo()
+        self._lock = threading.Lock()
+
+    def add(self, hits: int, total: int) -> None:
+        with self._lock:
+            self._info = CacheInfo(self._info.hits + hits, self._info.total + total)
+
+    def stats(self, delta: bool) -> CacheInfo:
+        """The counts so far; with `delta`, since the last delta asked."""
+        info = self._info
+        if delta:
+            info, self._last_delta = info - self._last_delta, info
+        return info

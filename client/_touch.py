@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from mmcache._errors import DeadlineExceededError, UnavailableError
+from mmcache._errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
-__all__ = ["OUT_OF_TOUCH", "Touch"]
+__all__ = ["OUT_OF_TOUCH", "FailOpen", "Touch"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -17,16 +18,34 @@ _LOGGER = logging.getLogger(__name__)
 OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
 
 
+@dataclass(frozen=True)
+class FailOpen:
+    """A client that never waits on its cache longer than `timeout_s`
+    (`MMCacheClient(fail_open=FailOpen(...))`; `fail_open=True` takes these
+    defaults). `on_fail_open` is called each time a call gives up, e.g. to
+    count it in a metric of the caller's."""
+
+    timeout_s: float = 1.0
+    on_fail_open: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise InvalidArgumentError(
+                f"FailOpen timeout_s must be more than 0, got {self.timeout_s}"
+            )
+
+
 class Touch:
     """In touch (the server answered last) or not, and how often the client
     failed open."""
 
-    def __init__(
-        self, fail_open: bool, timeout: float, on_fail_open: Callable[[], None] | None
-    ) -> None:
-        self.fail_open = fail_open
-        self.timeout = timeout
-        self._on_fail_open = on_fail_open
+    def __init__(self, fail_open: FailOpen | None) -> None:
+        self.fail_open = fail_open is not None
+        settings = fail_open or FailOpen()
+        # Without failing open, still the bound of what a client owes the
+        # server at close (leases, holds) and of a co-located allocation.
+        self.timeout = settings.timeout_s
+        self._on_fail_open = settings.on_fail_open
         self.in_touch = False
         self.fail_opens = 0
 

@@ -7,9 +7,10 @@ that does not answer in time hands the items back as misses."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import ceil
+from typing import Any
 
 from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._items import Item
@@ -25,7 +26,16 @@ from ._slots import Size
 from ._touch import OUT_OF_TOUCH, Touch
 from ._transport import CacheTransport
 
-__all__ = ["Call", "UpdateResult", "Uploads", "check_hashes", "wait_ms_of"]
+__all__ = [
+    "Call",
+    "UpdateResult",
+    "Uploads",
+    "check_hashes",
+    "inject_call",
+    "lookup_call",
+    "update_call",
+    "wait_ms_of",
+]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -60,6 +70,49 @@ class Call:
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
+
+
+def update_call(
+    items: Sequence[Item | None],
+    mm_hashes: Sequence[str],
+    modality: str | None,
+    metadata: Sequence[bytes | None] | None,
+    **options: Any,
+) -> Call:
+    """A get_and_update's call (`options`: Call's own)."""
+    if metadata is not None and len(metadata) != len(items):
+        raise InvalidArgumentError(
+            f"{len(metadata)} metadata blobs for {len(items)} items: give one per item "
+            "(None where there is none)"
+        )
+    blobs = [b"" if m is None else m for m in metadata or [None] * len(items)]
+    return Call(items, mm_hashes, [modality] * len(mm_hashes), blobs, **options)
+
+
+def lookup_call(mm_hashes: Sequence[str], modality: str | None, **options: Any) -> Call:
+    """A lookup's call: the hashes alone, a miss no error."""
+    n = len(mm_hashes)
+    return Call([None] * n, mm_hashes, [modality] * n, [b""] * n, missing_ok=True, **options)
+
+
+def inject_call(
+    mm_hashes: Mapping[str, Sequence[str]], mm_kwargs: Mapping[str, list[Any]]
+) -> tuple[Call, list[tuple[list[Any], int]]]:
+    """inject_into_mm_cache's call: each item present in the caller's lists,
+    and the place (list, index) its answer goes back to."""
+    places: list[tuple[list[Any], int]] = []
+    items: list[Item | None] = []
+    hashes: list[str] = []
+    modalities: list[str | None] = []
+    for modality, modality_hashes in mm_hashes.items():
+        listed = mm_kwargs.get(modality, [])
+        for i, mm_hash in enumerate(modality_hashes):
+            if i < len(listed) and listed[i] is not None:
+                places.append((listed, i))
+                items.append(listed[i])
+                hashes.append(mm_hash)
+                modalities.append(modality)
+    return Call(items, hashes, modalities, [b""] * len(items), lease="hits"), places
 
 
 def _checked(call: Call) -> list[bool]:

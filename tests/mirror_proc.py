@@ -21,7 +21,7 @@ async def main(target: str) -> None:
         await client.wait_following()
         print("live", flush=True)
         while await loop.run_in_executor(None, sys.stdin.readline):
-            mirror = client._mirror
+            mirror = client.mirror
             print(json.dumps({"keys": sorted(mirror.keys()), "seq": mirror.feed_seq}), flush=True)
 
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from mmcache.client import DeadlineExceededError, MMCacheClient
+from mmcache.client import DeadlineExceededError, FailOpen, MMCacheClient
 from mmcache.server import MMCacheServer
 
 from .conftest import MIB, eventually, server_config
@@ -43,9 +43,7 @@ async def test_a_failing_open_client_fails_open_on_a_deadline_mid_upload() -> No
     data = torch.randn(1 << 20)
     async with (
         MMCacheServer(server_config(capacity_bytes=128 * MIB)) as server,
-        MMCacheClient(
-            f"127.0.0.1:{server.port}", fail_open=True, fail_open_timeout=0.03, follow=False
-        ) as client,
+        MMCacheClient(f"127.0.0.1:{server.port}", fail_open=FailOpen(0.03), follow=False) as client,
     ):
         results = await asyncio.gather(
             *(client.get_and_update([{"x": data}], [f"h{i}"]) for i in range(48))

@@ -156,9 +156,9 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
                 # Leases keep promised items from eviction; the oracle is plain LRU.
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
-                assert set(client._mirror.keys()) == set(oracle.keys())
-            assert set(client._mirror.keys()) == set(server.store._lru.keys())
-            assert client._mirror.keys() == list(server.store._lru.keys())  # same order too
+                assert set(client.mirror.keys()) == set(oracle.keys())
+            assert set(client.mirror.keys()) == set(server.store._lru.keys())
+            assert client.mirror.keys() == list(server.store._lru.keys())  # same order too
             samples = await scrape(server.metrics_port)
             assert sample(samples, "mmcache_resends_total", modality="image") == 0
 
@@ -175,8 +175,8 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
                 expected = oracle_batch(oracle, [(k, 1) for k in keys])
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
-                assert set(client._mirror.keys()) == set(oracle.keys())
-            assert client._mirror.keys() == list(server.store._lru.keys())
+                assert set(client.mirror.keys()) == set(oracle.keys())
+            assert client.mirror.keys() == list(server.store._lru.keys())
             assert len(server.store) == 4
 
 

@@ -37,7 +37,6 @@ from mmcache.client._encoder import (
     EncoderBudget,
     EncoderBudgetInputs,
     EncoderCache,
-    request_encoder_cache_stats,
 )
 from mmcache.server import MMCacheServer
 from mmcache.server._status import INSTANCE_ID_KEY
@@ -238,11 +237,11 @@ async def test_engines_are_independent(client: MMCacheClient) -> None:
     await e1.free("r")
     assert await tokens(e0) == (0, 0, 100)
     assert await tokens(e1) == (0, 50, 0)
-    every = await request_encoder_cache_stats(client.channel, 5)
+    every = await client.encoder_cache_stats()
     assert list(every) == ["e0", "e1"]
     assert every["e0"] == await e0.stats()
     await e0.delete()
-    assert list(await request_encoder_cache_stats(client.channel, 5)) == ["e1"]
+    assert list(await client.encoder_cache_stats()) == ["e1"]
     assert await e1.check_and_update_cache("r2", "h") is True
 
 

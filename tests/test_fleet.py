@@ -25,6 +25,7 @@ import pytest
 
 from mmcache.client import (
     CacheMissError,
+    FailOpen,
     InvalidArgumentError,
     MMCacheClient,
 )
@@ -173,7 +174,7 @@ async def test_a_leased_item_survives_a_reupload_that_cannot_be_stored() -> None
             # ... and withheld data (a client that believes x larger than the
             # whole cache keeps its bytes home): the same.
             async with connected(server, follow=False) as c:
-                c._mirror._capacity = item_bytes - 1  # c believes x larger than the cache
+                c.mirror._capacity = item_bytes - 1  # c believes x larger than the cache
                 assert (await c.get_and_update([x], ["x"])).held == [False]
             # The promise to a's request holds.
             assert await a.fetch(["x", "w"]) == [x, w]
@@ -290,7 +291,7 @@ async def test_every_mirror_learns_what_any_frontend_stored_and_what_was_evicted
                 await b.get_and_update([image_item(i, 2000)], [f"y{i}"], lease=False)
             assert "x" not in server.store
             await eventually(lambda: a.is_cached(["x"]) == [False])
-            await eventually(lambda: sorted(a._mirror.keys()) == sorted(server.store.keys()))
+            await eventually(lambda: sorted(a.mirror.keys()) == sorted(server.store.keys()))
 
 
 async def test_mirrors_agree_with_the_server_after_random_traffic_from_three_frontends() -> None:
@@ -314,14 +315,12 @@ async def test_mirrors_agree_with_the_server_after_random_traffic_from_three_fro
                         )
 
             await asyncio.gather(*(traffic(c) for c in clients))
-            await eventually(lambda: all(c._mirror.feed_seq == server.feed.seq for c in clients))
+            await eventually(lambda: all(c.mirror.feed_seq == server.feed.seq for c in clients))
             truth = server.store.keys()
             for client in clients:
-                assert client._mirror.keys() != [] and sorted(client._mirror.keys()) == sorted(
-                    truth
-                )
+                assert client.mirror.keys() != [] and sorted(client.mirror.keys()) == sorted(truth)
                 for key in truth:
-                    assert client._mirror.size_of(key) == server.store.peek(key).size  # type: ignore[union-attr]
+                    assert client.mirror.size_of(key) == server.store.peek(key).size  # type: ignore[union-attr]
 
 
 async def test_a_subscriber_too_slow_for_the_feed_is_resynced_not_buffered() -> None:
@@ -407,16 +406,16 @@ async def test_a_mirror_stopped_past_the_feeds_ring_is_resynced_to_the_servers_s
 
 async def test_a_gap_in_the_feed_makes_the_client_subscribe_again() -> None:
     async with serving() as server, connected(server) as client:
-        assert client._follower is not None
+        assert client.feed is not None
         await client.get_and_update([image_item(1)], ["before"], lease=False)
         server.feed._seq += 1  # a number never sent: what a faulty server would do
         async with connected(server, follow=False) as other:
             await other.get_and_update([image_item(2)], ["after"], lease=False)
-        await eventually(lambda: client._follower is not None and client._follower.resubscribes)
+        await eventually(lambda: client.feed is not None and client.feed.resubscribes)
         await eventually(
             lambda: client.following and client.is_cached(["before", "after"]) == [True, True]
         )
-        assert client._mirror.feed_seq == server.feed.seq
+        assert client.mirror.feed_seq == server.feed.seq
 
 
 async def test_a_mirror_resyncs_after_a_server_restart() -> None:
@@ -457,9 +456,9 @@ async def test_an_idle_follower_forgets_removals_the_feed_has_passed() -> None:
         async with connected(server) as idle, connected(server, follow=False) as busy:
             for i in range(300):  # every upload past the 20th evicts one
                 await busy.get_and_update([image_item(i, 100)], [f"k{i}"], lease=False)
-            await eventually(lambda: idle._mirror.feed_seq == server.feed.seq)
-            assert len(idle._mirror._gone) == 0
-            assert sorted(idle._mirror.keys()) == sorted(server.store.keys())
+            await eventually(lambda: idle.mirror.feed_seq == server.feed.seq)
+            assert len(idle.mirror._gone) == 0
+            assert sorted(idle.mirror.keys()) == sorted(server.store.keys())
 
 
 async def test_clear_on_a_following_client_keeps_it_following(
@@ -470,8 +469,8 @@ async def test_clear_on_a_following_client_keeps_it_following(
         await client.get_and_update([image_item(2)], ["gone"], lease=False)
         await client.clear_cache()
         await eventually(lambda: client.is_cached(["kept", "gone"]) == [True, False])
-        assert client.following and client._follower is not None
-        assert client._follower.resubscribes == 0
+        assert client.following and client.feed is not None
+        assert client.feed.resubscribes == 0
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_leases") == 1
         assert sample(samples, "mmcache_leased_bytes") == server.store.peek("kept").size  # type: ignore[union-attr]
@@ -611,7 +610,7 @@ async def test_a_second_frontend_does_not_ship_an_item_whose_upload_is_in_flight
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
             call = upload_begun(channel, "same", encoded)  # frontend a's
-            await eventually(lambda: b._mirror.is_pending("same"))
+            await eventually(lambda: b.mirror.is_pending("same"))
             assert b.is_cached(["same"]) == [False]  # pending is not cached
             # b has the item too: it sends the hash alone and the server waits.
             b_call = asyncio.create_task(b.get_and_update([item], ["same"]))
@@ -641,7 +640,7 @@ async def test_a_lookup_waits_for_an_upload_in_flight_no_longer_than_it_says(
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
             call = upload_begun(channel, "slow", encoded)
-            await eventually(lambda: b._mirror.is_pending("slow"))
+            await eventually(lambda: b.mirror.is_pending("slow"))
             loop = asyncio.get_running_loop()
             started = loop.time()
             found = await b.lookup(["slow"], wait_s=0.05)
@@ -718,8 +717,8 @@ async def test_one_client_used_from_64_tasks_stays_exact() -> None:
 
             await asyncio.gather(*(task() for _ in range(64)))
             samples = await scrape(server.metrics_port)
-            await eventually(lambda: client._mirror.feed_seq == server.feed.seq)
-            assert sorted(client._mirror.keys()) == sorted(server.store.keys())
+            await eventually(lambda: client.mirror.feed_seq == server.feed.seq)
+            assert sorted(client.mirror.keys()) == sorted(server.store.keys())
     queries = sample(samples, "mmcache_queries_total", modality="image")
     hits = sample(samples, "mmcache_hits_total", modality="image")
     assert queries == asked == client.make_stats().total
@@ -740,9 +739,7 @@ def _silent_listener() -> tuple[socket.socket, int]:
 async def test_fail_open_hands_items_back_fast_when_the_server_hangs() -> None:
     sock, port = _silent_listener()
     try:
-        async with MMCacheClient(
-            f"127.0.0.1:{port}", fail_open=True, fail_open_timeout=0.3
-        ) as client:
+        async with MMCacheClient(f"127.0.0.1:{port}", fail_open=FailOpen(0.3)) as client:
             assert client.is_cached(["a"]) == [False]
             items = [image_item(1), image_item(2)]
             start = time.monotonic()
@@ -760,7 +757,7 @@ async def test_fail_open_comes_back_in_touch_when_the_server_returns() -> None:
     first = MMCacheServer(server_config())
     await first.start()
     port = first.port
-    async with MMCacheClient(f"127.0.0.1:{port}", fail_open=True, fail_open_timeout=0.5) as client:
+    async with MMCacheClient(f"127.0.0.1:{port}", fail_open=FailOpen(0.5)) as client:
         await client.wait_following()
         await client.get_and_update([image_item(1)], ["a"])
         assert client.is_cached(["a"]) == [True]

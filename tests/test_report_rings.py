@@ -112,7 +112,7 @@ async def test_reads_give_their_leases_back_through_the_ring_with_no_call(
         await api.get_and_update(items, hashes, lease=False)
         # The ring is asked for as the client maps the region: even the first
         # read's report goes there.
-        await eventually(lambda: engine._co.reports._ring is not None)
+        await eventually(lambda: engine.report_ring is not None)
         calls = await release_calls(server)
         assert calls == 0
         for mm_hash in hashes:
@@ -140,7 +140,7 @@ async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
         await api.get_and_update([first], ["a"], lease=False)
         await api.lookup(["a"])
         await engine.fetch(["a"])  # by call; opens the ring
-        await eventually(lambda: engine._co.reports._ring is not None)
+        await eventually(lambda: engine.report_ring is not None)
         await api.lookup(["a"])  # leased again
         await engine.fetch(["a"])  # given back in the ring, which nothing has read yet
         assert server.store.leases == 1
@@ -161,7 +161,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
         await api.get_and_update([item], ["h"], lease=False)
         await api.lookup(["h"])
         await engine.fetch(["h"])
-        await eventually(lambda: engine._co.reports._ring is not None)
+        await eventually(lambda: engine.report_ring is not None)
         rings = server.cache.rings
         assert rings is not None and len(rings) == 2  # each client asked for one as it mapped
         rings.drain()  # the read's report
@@ -174,7 +174,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
         await engine.fetch(["h"])  # the ring is gone: the report goes by call
         await eventually(lambda: server.store.leases == 0)
         assert await release_calls(server) == calls + 1
-        assert engine._co.reports._ring is None
+        assert engine.report_ring is None
 
 
 async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
@@ -182,7 +182,7 @@ async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
         async with client(server) as api, client(server) as engine:
             await api.get_and_update([{"x": tensor(torch.float32, 1 << 18, 5)}], ["h"])
             await engine.fetch(["h"])
-            await eventually(lambda: engine._co.reports._ring is not None)
+            await eventually(lambda: engine.report_ring is not None)
             rings = server.cache.rings
             assert rings is not None and len(rings) == 2
         await eventually(lambda: len(rings) == 0, timeout=1)  # the timer read its last record
@@ -213,5 +213,5 @@ async def test_a_read_only_client_gets_a_ring_in_its_namespace(tmp_path: Path) -
             for _ in range(3):
                 await api.lookup(["h"])
                 await engine.fetch(["h"])
-            await eventually(lambda: engine._co.reports._ring is not None)
+            await eventually(lambda: engine.report_ring is not None)
             await eventually(lambda: server.store.leases == 0, timeout=2)

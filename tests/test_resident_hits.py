@@ -51,7 +51,7 @@ async def counted(server: MMCacheServer) -> tuple[float, float]:
 
 
 async def with_ring(*clients: MMCacheClient) -> None:
-    await eventually(lambda: all(c._co.reports._ring is not None for c in clients))
+    await eventually(lambda: all(c.report_ring is not None for c in clients))
 
 
 async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path) -> None:
@@ -227,7 +227,7 @@ async def test_a_killed_server_is_read_with_no_call_no_longer(tmp_path: Path) ->
 
 def fill(client: MMCacheClient) -> None:
     """Fill the client's ring with records the server has not read."""
-    ring = client._co.reports._ring
+    ring = client.report_ring
     assert ring is not None
     for size in (200, 1):  # to the last byte: no report fits
         while ring.write(b"x" * size):

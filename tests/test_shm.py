@@ -286,7 +286,7 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
         await c.get_and_update([item], ["s"], lease=False)
         assert c.region is not None
         request = pb.FetchRequest(mm_hashes=["s"], shm_token=c.region.token)
-        header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
+        header = pb.FetchHeader.FromString(await c.transport.read_shm(request))
         server.store.clear()  # no hold: the extent is freed at once
         decoder = ItemDecoder(header.items[0].item)
         assert not c.region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
@@ -322,7 +322,7 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
         await c.get_and_update([first], ["h"], lease=False)
         assert c.region is not None
         request = pb.FetchRequest(mm_hashes=["h"], shm_token=c.region.token, shm_hold=True)
-        header = pb.FetchHeader.FromString(await c._rpc.read_shm(request))
+        header = pb.FetchHeader.FromString(await c.transport.read_shm(request))
         # New data under the hash, and enough more to evict everything old.
         await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 2)}], ["h"], lease=False)
         for i in range(4):
@@ -637,7 +637,7 @@ async def main() -> None:
         request = pb.FetchRequest(
             mm_hashes=["held"], shm_token=client.region.token, shm_hold=True
         )
-        await client._rpc.read_shm(request)  # a hold taken, never said done
+        await client.transport.read_shm(request)  # a hold taken, never said done
         print("read", flush=True)
         await asyncio.sleep(60)
 

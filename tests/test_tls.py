@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mmcache.client import MMCacheClient, UnavailableError
+from mmcache.client import FailOpen, InvalidArgumentError, MMCacheClient, Tls, UnavailableError
 from mmcache.server import MMCacheServer
 
 from .conftest import MMCACHE, server_config
@@ -29,7 +29,7 @@ def tls_config(certs: Path, *, mtls: bool = False, **overrides: object) -> dict[
 async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) -> None:
     async with (
         MMCacheServer(server_config(**tls_config(certs))) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}", tls_ca=str(certs / "ca.crt")) as client,
+        MMCacheClient(f"127.0.0.1:{server.port}", tls=Tls(ca=str(certs / "ca.crt"))) as client,
     ):
         item = image_item(1)
         await client.get_and_update([item], ["h"])
@@ -41,7 +41,7 @@ async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> No
     credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
     async with (
         MMCacheServer(server_config(**tls_config(certs))) as server,
-        MMCacheClient(f"localhost:{server.port}", credentials=credentials) as client,
+        MMCacheClient(f"localhost:{server.port}", tls=Tls(credentials=credentials)) as client,
     ):
         await client.get_and_update([image_item(3)], ["c"])
         assert "c" in server.store
@@ -57,7 +57,7 @@ async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
                 pass
         with pytest.raises(UnavailableError):
             async with MMCacheClient(
-                target, tls_ca=str(rogue_certs / "ca.crt"), connect_timeout=1, follow=False
+                target, tls=Tls(ca=str(rogue_certs / "ca.crt")), connect_timeout=1, follow=False
             ):
                 pass
 
@@ -69,23 +69,23 @@ async def test_mtls_needs_a_client_certificate_from_the_named_ca(
         target = f"127.0.0.1:{server.port}"
         ca = str(certs / "ca.crt")
         with pytest.raises(UnavailableError):  # no certificate
-            async with MMCacheClient(target, tls_ca=ca, connect_timeout=1, follow=False):
+            async with MMCacheClient(target, tls=Tls(ca=ca), connect_timeout=1, follow=False):
                 pass
         with pytest.raises(UnavailableError):  # one from another CA
             async with MMCacheClient(
                 target,
-                tls_ca=ca,
-                tls_cert=str(rogue_certs / "client.crt"),
-                tls_key=str(rogue_certs / "client.key"),
+                tls=Tls(
+                    ca=ca,
+                    cert=str(rogue_certs / "client.crt"),
+                    key=str(rogue_certs / "client.key"),
+                ),
                 connect_timeout=1,
                 follow=False,
             ):
                 pass
         async with MMCacheClient(
             target,
-            tls_ca=ca,
-            tls_cert=str(certs / "client.crt"),
-            tls_key=str(certs / "client.key"),
+            tls=Tls(ca=ca, cert=str(certs / "client.crt"), key=str(certs / "client.key")),
         ) as client:
             await client.get_and_update([image_item(2)], ["m"])
             await client.wait_following()  # the feed stream runs over mTLS too
@@ -178,3 +178,17 @@ def test_an_unreadable_certificate_is_refused_with_its_path(tmp_path: Path) -> N
     )
     assert result.returncode == 2
     assert str(missing) in result.stderr and "--tls-cert" in result.stderr
+
+
+def test_client_tls_and_fail_open_settings_are_checked_when_made(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="cert and key go together"):
+        Tls(ca="ca.crt", cert="client.crt")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        Tls(ca="ca.crt", credentials=grpc.ssl_channel_credentials())
+    with pytest.raises(InvalidArgumentError, match=str(tmp_path / "missing.crt")):
+        MMCacheClient("127.0.0.1:1", tls=Tls(ca=str(tmp_path / "missing.crt")))
+    with pytest.raises(InvalidArgumentError, match="timeout_s must be more than 0"):
+        FailOpen(0)
+    assert Tls(server_name="sidecar").channel_options() == (
+        ("grpc.ssl_target_name_override", "sidecar"),
+    )

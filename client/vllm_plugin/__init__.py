@@ -53,6 +53,7 @@ from typing import Any
 
 __all__ = ["client_for", "connection_settings", "ec_scope_of", "register", "scope_of"]
 
+from .._security import Tls
 from ._metrics import plugin_metrics
 from ._naming import model_identity
 
@@ -140,13 +141,14 @@ def connection_settings(env: Mapping[str, str]) -> dict[str, Any]:
     if token is None and token_file:
         with open(token_file, encoding="utf-8") as file:
             token = file.read().strip()
+    ca, cert, key, name = (
+        env.get(f"MMCACHE_TLS_{part}") or None for part in ("CA", "CERT", "KEY", "SERVER_NAME")
+    )
+    tls = Tls(ca, cert, key, name) if ca or cert or key or name else None
     return {
         "namespace": env.get("MMCACHE_NAMESPACE", ""),
         "token": token,
-        "tls_ca": env.get("MMCACHE_TLS_CA") or None,
-        "tls_cert": env.get("MMCACHE_TLS_CERT") or None,
-        "tls_key": env.get("MMCACHE_TLS_KEY") or None,
-        "tls_server_name": env.get("MMCACHE_TLS_SERVER_NAME") or None,
+        "tls": tls,
         "shm": env.get("MMCACHE_SHM", "on").strip().lower() not in ("0", "off", "false", "no"),
     }
 

@@ -19,12 +19,12 @@ import concurrent.futures
 import ctypes
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from mmcache._errors import DeadlineExceededError
 
-from .._client import MMCacheClient
+from .._client import FailOpen, MMCacheClient
 
 __all__ = ["SyncClient"]
 
@@ -43,15 +43,21 @@ class SyncClient:
     sync.close()
     """
 
-    def __init__(self, target: str, *, deadline_s: float = 1.0, **options: Any) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        deadline_s: float = 1.0,
+        on_fail_open: Callable[[], None] | None = None,
+        **options: Any,
+    ) -> None:
         self.deadline_s = deadline_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
         try:
-            self.client = MMCacheClient(
-                target, fail_open=True, fail_open_timeout=deadline_s, **options
-            )
+            fail_open = FailOpen(deadline_s, on_fail_open)
+            self.client = MMCacheClient(target, fail_open=fail_open, **options)
             # Fails open: a server that does not answer is no error here; one
             # that refuses this client (its token, TLS) is, with its reason.
             self.call(self.client.connect(), timeout=deadline_s + 5)

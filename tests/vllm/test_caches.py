@@ -247,7 +247,7 @@ def test_is_cached_does_not_reorder_and_touching_a_missing_key_does_nothing(
     assert p0.is_cached(["ghost", "ghost"]) == [False, False]
     p0.touch_sender_cache_item("ghost")
     p0.release_sender_touches()
-    assert p0._sync.client._mirror.keys() == []
+    assert p0._sync.client.mirror.keys() == []
     assert p0.make_stats().total == 0
 
 
@@ -296,7 +296,7 @@ def test_a_stale_mirror_entry_is_looked_up_once_however_often_vllm_asks(
     from mmcache._lru import Outcome
 
     p0 = MMCacheProcessorCache(clients(), SCOPE)
-    mirror = p0._sync.client._mirror
+    mirror = p0._sync.client.mirror
     # The mirror believes the sidecar holds "gone" (drift); it does not.
     p0._sync.call(_believe(mirror, p0.key("gone"), Outcome))
     (out,) = request(p0, [("gone", item(1))], is_cached_calls=3)
@@ -426,7 +426,7 @@ def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_t
             no_bytes_yet(), metadata=(("mmcache-update-header-bin", header.SerializeToString()),)
         )
         try:
-            eventually(lambda: p0._sync.client._mirror.is_pending(p0.key("slow")))
+            eventually(lambda: p0._sync.client.mirror.is_pending(p0.key("slow")))
             started = time.monotonic()
             assert p0.is_cached(["slow"]) == [False]  # processed here
             assert time.monotonic() - started < 0.3  # not the server's 0.5 s
