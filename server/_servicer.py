@@ -261,7 +261,7 @@ class CacheServicer:
         spares = self._cache.spares(request.shm_token, spare_sizes, keys)
         leased = request.lease != pb.LEASE_NONE  # checked by parse_header
         store = self._cache.store
-        lease_ms = int(self._cache.lease_s * 1000) if leased else 0
+        lease_ms = int(store.lease_s * 1000) if leased else 0
         spare_slots = [slot_message(s) for s in spares]
         return build_reply(
             self._instance_id, store.capacity, store.max_items, seq, lease_ms, result, spare_slots

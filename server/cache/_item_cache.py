@@ -155,10 +155,6 @@ class ItemCache:
         """Store keys being uploaded now."""
         return self._pending.hashes()
 
-    @property
-    def lease_s(self) -> float:
-        return self.store.lease_s
-
     def region(self) -> Region | None:
         return self._region()
 
