@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from mmcache.v1 import cache_pb2 as pb
 
+from ._config import ServerConfig
+
 __all__ = ["Feed", "FeedState", "Subscriber"]
 
 # Changes per message, and keys per snapshot part: ~0.5-1 MiB each for
@@ -60,7 +62,7 @@ class Feed:
         state: Callable[[], FeedState],
         *,
         flush_s: float = 0.01,
-        ring_bytes: int = 32 << 20,
+        ring_bytes: int = ServerConfig.feed_buffer_bytes,
         on_snapshot: Callable[[str], None] | None = None,
         start_seq: int = 0,
     ) -> None:
