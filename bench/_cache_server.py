@@ -16,7 +16,7 @@ import asyncio
 import logging
 
 from mmcache._memory import keep_freed_memory
-from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 
 MIB = 1 << 20
 
@@ -31,16 +31,16 @@ if __name__ == "__main__":
     keep_freed_memory()  # as `mmcache serve` does; the same for both servers
     parser = argparse.ArgumentParser()
     parser.add_argument("--capacity-mib", type=int, default=512)
-    parser.add_argument("--inflight-mib", type=int, default=1024)
+    parser.add_argument("--inflight-mib", type=int, default=ServerConfig.max_inflight_bytes // MIB)
     parser.add_argument("--max-items", type=int, default=None)
     parser.add_argument("--metrics", action="store_true")
-    parser.add_argument("--feed-buffer-mib", type=float, default=32)
+    parser.add_argument(
+        "--feed-buffer-mib", type=float, default=ServerConfig.feed_buffer_bytes / MIB
+    )
     parser.add_argument("--lease-s", type=float, default=ServerConfig.lease_s)
     parser.add_argument("--log-level", default=None)
-    parser.add_argument(
-        "--shm-mib", type=int, default=ServerConfig.shm_bytes // MIB, help="0: no region"
-    )
-    parser.add_argument("--shm-dir", default=ServerConfig.shm_dir)
+    parser.add_argument("--shm-mib", type=int, default=ShmConfig.bytes // MIB, help="0: no region")
+    parser.add_argument("--shm-dir", default=ShmConfig.dir)
     args = parser.parse_args()
     if args.log_level is not None:
         logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -54,8 +54,6 @@ if __name__ == "__main__":
         feed_buffer_bytes=int(args.feed_buffer_mib * MIB),
         lease_s=args.lease_s,
         grace_s=0,
-        shm=args.shm_mib > 0,
-        shm_bytes=max(args.shm_mib, 1) * MIB,
-        shm_dir=args.shm_dir,
+        shm=ShmConfig(enabled=args.shm_mib > 0, dir=args.shm_dir, bytes=max(args.shm_mib, 1) * MIB),
     )
     asyncio.run(main(config, args.metrics))

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._config import ServerConfig
+from ._config import EventsConfig, L2Config, ServerConfig, ShmConfig, TlsConfig
 
 if TYPE_CHECKING:
     from ._app import MMCacheServer, serve
 
-__all__ = ["MMCacheServer", "ServerConfig", "serve"]
+__all__ = [
+    "EventsConfig",
+    "L2Config",
+    "MMCacheServer",
+    "ServerConfig",
+    "ShmConfig",
+    "TlsConfig",
+    "serve",
+]
 
 
 def __getattr__(name: str) -> Any:

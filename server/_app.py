@@ -40,7 +40,15 @@ from mmcache.metrics import (
 )
 
 from ._auth import AuthInterceptor, Metadata, TokenBook, check_call
-from ._config import ConfigError, ServerConfig, is_loopback
+from ._config import (
+    ConfigError,
+    EventsConfig,
+    L2Config,
+    ServerConfig,
+    ShmConfig,
+    TlsConfig,
+    is_loopback,
+)
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._events import ItemEvents
 from ._feed import Feed
@@ -106,8 +114,8 @@ class MMCacheServer:
         self.inflight = InflightBudget(config.max_inflight_bytes)
         self.region: Region | None = None  # made at start, when the directory allows
         self.sessions = Sessions(config.max_sessions)
-        self.events = _item_events(config, self.instance_id)
-        self.l2 = _l2_tier(config, self.instance_id, self.store, self.registry, self.events)
+        self.events = _item_events(config.events, self.instance_id)
+        self.l2 = _l2_tier(config.l2, self.instance_id, self.store, self.registry, self.events)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
         self.cache = ItemCache(
@@ -178,7 +186,7 @@ class MMCacheServer:
             server, names = self._grpc_server()
             self._server = server
             opened.push_async_callback(self._stop_serving, 0.0)  # a no-op once stopped
-            self.port = _bind(server, config.host, config.port, _server_credentials(config))
+            self.port = _bind(server, config.host, config.port, _server_credentials(config.tls))
             if config.health_port is not None:
                 # Plaintext, health only: for probes that cannot speak TLS or send tokens.
                 self._health_server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -186,7 +194,7 @@ class MMCacheServer:
                     [health_handler(self.health, self.instance_id)]
                 )
                 self.health_port = _bind(self._health_server, config.host, config.health_port, None)
-            self.region = _open_region(config)
+            self.region = _open_region(config.shm, config.lease_s)
             opened.callback(self._close_region)
             self._warn_if_tenants_share_the_region()
             self._endpoint = _metrics_endpoint(self.registry, config)
@@ -337,26 +345,26 @@ class MMCacheServer:
 
 
 def _l2_tier(
-    config: ServerConfig,
+    config: L2Config | None,
     instance_id: str,
     store: ItemStore,
     registry: CollectorRegistry,
     events: ItemEvents | None,
 ) -> L2Tier | None:
     """The L2 tier when --l2 names one; its metrics are exported either way."""
-    if config.l2 is None:
+    if config is None:
         L2Metrics(registry)
         return None
     from .cache._l2_redis import RedisClusterL2
 
-    backend = RedisClusterL2(config.l2, prefix=config.l2_prefix, timeout_s=config.l2_timeout_s)
+    backend = RedisClusterL2(config.url, prefix=config.prefix, timeout_s=config.timeout_s)
     settings = L2Settings(
-        admit=config.l2_admit,
-        timeout_s=config.l2_timeout_s,
-        ttl_s=config.l2_ttl_s,
-        window_s=config.l2_window_s,
-        wait_s=config.l2_wait_s,
-        queue_items=config.l2_queue_items,
+        admit=config.admit,
+        timeout_s=config.timeout_s,
+        ttl_s=config.ttl_s,
+        window_s=config.window_s,
+        wait_s=config.wait_s,
+        queue_items=config.queue_items,
     )
     metrics = L2Metrics(registry)
     tier = L2Tier(
@@ -374,19 +382,17 @@ def _l2_tier(
     _LOGGER.info(
         "L2 tier: %s, keys under %r, admit on %s sighting",
         backend.where,
-        config.l2_prefix,
-        config.l2_admit,
+        config.prefix,
+        config.admit,
     )
     return tier
 
 
-def _item_events(config: ServerConfig, instance_id: str) -> ItemEvents | None:
+def _item_events(config: EventsConfig | None, instance_id: str) -> ItemEvents | None:
     """The item events for routers, when --events-endpoint names where."""
-    if config.events_endpoint is None:
+    if config is None:
         return None
-    return ItemEvents(
-        config.events_endpoint, config.events_replay_endpoint, config.events_topic, instance_id
-    )
+    return ItemEvents(config.endpoint, config.replay_endpoint, config.topic, instance_id)
 
 
 def _metrics_endpoint(registry: CollectorRegistry, config: ServerConfig) -> MetricsEndpoint:
@@ -404,19 +410,17 @@ def _metrics_endpoint(registry: CollectorRegistry, config: ServerConfig) -> Metr
         ) from None
 
 
-def _open_region(config: ServerConfig) -> Region | None:
+def _open_region(config: ShmConfig, lease_s: float) -> Region | None:
     """The shared-memory region, or None (gRPC only) with the reason logged."""
-    if not config.shm:
+    if not config.enabled:
         return None
     try:
-        region = open_region(
-            config.shm_dir, config.shm_bytes, lease_s=config.lease_s, group=config.shm_group
-        )
+        region = open_region(config.dir, config.bytes, lease_s=lease_s, group=config.group)
     except OSError as exc:
         _LOGGER.warning(
             "shared memory off (co-located clients use gRPC, slower for large items): "
             "%s: %s; give --shm-dir a writable tmpfs both containers mount, or --no-shm",
-            config.shm_dir,
+            config.dir,
             exc,
         )
         return None
@@ -432,14 +436,14 @@ def _read(path: str, what: str) -> bytes:
         raise ConfigError(f"cannot read the {what} {path}: {exc.strerror}") from None
 
 
-def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
-    if config.tls_cert is None or config.tls_key is None:
+def _server_credentials(config: TlsConfig | None) -> grpc.ServerCredentials | None:
+    if config is None:
         return None
-    chain = _read(config.tls_cert, "TLS certificate (--tls-cert)")
-    key = _read(config.tls_key, "TLS key (--tls-key)")
+    chain = _read(config.cert, "TLS certificate (--tls-cert)")
+    key = _read(config.key, "TLS key (--tls-key)")
     client_ca = None
-    if config.tls_client_ca is not None:
-        client_ca = _read(config.tls_client_ca, "client CA file (--tls-client-ca)")
+    if config.client_ca is not None:
+        client_ca = _read(config.client_ca, "client CA file (--tls-client-ca)")
     return grpc.ssl_server_credentials(
         [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
@@ -491,7 +495,7 @@ def _check_free(host: str, port: int) -> None:
 
 
 def _security_summary(config: ServerConfig) -> str:
-    transport = "mTLS" if config.tls_client_ca else "TLS" if config.tls else "plaintext"
+    transport = "plaintext" if config.tls is None else "mTLS" if config.verifies_clients else "TLS"
     return f"{transport}, {'tokens' if config.authenticates else 'no tokens'}"
 
 
@@ -499,19 +503,19 @@ def _exposure_risk(config: ServerConfig) -> str:
     """What an address beyond loopback exposes with these settings ("" when nothing)."""
     if is_loopback(config.host):
         return ""
-    if not config.tls and not config.authenticates:
+    if config.tls is None and not config.authenticates:
         return (
             "with neither TLS nor tokens: any client that reaches this address can write "
             "items under any hash (deciding what engines see), clear the cache and read every "
             "item. Give --tokens-file and --tls-cert/--tls-key, or bind a sidecar to "
             "127.0.0.1 (--host)."
         )
-    if not config.tls:
+    if config.tls is None:
         return (
             "without TLS: tokens and items cross the network unencrypted, so anyone on the "
             "path can read a token and use it. Give --tls-cert and --tls-key."
         )
-    if not config.authenticates and not config.tls_client_ca:
+    if not config.authenticates and not config.verifies_clients:
         return (
             "with TLS but neither tokens nor client certificates: any client that reaches "
             "this address may call every method. Give --tokens-file or --tls-client-ca."

@@ -16,6 +16,7 @@ from mmcache import __version__
 from ._config import (
     ConfigError,
     OneLineParser,
+    ServerConfig,
     add_serve_arguments,
     config_from_args,
     unknown_variables,
@@ -68,7 +69,7 @@ def _add_connection(
     parser: argparse.ArgumentParser, *, token: bool = True, target_positional: bool = True
 ) -> None:
     """The server to call and how: as a client of it would (its variables too)."""
-    default_target = os.environ.get("MMCACHE_TARGET", "127.0.0.1:50051")
+    default_target = os.environ.get("MMCACHE_TARGET", f"127.0.0.1:{ServerConfig.port}")
     if target_positional:
         parser.add_argument("target", nargs="?", default=default_target, help="host:port")
     else:

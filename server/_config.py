@@ -1,10 +1,15 @@
-"""Server settings: one table of flags, each with an environment twin.
+"""Server settings: value objects, and one table of flags, each with an environment twin.
+
+`ServerConfig` holds the process-wide settings and one value object per part
+that has settings of its own (`TlsConfig`, `ShmConfig`, `L2Config`,
+`EventsConfig`); each default is written once, on its dataclass field, and
+each object checks its own invariants, so a config built in code (tests,
+benches) is held to the same rules as one from the command line.
 
 Every setting is one row of `SETTINGS` (flag, environment variable, parser,
-field, help); the `serve` flags, the environment and the defaults are all
-read from it by one loop, at parse time. A flag beats its variable, which
-beats the default. `ServerConfig` checks itself, so a config built in code
-(tests, benches) is held to the same rules as one from the command line.
+field path such as "l2.timeout_s", help); the `serve` flags, the environment
+and the defaults shown in --help are all read from it by one loop, at parse
+time. A flag beats its variable, which beats the default.
 """
 
 from __future__ import annotations
@@ -14,20 +19,30 @@ import difflib
 import ipaddress
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
+
+from .cache._l2 import DEFAULT_PREFIX
+from .cache._tier import L2Settings
 
 __all__ = [
     "GIB",
+    "PARTS",
     "SETTINGS",
     "ConfigError",
+    "EventsConfig",
+    "L2Config",
     "ServerConfig",
     "Setting",
+    "ShmConfig",
+    "TlsConfig",
     "add_serve_arguments",
+    "assemble",
     "config_from_args",
     "default_max_items",
     "is_loopback",
     "parse_serve_args",
+    "setting_paths",
 ]
 
 GIB = 1 << 30
@@ -61,6 +76,75 @@ def is_loopback(host: str) -> bool:
 
 
 @dataclass(frozen=True)
+class TlsConfig:
+    """The server's TLS: its certificate chain and key (PEM files), and the CAs
+    whose client certificates it requires (mTLS), if any."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    """The shared-memory fast path for clients on this host (docs/shm.md)."""
+
+    enabled: bool = True  # off: gRPC only
+    dir: str = "/dev/shm"  # a tmpfs both containers mount
+    bytes: int = 256 << 20  # the region, taken from the capacity
+    group: int | None = None  # a group whose members may map the region (0660)
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.bytes < MIB:
+            raise ConfigError(f"the shared-memory region must be 1 MiB or more: {self.bytes}")
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """The L2 tier the fleet's sidecars share: a Redis Cluster (docs/l2.md)."""
+
+    url: str  # redis://[user:password@]host:port[,host:port...] (rediss:// for TLS)
+    # The tier's own defaults (server/cache/_tier.py's L2Settings), written there once.
+    prefix: str = DEFAULT_PREFIX  # of every key: fleets sharing one cluster each take their own
+    admit: str = L2Settings.admit  # "second": on a second sighting; "first": every new item
+    timeout_s: float = L2Settings.timeout_s  # one L2 operation, at most
+    wait_s: float = L2Settings.wait_s  # how long a call waits for an item another sidecar processes
+    window_s: float = L2Settings.window_s  # how long a claim to process a cold item lasts
+    ttl_s: float = L2Settings.ttl_s  # an item's TTL in L2 (0: none; maxmemory + allkeys-lru)
+    queue_items: int = L2Settings.queue_items  # items waiting to be written, at most
+
+    def __post_init__(self) -> None:
+        from .cache._l2_redis import parse_l2_url  # the data plane, loaded only for an L2
+
+        try:
+            parse_l2_url(self.url)
+        except ValueError as exc:
+            raise ConfigError(f"--l2 {_without_password(self.url)!r}: {exc}") from None
+        if self.admit not in ("first", "second"):
+            raise ConfigError(f"--l2-admit must be first or second, got {self.admit!r}")
+        for flag, seconds in (("--l2-timeout-ms", self.timeout_s),
+                              ("--l2-wait-ms", self.wait_s),
+                              ("--l2-window-s", self.window_s)):  # fmt: skip
+            if not seconds > 0:
+                raise ConfigError(f"{flag} must be more than 0")
+        if self.ttl_s < 0 or self.queue_items < 1:
+            raise ConfigError("--l2-ttl-s must be >= 0 and --l2-queue-items >= 1")
+        problem = _prefix_problem(self.prefix)
+        if problem:
+            raise ConfigError(f"--l2-prefix {self.prefix!r} {problem}")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """Item events for routers: a ZMQ PUB endpoint in vLLM's KV-event framing,
+    and where subscribers ask for batches they missed (docs/l2.md)."""
+
+    endpoint: str  # e.g. tcp://*:5557
+    replay_endpoint: str | None = None  # e.g. tcp://*:5558; None: no replay
+    topic: str = "mm-items"  # the first frame of every message
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Everything `mmcache serve` can be told; invalid combinations raise ConfigError."""
 
@@ -77,40 +161,16 @@ class ServerConfig:
     grace_s: float = 10.0
     lease_s: float = 30.0
     feed_buffer_bytes: int = 32 << 20
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
+    tls: TlsConfig | None = None  # None: plaintext
     tokens_file: str | None = None
     tokens: str | None = None  # entries as in a tokens file, ';' between them
-    shm: bool = True
-    shm_dir: str = "/dev/shm"
-    shm_bytes: int = 256 << 20
-    shm_group: int | None = None
-    l2: str | None = None  # redis://host:port[,host:port...]: the L2 tier (docs/l2.md)
-    l2_prefix: str = "mmcache:"
-    l2_admit: str = "second"
-    l2_timeout_s: float = 1.0
-    l2_wait_s: float = 1.0
-    l2_window_s: float = 10.0
-    l2_ttl_s: float = 0.0
-    l2_queue_items: int = 4096
-    events_endpoint: str | None = None  # ZMQ PUB endpoint of item events (docs/l2.md)
-    events_replay_endpoint: str | None = None
-    events_topic: str = "mm-items"
+    shm: ShmConfig = ShmConfig()
+    l2: L2Config | None = None  # None: no L2 tier
+    events: EventsConfig | None = None  # None: no item events
     reflection: bool = True
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError(
-                "--tls-cert and --tls-key go together: give both (the server's certificate "
-                "chain and its private key) or neither"
-            )
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ConfigError(
-                "--tls-client-ca asks clients for certificates, which needs TLS: give "
-                "--tls-cert and --tls-key too"
-            )
         if self.health_port is not None and self.health_port != 0:
             for name, other in (("--port", self.port), ("--metrics-port", self.metrics_port)):
                 if other == self.health_port:
@@ -126,33 +186,6 @@ class ServerConfig:
             raise ConfigError("capacity and max in-flight bytes must be >= 0")
         if not 0 < self.lease_s <= 3600:
             raise ConfigError(f"lease_s must be more than 0 and at most 3600, got {self.lease_s}")
-        if self.l2 is not None:
-            from .cache._l2_redis import parse_l2_url
-
-            try:
-                parse_l2_url(self.l2)
-            except ValueError as exc:
-                raise ConfigError(f"--l2 {_without_password(self.l2)!r}: {exc}") from None
-        if self.l2_admit not in ("first", "second"):
-            raise ConfigError(f"--l2-admit must be first or second, got {self.l2_admit!r}")
-        for flag, seconds in (("--l2-timeout-ms", self.l2_timeout_s),
-                              ("--l2-wait-ms", self.l2_wait_s),
-                              ("--l2-window-s", self.l2_window_s)):  # fmt: skip
-            if not seconds > 0:
-                raise ConfigError(f"{flag} must be more than 0")
-        if self.l2_ttl_s < 0 or self.l2_queue_items < 1:
-            raise ConfigError("--l2-ttl-s must be >= 0 and --l2-queue-items >= 1")
-        if "{" in self.l2_prefix or "}" in self.l2_prefix:
-            raise ConfigError(
-                f"--l2-prefix {self.l2_prefix!r} holds a brace: Redis Cluster would take it "
-                "for a hash tag; use letters, digits and : . _ -"
-            )
-        if self.events_replay_endpoint is not None and self.events_endpoint is None:
-            raise ConfigError(
-                "--events-replay-endpoint replays what --events-endpoint publishes: give both"
-            )
-        if self.shm and self.shm_bytes < 1 << 20:
-            raise ConfigError(f"the shared-memory region must be 1 MiB or more: {self.shm_bytes}")
 
     @property
     def item_bound(self) -> int:
@@ -160,8 +193,9 @@ class ServerConfig:
         return default_max_items(self.capacity_bytes) if self.max_items is None else self.max_items
 
     @property
-    def tls(self) -> bool:
-        return self.tls_cert is not None
+    def verifies_clients(self) -> bool:
+        """Whether clients must present a certificate (mTLS: --tls-client-ca)."""
+        return self.tls is not None and self.tls.client_ca is not None
 
     @property
     def authenticates(self) -> bool:
@@ -169,11 +203,39 @@ class ServerConfig:
         return self.tokens_file is not None or bool(self.tokens)
 
 
+# The parts of ServerConfig with settings of their own, by field name.
+PARTS: dict[str, type[Any]] = {
+    "tls": TlsConfig,
+    "shm": ShmConfig,
+    "l2": L2Config,
+    "events": EventsConfig,
+}
+
+
+def setting_paths() -> list[str]:
+    """Every setting's field: "port", or "part.field" ("l2.timeout_s") for a part's."""
+    return [
+        f"{field.name}.{inner.name}" if field.name in PARTS else field.name
+        for field in fields(ServerConfig)
+        for inner in (fields(PARTS[field.name]) if field.name in PARTS else [field])
+    ]
+
+
 def _without_password(url: str) -> str:
     scheme, sep, rest = url.partition("://")
     if "@" not in rest:
         return url
     return f"{scheme}{sep}<credentials hidden>@{rest.rpartition('@')[2]}"
+
+
+def _prefix_problem(prefix: str) -> str:
+    """What is wrong with an L2 key prefix ("" when nothing)."""
+    if "{" in prefix or "}" in prefix:
+        return (
+            "holds a brace: Redis Cluster would take it for a hash tag; use letters, digits "
+            "and : . _ -"
+        )
+    return ""
 
 
 # -- parsers: raw text to the field's value; ValueError says what is allowed --
@@ -261,6 +323,13 @@ def _text(raw: str) -> str:
     return raw
 
 
+def _key_prefix(raw: str) -> str:
+    problem = _prefix_problem(_text(raw))
+    if problem:
+        raise ValueError(problem)
+    return raw
+
+
 def _region_bytes(raw: str) -> int:
     value = float(raw)
     if not 1 <= value <= 1 << 20:
@@ -291,7 +360,7 @@ def _mib_shown(value: Any) -> str:
 class Setting:
     """One server setting: its flag (None: environment only), variable and field."""
 
-    field: str
+    field: str  # ServerConfig's field, or a part's as "part.field" ("l2.timeout_s")
     flag: str | None
     env: str
     parse: Callable[[str], Any]
@@ -299,8 +368,17 @@ class Setting:
     shown: Callable[[Any], str] = str  # the field's value as the flag would take it
     switch: bool = False  # --flag / --no-flag
 
+    @property
+    def default(self) -> Any:
+        """The field's default, from its dataclass (None for a part's required field:
+        the part is off until it is given)."""
+        part, _, name = self.field.rpartition(".")
+        owner = PARTS[part] if part else ServerConfig
+        default = owner.__dataclass_fields__[name].default
+        return None if default is MISSING else default
+
     def default_text(self) -> str:
-        default = ServerConfig.__dataclass_fields__[self.field].default
+        default = self.default
         return "none" if default is None else self.shown(default)
 
     @property
@@ -402,15 +480,15 @@ SETTINGS: tuple[Setting, ...] = (
         "on SIGTERM, seconds for calls in flight to finish",
     ),
     Setting(
-        "tls_cert",
+        "tls.cert",
         "--tls-cert",
         "MMCACHE_TLS_CERT",
         _text,
         "PEM file of the server's certificate chain; with --tls-key, serves TLS only",
     ),
-    Setting("tls_key", "--tls-key", "MMCACHE_TLS_KEY", _text, "PEM file of the server's key"),
+    Setting("tls.key", "--tls-key", "MMCACHE_TLS_KEY", _text, "PEM file of the server's key"),
     Setting(
-        "tls_client_ca",
+        "tls.client_ca",
         "--tls-client-ca",
         "MMCACHE_TLS_CLIENT_CA",
         _text,
@@ -433,7 +511,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tokens-file entries separated by ';'",
     ),
     Setting(
-        "shm",
+        "shm.enabled",
         "--shm",
         "MMCACHE_SHM",
         _bool,
@@ -442,7 +520,7 @@ SETTINGS: tuple[Setting, ...] = (
         switch=True,
     ),
     Setting(
-        "shm_dir",
+        "shm.dir",
         "--shm-dir",
         "MMCACHE_SHM_DIR",
         _text,
@@ -450,7 +528,7 @@ SETTINGS: tuple[Setting, ...] = (
         "missing or unwritable: gRPC only",
     ),
     Setting(
-        "shm_bytes",
+        "shm.bytes",
         "--shm-mb",
         "MMCACHE_SHM_MB",
         _region_bytes,
@@ -460,14 +538,14 @@ SETTINGS: tuple[Setting, ...] = (
         _mib_shown,
     ),
     Setting(
-        "shm_group",
+        "shm.group",
         "--shm-group",
         "MMCACHE_SHM_GROUP",
         _group,
         "group (name or id) whose members may map the region: 0660 instead of 0600",
     ),
     Setting(
-        "l2",
+        "l2.url",
         "--l2",
         "MMCACHE_L2",
         _text,
@@ -476,14 +554,14 @@ SETTINGS: tuple[Setting, ...] = (
         "lacks are read from it, items seen twice written to it (docs/l2.md); none: off",
     ),
     Setting(
-        "l2_prefix",
+        "l2.prefix",
         "--l2-prefix",
         "MMCACHE_L2_PREFIX",
-        _text,
+        _key_prefix,
         "prefix of every L2 key: fleets (models) sharing one cluster each take their own",
     ),
     Setting(
-        "l2_admit",
+        "l2.admit",
         "--l2-admit",
         "MMCACHE_L2_ADMIT",
         _admission,
@@ -491,7 +569,7 @@ SETTINGS: tuple[Setting, ...] = (
         "sidecar) or first (every new item)",
     ),
     Setting(
-        "l2_timeout_s",
+        "l2.timeout_s",
         "--l2-timeout-ms",
         "MMCACHE_L2_TIMEOUT_MS",
         _milliseconds,
@@ -499,7 +577,7 @@ SETTINGS: tuple[Setting, ...] = (
         _ms_shown,
     ),
     Setting(
-        "l2_wait_s",
+        "l2.wait_s",
         "--l2-wait-ms",
         "MMCACHE_L2_WAIT_MS",
         _milliseconds,
@@ -508,7 +586,7 @@ SETTINGS: tuple[Setting, ...] = (
         _ms_shown,
     ),
     Setting(
-        "l2_window_s",
+        "l2.window_s",
         "--l2-window-s",
         "MMCACHE_L2_WINDOW_S",
         _lease_seconds,
@@ -516,21 +594,21 @@ SETTINGS: tuple[Setting, ...] = (
         "lasts as long as its cache holds the item)",
     ),
     Setting(
-        "l2_ttl_s",
+        "l2.ttl_s",
         "--l2-ttl-s",
         "MMCACHE_L2_TTL_S",
         _seconds,
         "TTL of items in L2; 0: none (the cluster's maxmemory with allkeys-lru evicts)",
     ),
     Setting(
-        "l2_queue_items",
+        "l2.queue_items",
         "--l2-queue-items",
         "MMCACHE_L2_QUEUE_ITEMS",
         _count,
         "items waiting to be written to L2 at most; more are not written (counted)",
     ),
     Setting(
-        "events_endpoint",
+        "events.endpoint",
         "--events-endpoint",
         "MMCACHE_EVENTS_ENDPOINT",
         _text,
@@ -538,7 +616,7 @@ SETTINGS: tuple[Setting, ...] = (
         "vLLM's KV-event framing), e.g. tcp://*:5557; none: off",
     ),
     Setting(
-        "events_replay_endpoint",
+        "events.replay_endpoint",
         "--events-replay-endpoint",
         "MMCACHE_EVENTS_REPLAY_ENDPOINT",
         _text,
@@ -546,7 +624,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tcp://*:5558; none: no replay",
     ),
     Setting(
-        "events_topic",
+        "events.topic",
         "--events-topic",
         "MMCACHE_EVENTS_TOPIC",
         _text,
@@ -564,7 +642,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", "--log-level", "MMCACHE_LOG_LEVEL", _level, "DEBUG, INFO, WARNING, ERROR"),
 )
 
-assert {s.field for s in SETTINGS} == {f.name for f in fields(ServerConfig)}
+assert sorted(s.field for s in SETTINGS) == sorted(setting_paths())
 
 
 def _argtype(setting: Setting) -> Callable[[str], Any]:
@@ -660,7 +738,41 @@ def config_from_args(
             raise ConfigError(
                 f"environment variable {setting.env}={shown} is invalid: {exc}"
             ) from None
-    return ServerConfig(**values)
+    return assemble(values)
+
+
+def assemble(values: Mapping[str, Any]) -> ServerConfig:
+    """The config of settings given by field path ("port", "l2.timeout_s"); the
+    others keep their defaults. A part that is off until its first field is given
+    (TLS, L2, events) is None without it; its other settings alone change nothing
+    (`--l2-prefix` without `--l2`), except where they would be a mistake."""
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {name: {} for name in PARTS}
+    for path, value in values.items():
+        part, _, name = path.rpartition(".")
+        (parts[part] if part else top)[name] = value
+    tls, l2, events = parts["tls"], parts["l2"], parts["events"]
+    if ("cert" in tls) != ("key" in tls):
+        raise ConfigError(
+            "--tls-cert and --tls-key go together: give both (the server's certificate "
+            "chain and its private key) or neither"
+        )
+    if "client_ca" in tls and "cert" not in tls:
+        raise ConfigError(
+            "--tls-client-ca asks clients for certificates, which needs TLS: give "
+            "--tls-cert and --tls-key too"
+        )
+    if "replay_endpoint" in events and "endpoint" not in events:
+        raise ConfigError(
+            "--events-replay-endpoint replays what --events-endpoint publishes: give both"
+        )
+    return ServerConfig(
+        **top,
+        tls=TlsConfig(**tls) if tls else None,
+        shm=ShmConfig(**parts["shm"]),
+        l2=L2Config(**l2) if "url" in l2 else None,
+        events=EventsConfig(**events) if "endpoint" in events else None,
+    )
 
 
 def parse_serve_args(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from mmcache.v1 import cache_pb2 as pb
 
+from ._config import ServerConfig
 from .cache import Change, FeedState
 
 __all__ = ["Feed", "FeedState", "Subscriber"]
@@ -51,7 +52,7 @@ class Feed:
         state: Callable[[], FeedState],
         *,
         flush_s: float = 0.01,
-        ring_bytes: int = 32 << 20,
+        ring_bytes: int = ServerConfig.feed_buffer_bytes,
         on_snapshot: Callable[[str], None] | None = None,
         start_seq: int = 0,
     ) -> None:

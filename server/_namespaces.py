@@ -31,6 +31,7 @@ from mmcache._spec import (
     store_key,
 )
 
+from ._config import ServerConfig
 from ._feed import Feed
 from .cache import Change, FeedState
 
@@ -98,8 +99,8 @@ class Namespaces:
         state: Callable[[], FeedState],
         pending: Callable[[], Sequence[str]],
         *,
-        max_namespaces: int = 64,
-        ring_bytes: int = 32 << 20,
+        max_namespaces: int = ServerConfig.max_namespaces,
+        ring_bytes: int = ServerConfig.feed_buffer_bytes,
         on_snapshot: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 from mmcache._errors import ResourceExhaustedError
 
+from ._config import ServerConfig
+
 __all__ = ["SKIP_S", "Sessions", "skip_batch"]
 
 SKIP_S = 5.0  # a refused batch's frames are read for at most this long
@@ -49,7 +51,7 @@ class Sessions:
     bounded; a client refused one sends its batch as a call.
     """
 
-    def __init__(self, limit: int = 1024) -> None:
+    def __init__(self, limit: int = ServerConfig.max_sessions) -> None:
         self._limit = limit
         self._waiting: set[asyncio.Task[object]] = set()
         self._stopping = False

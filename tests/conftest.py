@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 
 if TYPE_CHECKING:
     from mmcache.client import MMCacheClient
@@ -43,7 +43,7 @@ def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> Serve
         "capacity_bytes": capacity_bytes,
         "grace_s": 0,
         # gRPC only, as the wire tests expect; tests/test_shm.py turns it on.
-        "shm": False,
+        "shm": ShmConfig(enabled=False),
     }
     return ServerConfig(**{**settings, **overrides})  # type: ignore[arg-type]
 

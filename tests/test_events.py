@@ -14,8 +14,8 @@ import zmq
 import zmq.asyncio
 
 from mmcache.client import MMCacheClient
-from mmcache.server import MMCacheServer
-from mmcache.server._config import ConfigError
+from mmcache.server import EventsConfig, MMCacheServer
+from mmcache.server._config import ConfigError, parse_serve_args
 
 from .conftest import MIB, server_config
 from .items import image_item
@@ -25,11 +25,8 @@ TOPIC = b"mm-items"
 
 @pytest.fixture
 async def publishing() -> AsyncIterator[MMCacheServer]:
-    config = server_config(
-        capacity_bytes=4 * MIB,
-        events_endpoint="tcp://127.0.0.1:*",
-        events_replay_endpoint="tcp://127.0.0.1:*",
-    )
+    events = EventsConfig("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    config = server_config(capacity_bytes=4 * MIB, events=events)
     async with MMCacheServer(config) as server:
         yield server
 
@@ -136,7 +133,7 @@ async def test_an_endpoint_taken_stops_the_start_with_the_reason() -> None:
     taken = context.socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
-        server = MMCacheServer(server_config(events_endpoint=f"tcp://127.0.0.1:{port}"))
+        server = MMCacheServer(server_config(events=EventsConfig(f"tcp://127.0.0.1:{port}")))
         with pytest.raises(OSError, match="cannot publish item events"):
             await server.start()
         await server.stop(grace=0)
@@ -147,7 +144,7 @@ async def test_an_endpoint_taken_stops_the_start_with_the_reason() -> None:
 
 def test_replay_without_a_publisher_is_refused() -> None:
     with pytest.raises(ConfigError, match="give both"):
-        server_config(events_replay_endpoint="tcp://127.0.0.1:5558")
+        parse_serve_args([], {"MMCACHE_EVENTS_REPLAY_ENDPOINT": "tcp://127.0.0.1:5558"})
 
 
 async def test_locate_says_where_items_are_and_counts_nothing(

@@ -9,13 +9,14 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmcache.client import MMCacheClient
-from mmcache.server import MMCacheServer
+from mmcache.server import EventsConfig, L2Config, MMCacheServer
 from mmcache.server._config import ConfigError
 from mmcache.server.cache._l2_redis import redis_key
 
@@ -47,22 +48,29 @@ def value(server: MMCacheServer, name: str, **labels: str) -> float:
 
 @contextlib.asynccontextmanager
 async def sidecars(
-    cluster: RedisCluster, count: int, **overrides: object
+    cluster: RedisCluster,
+    count: int,
+    *,
+    capacity_bytes: int | None = None,
+    events: EventsConfig | None = None,
+    **l2: Any,
 ) -> AsyncIterator[list[tuple[MMCacheServer, MMCacheClient]]]:
-    """`count` sidecars sharing `cluster` as L2, each with a client."""
+    """`count` sidecars sharing `cluster` as L2 (`l2`: the rest of its L2Config),
+    each with a client."""
+    overrides: dict[str, Any] = {"events": events, "l2": L2Config(cluster.url, **l2)}
+    if capacity_bytes is not None:
+        overrides["capacity_bytes"] = capacity_bytes
     async with contextlib.AsyncExitStack() as stack:
         pairs = []
         for _ in range(count):
-            server = await stack.enter_async_context(
-                MMCacheServer(server_config(l2=cluster.url, **overrides))
-            )
+            server = await stack.enter_async_context(MMCacheServer(server_config(**overrides)))
             client = await stack.enter_async_context(MMCacheClient(f"127.0.0.1:{server.port}"))
             pairs.append((server, client))
         yield pairs
 
 
 async def test_an_item_one_sidecar_stored_is_held_by_another(fresh: RedisCluster) -> None:
-    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, admit="first") as [(a, ca), (b, cb)]:
         item = image_item(1, numel=300_000)  # 1.2 MB: more than one chunk
         await ca.get_and_update([item], ["h1"])
         await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
@@ -94,7 +102,7 @@ async def test_one_sighting_is_not_written_and_a_second_one_is(fresh: RedisClust
 async def test_two_sidecars_asking_for_a_cold_image_process_it_once(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=5.0) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=5.0) as [(a, ca), (b, cb)]:
         first = await ca.lookup(["cold"])
         assert first.held == [False]  # A's frontend processes it
         # B asks while A's frontend is still processing: B waits for it.
@@ -114,7 +122,7 @@ async def test_two_sidecars_asking_for_a_cold_image_process_it_once(
 async def test_a_wait_for_another_sidecar_ends_in_time_and_the_call_succeeds(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=0.3) as [(_, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=0.3) as [(_, ca), (b, cb)]:
         assert (await ca.lookup(["stalled"])).held == [False]  # A never uploads it
         started = asyncio.get_running_loop().time()
         assert (await cb.lookup(["stalled"])).held == [False]
@@ -123,7 +131,7 @@ async def test_a_wait_for_another_sidecar_ends_in_time_and_the_call_succeeds(
 
 
 async def test_an_engine_read_goes_through_to_l2(fresh: RedisCluster) -> None:
-    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (_, cb)]:
+    async with sidecars(fresh, 2, admit="first") as [(a, ca), (_, cb)]:
         item = image_item(4)
         await ca.get_and_update([item], ["engine"])
         await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
@@ -142,7 +150,7 @@ async def test_a_record_no_sidecar_wrote_is_a_miss(fresh: RedisCluster) -> None:
 
 
 async def test_namespaces_stay_apart_in_l2(fresh: RedisCluster) -> None:
-    async with sidecars(fresh, 2, l2_admit="first") as [(a, _), (b, _)]:
+    async with sidecars(fresh, 2, admit="first") as [(a, _), (b, _)]:
         async with (
             MMCacheClient(f"127.0.0.1:{a.port}", namespace="red") as red,
             MMCacheClient(f"127.0.0.1:{b.port}", namespace="blue") as blue,
@@ -156,7 +164,7 @@ async def test_namespaces_stay_apart_in_l2(fresh: RedisCluster) -> None:
 
 async def test_an_item_evicted_from_l2_is_a_clean_miss() -> None:
     with redis_cluster(maxmemory_mb=8) as small:
-        async with sidecars(small, 2, l2_admit="first", capacity_bytes=512 * MIB) as [
+        async with sidecars(small, 2, admit="first", capacity_bytes=512 * MIB) as [
             (a, ca),
             (b, cb),
         ]:
@@ -188,9 +196,9 @@ async def writer_and_reader(
     """A sidecar that writes every new item to L2 (with the default timeout, so
     a loaded machine fails no write), and one that reads with a short one."""
     async with (
-        MMCacheServer(server_config(l2=cluster.url, l2_admit="first")) as a,
+        MMCacheServer(server_config(l2=L2Config(cluster.url, admit="first"))) as a,
         MMCacheClient(f"127.0.0.1:{a.port}") as ca,
-        MMCacheServer(server_config(l2=cluster.url, l2_timeout_s=reader_timeout_s)) as b,
+        MMCacheServer(server_config(l2=L2Config(cluster.url, timeout_s=reader_timeout_s))) as b,
         MMCacheClient(f"127.0.0.1:{b.port}") as cb,
     ):
         yield a, ca, b, cb
@@ -271,7 +279,7 @@ async def test_an_idle_sidecar_sees_a_master_hang_and_locate_skips_it() -> None:
     """Masters are watched (PING each second): an idle sidecar's gauge shows a
     hung master, and a Locate, whose time is one L2 timeout, skips it at once."""
     with redis_cluster() as frozen:
-        async with sidecars(frozen, 1, l2_timeout_s=0.5) as [(b, cb)]:
+        async with sidecars(frozen, 1, timeout_s=0.5) as [(b, cb)]:
             await eventually(lambda: value(b, "mmcache_l2_up") == 1)
             pid = frozen.procs[frozen.ports[0]].pid
             os.kill(pid, signal.SIGSTOP)
@@ -291,9 +299,9 @@ async def test_an_idle_sidecar_sees_a_master_hang_and_locate_skips_it() -> None:
 
 def test_a_bad_l2_url_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="host:port"):
-        server_config(l2="redis://nohost")
+        L2Config("redis://nohost")
     with pytest.raises(ConfigError, match="redis://") as caught:
-        server_config(l2="http://user:secret@h:1")
+        L2Config("http://user:secret@h:1")
     assert "secret" not in str(caught.value)
 
 
@@ -310,7 +318,7 @@ async def test_a_sidecar_starts_and_serves_while_its_cluster_is_down() -> None:
 @contextlib.asynccontextmanager
 async def sidecars_at(url: str) -> AsyncIterator[tuple[MMCacheServer, MMCacheClient]]:
     async with (
-        MMCacheServer(server_config(l2=url, l2_timeout_s=0.2)) as server,
+        MMCacheServer(server_config(l2=L2Config(url, timeout_s=0.2))) as server,
         MMCacheClient(f"127.0.0.1:{server.port}") as client,
     ):
         yield server, client
@@ -329,8 +337,8 @@ async def test_locate_tells_l1_from_l2_and_l2_writes_are_published(fresh: RedisC
     import zmq
     import zmq.asyncio
 
-    overrides = {"l2_admit": "first", "events_endpoint": "tcp://127.0.0.1:*"}
-    async with sidecars(fresh, 2, **overrides) as [(a, ca), (b, cb)]:
+    events = EventsConfig("tcp://127.0.0.1:*")
+    async with sidecars(fresh, 2, admit="first", events=events) as [(a, ca), (b, cb)]:
         assert a.events is not None
         context = zmq.asyncio.Context()
         sub = context.socket(zmq.SUB)
@@ -358,7 +366,7 @@ async def test_locate_tells_l1_from_l2_and_l2_writes_are_published(fresh: RedisC
 async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 1, l2_wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca)]:
+    async with sidecars(fresh, 1, wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca)]:
         async with MMCacheClient(f"127.0.0.1:{a.port}") as other_frontend:
             assert (await ca.lookup(["mine"])).held == [False]  # claimed: ca processes it
             # A second request for it on the same node waits for that upload.
@@ -386,7 +394,7 @@ async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
 async def test_a_claim_ends_when_its_sidecar_evicts_the_item_unwritten(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
         assert (await ca.lookup(["brief"])).held == [False]  # A claims it
         await ca.get_and_update([image_item(11)], ["brief"], resend=[True], lease=False)
         for i in range(3):  # A evicts it, seen once: never written to L2
@@ -404,7 +412,7 @@ async def test_an_image_asked_for_elsewhere_long_after_its_window_is_shared(
 ) -> None:
     """Seen once on A, asked for on B well past the claim's window: B asks A
     (its holder) for it, A writes it, and B answers held: processed once."""
-    async with sidecars(fresh, 2, l2_window_s=0.2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, window_s=0.2, wait_s=3.0) as [(a, ca), (b, cb)]:
         assert (await ca.lookup(["chat"])).held == [False]  # A claims and processes it
         await ca.get_and_update([image_item(21)], ["chat"], resend=[True], lease=False)
         await asyncio.sleep(1.0)  # the user thinks; the window ends
@@ -418,7 +426,7 @@ async def test_an_image_asked_for_elsewhere_long_after_its_window_is_shared(
 async def test_a_frontend_waits_for_another_node_no_longer_than_it_says(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(_, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=3.0) as [(_, ca), (b, cb)]:
         assert (await ca.lookup(["cold"])).held == [False]  # A claims it, processes slowly
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -430,7 +438,7 @@ async def test_a_frontend_waits_for_another_node_no_longer_than_it_says(
 async def test_the_claims_of_a_stopped_sidecar_pass_to_the_next_that_asks(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 1, l2_wait_s=3.0) as [(b, cb)]:
+    async with sidecars(fresh, 1, wait_s=3.0) as [(b, cb)]:
         async with sidecars(fresh, 1) as [(a, ca)]:
             assert (await ca.lookup(["left"])).held == [False]
             await ca.get_and_update([image_item(22)], ["left"], resend=[True], lease=False)
@@ -446,7 +454,7 @@ async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> Non
     """Two sidecars' frontends keep uploading, looking up and reading while a
     master dies under them: every call succeeds and every read is bit-exact."""
     with redis_cluster() as doomed:
-        async with sidecars(doomed, 2, l2_admit="first", l2_timeout_s=0.5) as pairs:
+        async with sidecars(doomed, 2, admit="first", timeout_s=0.5) as pairs:
             stop = asyncio.Event()
             done: list[int] = []
 
@@ -483,7 +491,7 @@ async def test_traffic_through_a_master_killed_mid_run_fails_no_request() -> Non
 async def test_room_for_an_item_from_l2_is_never_taken_from_the_same_batch(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_admit="first", capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, admit="first", capacity_bytes=2 * MIB) as [(a, ca), (b, cb)]:
         big = 120_000  # 480 KB each: four fill B's 2 MiB
         await ca.get_and_update([image_item(20, numel=big)], ["from-l2"], lease=False)
         await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") >= 1)
@@ -496,7 +504,7 @@ async def test_room_for_an_item_from_l2_is_never_taken_from_the_same_batch(
 
 
 async def test_data_it_could_not_keep_ends_its_claim(fresh: RedisCluster) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=3.0, capacity_bytes=1 * MIB) as [(_, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=3.0, capacity_bytes=1 * MIB) as [(_, ca), (b, cb)]:
         assert (await ca.lookup(["huge"])).held == [False]  # A claims it
         sent = await ca.get_and_update(
             [image_item(24, numel=400_000)], ["huge"], resend=[True], lease=False
@@ -512,7 +520,7 @@ async def test_data_it_could_not_keep_ends_its_claim(fresh: RedisCluster) -> Non
 async def test_an_item_uploaded_without_asking_is_claimed_and_shared(
     fresh: RedisCluster,
 ) -> None:
-    async with sidecars(fresh, 2, l2_wait_s=3.0) as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, wait_s=3.0) as [(a, ca), (b, cb)]:
         await ca.get_and_update([image_item(25)], ["direct"], lease=False)  # no lookup first
         await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 1)
         found = await cb.lookup(["direct"], lease=False)  # waits for A's write
@@ -522,7 +530,7 @@ async def test_an_item_uploaded_without_asking_is_claimed_and_shared(
 
 async def test_hundreds_of_items_in_one_lookup_all_come_from_l2(fresh: RedisCluster) -> None:
     hashes = [f"many-{{{i}}}" for i in range(400)]  # braces too: no effect on the slot
-    async with sidecars(fresh, 2, l2_admit="first") as [(a, ca), (b, cb)]:
+    async with sidecars(fresh, 2, admit="first") as [(a, ca), (b, cb)]:
         for start in range(0, 400, 100):
             chunk = hashes[start : start + 100]
             await ca.get_and_update([image_item(i) for i in range(len(chunk))], chunk, lease=False)

@@ -334,7 +334,7 @@ class MirrorAndStoreAgainstOracle(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = ItemStore(LOTS, max_items=1)
+        self.store = ItemStore(LOTS, max_items=1, lease_s=30.0)
         self.mirror = Mirror("i")
         self.oracle = new_oracle(0, counted=False)
         self.sizes: dict[str, int] = {}
@@ -353,6 +353,7 @@ class MirrorAndStoreAgainstOracle(RuleBasedStateMachine):
         self.store = ItemStore(
             LOTS if counted else capacity,
             max_items=max_items if counted else 1 << 30,
+            lease_s=30.0,
             on_change=lambda kind, key, size: self.changes.append((kind, key, size)),
         )
         self.mirror = Mirror("i", self.store.capacity, self.store.max_items)

@@ -20,7 +20,7 @@ from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClien
 from mmcache.client._codec import ItemDecoder, encode_item
 from mmcache.client._shm import attach
 from mmcache.client._slots import SPARE_BYTES
-from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import MIB, eventually, sample, scrape, server_config
@@ -56,8 +56,16 @@ async def shm_server(tmp_path: Path) -> AsyncIterator[MMCacheServer]:
         yield server
 
 
-def shm_config(directory: Path, **overrides: object) -> ServerConfig:
-    return server_config(shm=True, shm_dir=str(directory), **overrides)
+def shm_config(
+    directory: Path,
+    *,
+    shm_bytes: int = ShmConfig.bytes,
+    shm_group: int | None = None,
+    **overrides: object,
+) -> ServerConfig:
+    """A server with its region in `directory`."""
+    shm = ShmConfig(dir=str(directory), bytes=shm_bytes, group=shm_group)
+    return server_config(shm=shm, **overrides)
 
 
 def same(a: dict[str, object], b: dict[str, object]) -> bool:
@@ -343,7 +351,10 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
         assert server.region is None and c.region is None
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         assert (await c.fetch(["a"]))[0] == image_item(1)
-    async with MMCacheServer(server_config(shm=False)) as server, client(server) as c:
+    async with (
+        MMCacheServer(server_config(shm=ShmConfig(enabled=False))) as server,
+        client(server) as c,
+    ):
         assert server.region is None and c.region is None
     async with MMCacheServer(shm_config(tmp_path)) as server:
         async with client(server, shm=False) as c:  # the client's switch

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mmcache.client import MMCacheClient
 from mmcache.client._batch import Lease
-from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 
 from .conftest import MIB, eventually, server_config
 from .test_shm import same
@@ -64,7 +64,7 @@ async def test_an_upload_held_through_a_small_region_in_a_full_cache_is_readable
 ) -> None:
     # The reported case: the reply's spares made their room by evicting the
     # item itself (unleased, the cache full), though the reply said held.
-    config = server_config(32 * MIB, shm=True, shm_dir=str(tmp_path), shm_bytes=16 * MIB)
+    config = server_config(32 * MIB, shm=ShmConfig(dir=str(tmp_path), bytes=16 * MIB))
     async with (
         MMCacheServer(config) as server,
         client(server) as local,
@@ -122,7 +122,7 @@ def test_every_item_answered_held_is_readable_right_after_its_upload(
     items = {f"k{key}": item(key, size) for key, size in enumerate(sizes)}
     with tempfile.TemporaryDirectory() as directory:
         config = server_config(
-            capacity_mb * MIB, shm=True, shm_dir=directory, shm_bytes=region_mb * MIB
+            capacity_mb * MIB, shm=ShmConfig(dir=directory, bytes=region_mb * MIB)
         )
         asyncio.run(uploads(config, items, steps, follow=follow))
 

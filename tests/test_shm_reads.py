@@ -17,7 +17,7 @@ import torch
 
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
-from mmcache.server import MMCacheServer, ServerConfig
+from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.server.cache._placement import ReadRoom
 from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
@@ -31,7 +31,7 @@ ITEM_ELEMENTS = 1 << 20  # float32: 4 MiB
 
 
 def shm_config(directory: Path, **overrides: object) -> ServerConfig:
-    return server_config(shm=True, shm_dir=str(directory), shm_bytes=REGION, **overrides)
+    return server_config(shm=ShmConfig(dir=str(directory), bytes=REGION), **overrides)
 
 
 def client(server: MMCacheServer, **kwargs: object) -> MMCacheClient:

@@ -10,25 +10,24 @@ import grpc
 import pytest
 
 from mmcache.client import FailOpen, InvalidArgumentError, MMCacheClient, Tls, UnavailableError
-from mmcache.server import MMCacheServer
+from mmcache.server import MMCacheServer, TlsConfig
 
 from .conftest import MMCACHE, server_config
 from .items import image_item
 from .test_process import free_port, start, wait_serving
 
 
-def tls_config(certs: Path, *, mtls: bool = False, **overrides: object) -> dict[str, object]:
-    return {
-        "tls_cert": str(certs / "server.crt"),
-        "tls_key": str(certs / "server.key"),
-        "tls_client_ca": str(certs / "ca.crt") if mtls else None,
-        **overrides,
-    }
+def tls_config(certs: Path, *, mtls: bool = False) -> TlsConfig:
+    return TlsConfig(
+        str(certs / "server.crt"),
+        str(certs / "server.key"),
+        client_ca=str(certs / "ca.crt") if mtls else None,
+    )
 
 
 async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) -> None:
     async with (
-        MMCacheServer(server_config(**tls_config(certs))) as server,
+        MMCacheServer(server_config(tls=tls_config(certs))) as server,
         MMCacheClient(f"127.0.0.1:{server.port}", tls=Tls(ca=str(certs / "ca.crt"))) as client,
     ):
         item = image_item(1)
@@ -40,7 +39,7 @@ async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) ->
 async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> None:
     credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
     async with (
-        MMCacheServer(server_config(**tls_config(certs))) as server,
+        MMCacheServer(server_config(tls=tls_config(certs))) as server,
         MMCacheClient(f"localhost:{server.port}", tls=Tls(credentials=credentials)) as client,
     ):
         await client.get_and_update([image_item(3)], ["c"])
@@ -50,7 +49,7 @@ async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> No
 async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
     certs: Path, rogue_certs: Path
 ) -> None:
-    async with MMCacheServer(server_config(**tls_config(certs))) as server:
+    async with MMCacheServer(server_config(tls=tls_config(certs))) as server:
         target = f"127.0.0.1:{server.port}"
         with pytest.raises(UnavailableError):
             async with MMCacheClient(target, connect_timeout=1, follow=False):
@@ -65,7 +64,7 @@ async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
 async def test_mtls_needs_a_client_certificate_from_the_named_ca(
     certs: Path, rogue_certs: Path
 ) -> None:
-    async with MMCacheServer(server_config(**tls_config(certs, mtls=True))) as server:
+    async with MMCacheServer(server_config(tls=tls_config(certs, mtls=True))) as server:
         target = f"127.0.0.1:{server.port}"
         ca = str(certs / "ca.crt")
         with pytest.raises(UnavailableError):  # no certificate

@@ -26,6 +26,7 @@ from ._region import region_frames
 from ._store import StoredItem
 
 __all__ = [
+    "DEFAULT_PREFIX",
     "L2Backend",
     "L2Error",
     "L2Record",
@@ -36,6 +37,10 @@ __all__ = [
     "item_of_record",
     "record_of_item",
 ]
+
+
+# Of every key a sidecar writes: fleets sharing one cluster each take their own.
+DEFAULT_PREFIX = "mmcache:"
 
 
 class L2Error(MMCacheError):

@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from ._l2 import L2Record, Poll, Sighting, Want
+from ._l2 import DEFAULT_PREFIX, L2Record, Poll, Sighting, Want
 from ._redis_nodes import NodeClients, RedisNodes
 from ._resp_reads import BulkReader
 
@@ -164,8 +164,8 @@ class RedisClusterL2:
         self,
         url: str,
         *,
-        prefix: str = "mmcache:",
-        timeout_s: float = 1.0,
+        prefix: str = DEFAULT_PREFIX,
+        timeout_s: float,
         max_connections: int = 64,
     ) -> None:
         seeds, user, password, tls = parse_l2_url(url)

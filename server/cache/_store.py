@@ -78,7 +78,7 @@ class ItemStore:
         capacity: int,
         *,
         max_items: int,
-        lease_s: float = 30.0,
+        lease_s: float,
         on_evict: Callable[[int], None] | None = None,
         on_change: ChangeHook | None = None,
         on_expire: Callable[[int], None] | None = None,

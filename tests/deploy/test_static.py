@@ -24,6 +24,8 @@ import pytest
 import yaml
 
 from mmcache.client.vllm_plugin._releases import PLUGIN_RELEASES
+from mmcache.server import ServerConfig
+from mmcache.server._config import SETTINGS
 from tests.deploy.checks import (
     COMPOSE_FILE,
     DASHBOARD,
@@ -60,18 +62,20 @@ from tests.deploy.checks import (
 )
 from tests.deploy.prometheus_harness import free_port
 
-GRPC_PORT = 50051
-METRICS_PORT = 9470
-# The server's documented defaults (`mmcache serve`), which the image spells out.
-ENV_DEFAULTS = {
-    "MMCACHE_HOST": "0.0.0.0",
-    "MMCACHE_PORT": "50051",
-    "MMCACHE_METRICS_PORT": "9470",
-    "MMCACHE_CAPACITY_GB": "4",
-    "MMCACHE_GRACE_S": "10",
-    "MMCACHE_REFLECTION": "1",
-    "MMCACHE_LOG_LEVEL": "INFO",
-}
+GRPC_PORT = ServerConfig.port
+METRICS_PORT = ServerConfig.metrics_port
+SETTING = {setting.env: setting for setting in SETTINGS}
+# The server's defaults (`mmcache serve`, server/_config.py) the image spells out.
+SPELLED_OUT = (
+    "MMCACHE_HOST",
+    "MMCACHE_PORT",
+    "MMCACHE_METRICS_PORT",
+    "MMCACHE_CAPACITY_GB",
+    "MMCACHE_GRACE_S",
+    "MMCACHE_REFLECTION",
+    "MMCACHE_LOG_LEVEL",
+)
+ENV_DEFAULTS = {name: SETTING[name].default_text() for name in SPELLED_OUT}
 
 
 def load_yaml(path: Path) -> Any:
@@ -486,7 +490,9 @@ def test_sidecar_memory_follows_the_sizing_rule(
         env = container_env(sidecar)
         assert "MMCACHE_CAPACITY_GB" in env, f"{name}: pass the capacity via env"
         capacity = float(env["MMCACHE_CAPACITY_GB"])
-        inflight = float(env.get("MMCACHE_MAX_INFLIGHT_GB", "1"))
+        inflight = float(
+            env.get("MMCACHE_MAX_INFLIGHT_GB", SETTING["MMCACHE_MAX_INFLIGHT_GB"].default_text())
+        )
         shm = 0.0 if env.get("MMCACHE_SHM") in ("0", "off") else float(env["MMCACHE_SHM_MB"])
         resources = sidecar["resources"]
         request = quantity_bytes(resources["requests"]["memory"])
@@ -598,7 +604,9 @@ def test_dockerfile_runtime_contract() -> None:
             for pair in i.args.split():
                 key, _, value = pair.partition("=")
                 env[key] = value
-    assert {k: env.get(k) for k in ENV_DEFAULTS} == ENV_DEFAULTS
+    for name in SPELLED_OUT:
+        assert name in env, name
+        assert SETTING[name].parse(env[name]) == SETTING[name].default, name
 
     builder_runs = " ".join(
         i.args for i in instructions if i.keyword == "RUN" and i.stage < runtime_stage
