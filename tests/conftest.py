@@ -7,8 +7,9 @@ import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,18 +49,40 @@ def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> Serve
     return ServerConfig(**{**settings, **overrides})  # type: ignore[arg-type]
 
 
+@asynccontextmanager
+async def serving(
+    config: ServerConfig | None = None, /, **overrides: object
+) -> AsyncIterator[MMCacheServer]:
+    """A server on free loopback ports: `config`, or `server_config(**overrides)`;
+    stopped after. Every test's server is made here (or by the fixture on it)."""
+    if config is not None and overrides:
+        raise TypeError("give a ServerConfig or server_config's overrides, not both")
+    async with MMCacheServer(config or server_config(**overrides)) as running:  # type: ignore[arg-type]
+        yield running
+
+
+@asynccontextmanager
+async def connected(server: MMCacheServer, **options: Any) -> AsyncIterator[MMCacheClient]:
+    """A client of `server` (MMCacheClient's `options`), its mirror following the
+    server's feed before the block begins (unless `follow=False`); closed after."""
+    from mmcache.client import MMCacheClient
+
+    async with MMCacheClient(f"127.0.0.1:{server.port}", **options) as client:
+        if options.get("follow", True):
+            await client.wait_following()
+        yield client
+
+
 @pytest.fixture
 async def server() -> AsyncIterator[MMCacheServer]:
-    async with MMCacheServer(server_config()) as running:
+    async with serving() as running:
         yield running
 
 
 @pytest.fixture
 async def client(server: MMCacheServer) -> AsyncIterator[MMCacheClient]:
-    from mmcache.client import MMCacheClient
-
-    async with MMCacheClient(f"127.0.0.1:{server.port}") as connected:
-        yield connected
+    async with connected(server) as made:
+        yield made
 
 
 def scrape_text(port: int) -> str:

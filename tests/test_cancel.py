@@ -12,7 +12,7 @@ import torch
 from mmcache.client import DeadlineExceededError, FailOpen, MMCacheClient
 from mmcache.server import MMCacheServer
 
-from .conftest import MIB, eventually, server_config
+from .conftest import MIB, connected, eventually, serving
 
 
 def handled(server: MMCacheServer, method: str) -> dict[str, float]:
@@ -27,8 +27,8 @@ def handled(server: MMCacheServer, method: str) -> dict[str, float]:
 async def test_an_upload_past_its_deadline_is_deadline_exceeded_never_internal() -> None:
     data = torch.randn(1 << 20)  # 4 MiB: streamed in chunks, under flow control
     async with (
-        MMCacheServer(server_config(capacity_bytes=128 * MIB)) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}", timeout=0.02, follow=False) as client,
+        serving(capacity_bytes=128 * MIB) as server,
+        connected(server, timeout=0.02, follow=False) as client,
     ):
         outcomes = await asyncio.gather(
             *(client.get_and_update([{"x": data}], [f"h{i}"]) for i in range(48)),
@@ -42,8 +42,8 @@ async def test_an_upload_past_its_deadline_is_deadline_exceeded_never_internal()
 async def test_a_failing_open_client_fails_open_on_a_deadline_mid_upload() -> None:
     data = torch.randn(1 << 20)
     async with (
-        MMCacheServer(server_config(capacity_bytes=128 * MIB)) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}", fail_open=FailOpen(0.03), follow=False) as client,
+        serving(capacity_bytes=128 * MIB) as server,
+        connected(server, fail_open=FailOpen(0.03), follow=False) as client,
     ):
         results = await asyncio.gather(
             *(client.get_and_update([{"x": data}], [f"h{i}"]) for i in range(48))
@@ -56,8 +56,8 @@ async def test_cancelled_calls_are_counted_cancelled_not_unknown_or_invalid() ->
     data = torch.randn(1 << 20)
     rng = random.Random(0)
     async with (
-        MMCacheServer(server_config(capacity_bytes=128 * MIB)) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client,
+        serving(capacity_bytes=128 * MIB) as server,
+        connected(server, follow=False) as client,
     ):
 
         async def cancelled(i: int) -> None:
@@ -68,7 +68,7 @@ async def test_cancelled_calls_are_counted_cancelled_not_unknown_or_invalid() ->
 
         for start in range(0, 120, 8):
             await asyncio.gather(*(cancelled(i) for i in range(start, start + 8)))
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as follower:
+        async with connected(server) as follower:
             await follower.wait_following()  # a feed stream, closed below by its client
         # Counted once the server has seen each end.
         await eventually(lambda: handled(server, "Subscribe") == {"Canceled": 1})
@@ -79,7 +79,7 @@ async def test_cancelled_calls_are_counted_cancelled_not_unknown_or_invalid() ->
 
 @pytest.mark.parametrize("timeout", [0.001, 0.01])
 async def test_a_fetch_past_its_deadline_is_deadline_exceeded(timeout: float) -> None:
-    async with MMCacheServer(server_config()) as server:
+    async with serving() as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target, follow=False) as writer:
             # 128 MiB: a co-located read copies at GB/s, and must outlast 10 ms.

@@ -28,7 +28,7 @@ from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, Samples, eventually, sample, scrape, server_config
+from .conftest import MIB, Samples, connected, eventually, sample, scrape, server_config, serving
 from .items import image_item
 from .oracle import oracle_batch
 
@@ -106,7 +106,7 @@ async def test_hits_return_none_in_one_round_trip(
 
 
 async def test_calls_without_data_are_unary_and_uploads_stream(server: MMCacheServer) -> None:
-    async with MMCacheClient(f"127.0.0.1:{server.port}", sessions=0) as client:
+    async with connected(server, sessions=0) as client:
         await _unary_and_stream(server, client)
 
 
@@ -148,8 +148,8 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
     pool = {f"h{i}": image_item(i, numel=rng.randint(1, 2000)) for i in range(40)}
     capacity = sum(size_of(item) for item in pool.values()) // 3
     oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(capacity, getsizeof=lambda v: v)
-    async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with serving(capacity_bytes=capacity) as server:
+        async with connected(server) as client:
             for _ in range(300):
                 keys = rng.sample(list(pool), k=rng.randint(1, 4))
                 expected = oracle_batch(oracle, [(k, size_of(pool[k])) for k in keys])
@@ -168,8 +168,8 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
     pool = {f"h{i}": image_item(i, numel=rng.randint(1, 50)) for i in range(12)}
     # Bytes to spare: only the count binds, so an LRU of 4 entries is the oracle.
     oracle: cachetools.LRUCache[str, int] = cachetools.LRUCache(4)
-    async with MMCacheServer(server_config(max_items=4)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with serving(max_items=4) as server:
+        async with connected(server) as client:
             for _ in range(150):
                 keys = rng.sample(list(pool), k=rng.randint(1, 3))
                 expected = oracle_batch(oracle, [(k, 1) for k in keys])
@@ -183,7 +183,7 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
 async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
     items = {f"h{i}": image_item(i, numel=1000) for i in range(6)}
     capacity = 3 * size_of(items["h0"]) + 10
-    async with MMCacheServer(server_config(capacity_bytes=capacity)) as server:
+    async with serving(capacity_bytes=capacity) as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target) as a, MMCacheClient(target, follow=False) as b:
             # No leases, and b does not follow the feed: a's uploads evict h0
@@ -222,7 +222,7 @@ async def test_server_restart_resets_the_mirror_and_resends(
         await client.get_and_update([item], ["h"])
         old_instance = client.instance_id
         await first.stop(grace=0)
-        async with MMCacheServer(server_config(port=port)) as second:
+        async with serving(port=port) as second:
             assert client.is_cached(["h"]) == [True]  # the mirror cannot know yet
             result = await client.get_and_update([item], ["h"])
             assert result == [item]  # re-sent: the new process did not hold it
@@ -233,8 +233,8 @@ async def test_server_restart_resets_the_mirror_and_resends(
 
 async def test_item_larger_than_the_cache_is_served_uncached() -> None:
     small, big = image_item(1, numel=10), image_item(2, numel=100_000)
-    async with MMCacheServer(server_config(capacity_bytes=size_of(small) * 4)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with serving(capacity_bytes=size_of(small) * 4) as server:
+        async with connected(server) as client:
             await client.get_and_update([small], ["small"])
             assert await client.get_and_update([big], ["big"]) == [big]
             assert await client.get_and_update([big], ["big"]) == [big]  # never a hit
@@ -344,7 +344,7 @@ async def test_inject_covers_modalities_and_skips_absent_entries(
 async def test_inject_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     server = MMCacheServer(server_config())
     await server.start()
-    async with MMCacheClient(f"127.0.0.1:{server.port}", timeout=1) as client:
+    async with connected(server, timeout=1) as client:
         await server.stop(grace=0)
         kwargs: dict[str, list[object]] = {"image": [image_item(1)]}
         with caplog.at_level(logging.WARNING):
@@ -354,8 +354,8 @@ async def test_inject_never_raises(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_inject_with_caching_disabled_returns_at_once_and_counts_nothing() -> None:
-    async with MMCacheServer(server_config(capacity_bytes=0)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with serving(capacity_bytes=0) as server:
+        async with connected(server) as client:
             item = image_item(1)
             kwargs: dict[str, list[object]] = {"image": [item]}
             await client.inject_into_mm_cache({"image": ["x"]}, kwargs)
@@ -367,8 +367,8 @@ async def test_inject_with_caching_disabled_returns_at_once_and_counts_nothing()
 
 async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> None:
     a, b, c = image_item(1), image_item(2), image_item(3)
-    async with MMCacheServer(server_config(capacity_bytes=2 * size_of(a) + 10)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with serving(capacity_bytes=2 * size_of(a) + 10) as server:
+        async with connected(server) as client:
             await client.get_and_update([a, b], ["a", "b"], lease=False)
             client.touch("a")
             client.touch("ghost")  # not held: nothing happens
@@ -379,10 +379,10 @@ async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> No
 
 async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
     a, b, c = image_item(1), image_item(2), image_item(3)
-    async with MMCacheServer(server_config(capacity_bytes=2 * size_of(a) + 10)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}") as writer:
+    async with serving(capacity_bytes=2 * size_of(a) + 10) as server:
+        async with connected(server) as writer:
             await writer.get_and_update([a, b], ["a", "b"], lease=False)
-            async with MMCacheClient(f"127.0.0.1:{server.port}") as reader:
+            async with connected(server) as reader:
                 await reader.fetch(["a"], release=False)  # a read moves nothing
                 assert await reader.refresh(["a", "ghost"]) == 1  # one call, one held
             await writer.get_and_update([c], ["c"], lease=False)
@@ -473,7 +473,7 @@ async def test_unreachable_server_is_a_typed_error() -> None:
 async def test_a_batch_too_large_for_header_metadata_sends_a_header_frame(
     server: MMCacheServer,
 ) -> None:
-    async with MMCacheClient(f"127.0.0.1:{server.port}", sessions=0) as client:
+    async with connected(server, sessions=0) as client:
         await _header_frame(server, client)
 
 
@@ -513,8 +513,8 @@ async def test_concurrent_calls_from_one_client_stay_correct(
 @pytest.mark.slow
 async def test_an_item_of_256_mib_moves_both_ways() -> None:
     big = {"pixel_values": torch.arange(64 * MIB, dtype=torch.float32)}  # 256 MiB
-    async with MMCacheServer(server_config(capacity_bytes=300 * MIB)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}", chunk_bytes=4 * MIB) as client:
+    async with serving(capacity_bytes=300 * MIB) as server:
+        async with connected(server, chunk_bytes=4 * MIB) as client:
             assert await client.get_and_update([big], ["big"]) == [big]
             assert server.store.used == 256 * MIB
             (fetched,) = await client.fetch(["big"])

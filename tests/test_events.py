@@ -17,7 +17,7 @@ from mmcache.client import MMCacheClient
 from mmcache.server import EventsConfig, MMCacheServer
 from mmcache.server._config import ConfigError, parse_serve_args
 
-from .conftest import MIB, server_config
+from .conftest import MIB, connected, server_config, serving
 from .items import image_item
 
 TOPIC = b"mm-items"
@@ -27,7 +27,7 @@ TOPIC = b"mm-items"
 async def publishing() -> AsyncIterator[MMCacheServer]:
     events = EventsConfig("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
     config = server_config(capacity_bytes=4 * MIB, events=events)
-    async with MMCacheServer(config) as server:
+    async with serving(config) as server:
         yield server
 
 
@@ -79,7 +79,7 @@ async def test_subscribers_see_items_stored_and_evicted(publishing: MMCacheServe
     sub.connect(pub_at)
     await asyncio.sleep(0.2)  # a SUB socket misses what is sent before it joins
     try:
-        async with MMCacheClient(f"127.0.0.1:{publishing.port}", namespace="qwen") as client:
+        async with connected(publishing, namespace="qwen") as client:
             item = image_item(1, numel=256 << 10)  # 1 MiB: four fill the 4 MiB cache
             await client.get_and_update([item], ["first"], lease=False)
             topic, seq_bytes, payload = await asyncio.wait_for(sub.recv_multipart(), 5)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from mmcache.client._codec import EncodedItem, encode_item
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config
+from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, tensor_spec
 
@@ -42,20 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def size_of(seed: int, numel: int) -> int:
     return encode_item(image_item(seed, numel=numel)).size.charged
-
-
-@asynccontextmanager
-async def serving(**overrides: object) -> AsyncIterator[MMCacheServer]:
-    async with MMCacheServer(server_config(**overrides)) as server:
-        yield server
-
-
-@asynccontextmanager
-async def connected(server: MMCacheServer, **options: object) -> AsyncIterator[MMCacheClient]:
-    async with MMCacheClient(f"127.0.0.1:{server.port}", **options) as client:  # type: ignore[arg-type]
-        if options.get("follow", True):
-            await client.wait_following()
-        yield client
 
 
 # ---------------------------------------------------------------- leases
@@ -265,7 +250,7 @@ async def test_after_a_server_restart_the_read_names_the_hashes_and_the_frontend
     async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as frontend:
         await frontend.get_and_update(items, hashes)
         await first.stop(grace=0)
-        async with MMCacheServer(server_config(port=port)) as second:
+        async with serving(port=port) as second:
             async with MMCacheClient(f"127.0.0.1:{port}", timeout=20) as engine:
                 with pytest.raises(CacheMissError) as info:
                     await engine.fetch(hashes)
@@ -428,7 +413,7 @@ async def test_a_mirror_resyncs_after_a_server_restart() -> None:
         old = client.instance_id
         await first.stop(grace=0)
         await eventually(lambda: not client.following)
-        async with MMCacheServer(server_config(port=port)) as second:
+        async with serving(port=port) as second:
             async with MMCacheClient(f"127.0.0.1:{port}") as other:
                 await other.get_and_update([image_item(2)], ["new"], lease=False)
             await eventually(lambda: client.following and client.instance_id == second.instance_id)
@@ -765,7 +750,7 @@ async def test_fail_open_comes_back_in_touch_when_the_server_returns() -> None:
         result = await client.get_and_update([image_item(2)], ["b"])
         assert list(result) == [image_item(2)] and client.fail_opens == 1
         assert client.is_cached(["a"]) == [False]  # out of touch
-        async with MMCacheServer(server_config(port=port)) as second:
+        async with serving(port=port) as second:
             await eventually(lambda: client.following)
             assert client.instance_id == second.instance_id
             assert list(await client.get_and_update([image_item(2)], ["b"])) == [image_item(2)]

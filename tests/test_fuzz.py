@@ -20,7 +20,7 @@ from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 from mmcache.v1 import encoder_pb2 as epb
 
-from .conftest import server_config
+from .conftest import connected, serving
 from .items import image_item
 
 _REFUSED = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -96,7 +96,7 @@ async def test_random_bytes_into_every_method_never_unknown_and_nothing_lost(
 ) -> None:
     rng = random.Random(seed)
     kept = image_item(7)
-    async with MMCacheClient(f"127.0.0.1:{server.port}") as client:
+    async with connected(server) as client:
         await client.get_and_update([kept], ["kept"], lease=False)
     target = f"127.0.0.1:{server.port}"
     answered: dict[str, set[grpc.StatusCode]] = {}
@@ -119,7 +119,7 @@ async def test_random_bytes_into_every_method_never_unknown_and_nothing_lost(
 
 async def test_random_bytes_with_tokens_on_are_refused_before_any_parsing() -> None:
     """Without a token every method of ours is UNAUTHENTICATED; health still answers."""
-    async with MMCacheServer(server_config(tokens="admin " + "a" * 32)) as server:
+    async with serving(tokens="admin " + "a" * 32) as server:
         rng = random.Random(3)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             for path, client_streaming, server_streaming in methods():

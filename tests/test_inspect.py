@@ -11,9 +11,8 @@ from pathlib import Path
 import torch
 
 from mmcache.client import MMCacheClient
-from mmcache.server import MMCacheServer
 
-from .conftest import MMCACHE, server_config
+from .conftest import MMCACHE, serving
 from .items import image_item
 
 ADMIN, WRITE = "admin-token-0123456789", "write-token-0123456789"
@@ -34,7 +33,7 @@ async def mmcache(
 
 
 async def test_stats_locate_and_clear_look_inside_a_running_server() -> None:
-    async with MMCacheServer(server_config()) as server:
+    async with serving() as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target) as client:
             await client.get_and_update([image_item(1), image_item(2)], ["a", "b"], lease=False)
@@ -68,7 +67,7 @@ async def test_stats_locate_and_clear_look_inside_a_running_server() -> None:
 
 
 async def test_clear_needs_an_admin_token_and_says_so() -> None:
-    async with MMCacheServer(server_config(tokens=f"admin {ADMIN}; write {WRITE}")) as server:
+    async with serving(tokens=f"admin {ADMIN}; write {WRITE}") as server:
         target = f"127.0.0.1:{server.port}"
         code, shown = await mmcache(
             "clear", "--target", target, "--yes", env={"MMCACHE_TOKEN": WRITE, "PATH": ""}
@@ -84,7 +83,7 @@ async def test_clear_needs_an_admin_token_and_says_so() -> None:
 
 async def test_get_writes_an_items_tensors_and_where_each_lies(tmp_path: Path) -> None:
     item = image_item(3, numel=1000)
-    async with MMCacheServer(server_config()) as server:
+    async with serving() as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target) as client:
             await client.get_and_update([item], ["cat"], lease=False)

@@ -20,7 +20,7 @@ from mmcache.server import EventsConfig, L2Config, MMCacheServer
 from mmcache.server._config import ConfigError
 from mmcache.server.cache._l2_redis import redis_key
 
-from .conftest import MIB, eventually, server_config
+from .conftest import MIB, connected, eventually, serving
 from .items import image_item
 from .redis_cluster import RedisCluster, redis_available, redis_cluster
 
@@ -63,7 +63,7 @@ async def sidecars(
     async with contextlib.AsyncExitStack() as stack:
         pairs = []
         for _ in range(count):
-            server = await stack.enter_async_context(MMCacheServer(server_config(**overrides)))
+            server = await stack.enter_async_context(serving(**overrides))
             client = await stack.enter_async_context(MMCacheClient(f"127.0.0.1:{server.port}"))
             pairs.append((server, client))
         yield pairs
@@ -152,9 +152,9 @@ async def test_a_record_no_sidecar_wrote_is_a_miss(fresh: RedisCluster) -> None:
 async def test_namespaces_stay_apart_in_l2(fresh: RedisCluster) -> None:
     async with sidecars(fresh, 2, admit="first") as [(a, _), (b, _)]:
         async with (
-            MMCacheClient(f"127.0.0.1:{a.port}", namespace="red") as red,
-            MMCacheClient(f"127.0.0.1:{b.port}", namespace="blue") as blue,
-            MMCacheClient(f"127.0.0.1:{b.port}", namespace="red") as red_b,
+            connected(a, namespace="red") as red,
+            connected(b, namespace="blue") as blue,
+            connected(b, namespace="red") as red_b,
         ):
             await red.get_and_update([image_item(5)], ["shared-name"])
             await eventually(lambda: value(a, "mmcache_l2_writes_total", result="written") == 1)
@@ -196,10 +196,10 @@ async def writer_and_reader(
     """A sidecar that writes every new item to L2 (with the default timeout, so
     a loaded machine fails no write), and one that reads with a short one."""
     async with (
-        MMCacheServer(server_config(l2=L2Config(cluster.url, admit="first"))) as a,
-        MMCacheClient(f"127.0.0.1:{a.port}") as ca,
-        MMCacheServer(server_config(l2=L2Config(cluster.url, timeout_s=reader_timeout_s))) as b,
-        MMCacheClient(f"127.0.0.1:{b.port}") as cb,
+        serving(l2=L2Config(cluster.url, admit="first")) as a,
+        connected(a) as ca,
+        serving(l2=L2Config(cluster.url, timeout_s=reader_timeout_s)) as b,
+        connected(b) as cb,
     ):
         yield a, ca, b, cb
 
@@ -318,8 +318,8 @@ async def test_a_sidecar_starts_and_serves_while_its_cluster_is_down() -> None:
 @contextlib.asynccontextmanager
 async def sidecars_at(url: str) -> AsyncIterator[tuple[MMCacheServer, MMCacheClient]]:
     async with (
-        MMCacheServer(server_config(l2=L2Config(url, timeout_s=0.2))) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}") as client,
+        serving(l2=L2Config(url, timeout_s=0.2)) as server,
+        connected(server) as client,
     ):
         yield server, client
 
@@ -367,7 +367,7 @@ async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
     fresh: RedisCluster,
 ) -> None:
     async with sidecars(fresh, 1, wait_s=3.0, capacity_bytes=2 * MIB) as [(a, ca)]:
-        async with MMCacheClient(f"127.0.0.1:{a.port}") as other_frontend:
+        async with connected(a) as other_frontend:
             assert (await ca.lookup(["mine"])).held == [False]  # claimed: ca processes it
             # A second request for it on the same node waits for that upload.
             waiting = asyncio.create_task(other_frontend.lookup(["mine"]))

@@ -18,7 +18,7 @@ import pytest
 
 from mmcache.client import MMCacheClient
 
-from .conftest import parse_samples, sample, scrape_text
+from .conftest import connected, parse_samples, sample, scrape_text
 from .items import image_item
 from .redis_cluster import RedisCluster, redis_available, redis_cluster
 from .test_process import MMCACHE, free_port, wait_serving
@@ -232,7 +232,7 @@ async def test_an_unreachable_l2_is_an_error_at_start_and_l1_serves(tmp_path: Pa
 
 
 async def served_from_l1(sidecar: Sidecar) -> None:
-    async with MMCacheClient(f"127.0.0.1:{sidecar.port}", follow=False) as client:
+    async with connected(sidecar, follow=False) as client:
         assert (await client.lookup(["x"])).held == [False]
         await client.get_and_update([image_item(7)], ["x"])
         assert (await client.fetch(["x"])) == [image_item(7)]

@@ -5,10 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mmcache.client import MMCacheClient
-from mmcache.server import MMCacheServer
-
-from .conftest import scrape, server_config
+from .conftest import connected, scrape, serving
 from .items import image_item
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -27,9 +24,9 @@ def family(name: str) -> str:
 
 
 async def test_every_exported_metric_is_documented_and_every_documented_one_exported() -> None:
-    async with MMCacheServer(server_config(capacity_bytes=64 << 10)) as server:
+    async with serving(capacity_bytes=64 << 10) as server:
         # No feed: the mirror does not hear of the Clear below.
-        async with MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client:
+        async with connected(server, follow=False) as client:
             # Exercise every labelled series: queries, hits, re-sends, uncached, books.
             item = image_item(1)
             await client.get_and_update([item], ["a"], lease=False)
@@ -37,7 +34,7 @@ async def test_every_exported_metric_is_documented_and_every_documented_one_expo
             server.store.clear()  # the mirror still believes: the next call re-sends
             await client.get_and_update([item], ["a"])
             await client.get_and_update([image_item(2, numel=100_000)], ["too-big"])
-            async with MMCacheClient(f"127.0.0.1:{server.port}") as follower:
+            async with connected(server) as follower:
                 await follower.wait_following()  # a feed snapshot
             book = client.encoder_cache("engine-0")
             await book.create(cache_size=100)

@@ -16,7 +16,7 @@ from mmcache.client import (
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import sample, scrape, server_config
+from .conftest import sample, scrape, serving
 from .items import image_item
 
 
@@ -26,7 +26,7 @@ def client(server: MMCacheServer, namespace: str = "", **kwargs: object) -> MMCa
 
 async def test_the_same_hash_in_two_namespaces_is_two_items() -> None:
     async with (
-        MMCacheServer(server_config()) as server,
+        serving() as server,
         client(server, "qwen2-vl@proc-1") as qwen,
         client(server, "llava@proc-7") as llava,
         client(server) as default,
@@ -45,7 +45,7 @@ async def test_the_same_hash_in_two_namespaces_is_two_items() -> None:
 
 async def test_mirrors_follow_only_their_own_namespace() -> None:
     async with (
-        MMCacheServer(server_config()) as server,
+        serving() as server,
         client(server, "a") as a,
         client(server, "b") as b,
         client(server, "b") as b_follower,
@@ -68,7 +68,7 @@ async def test_mirrors_follow_only_their_own_namespace() -> None:
 
 async def test_clear_clears_only_the_callers_namespace() -> None:
     async with (
-        MMCacheServer(server_config()) as server,
+        serving() as server,
         client(server, "a", follow=False) as a,
         client(server, "b", follow=False) as b,
     ):
@@ -82,7 +82,7 @@ async def test_clear_clears_only_the_callers_namespace() -> None:
 
 async def test_namespaces_share_the_capacity_and_evict_in_one_lru_order() -> None:
     size = 256 * 4 + 64  # an image_item's charge, roughly
-    async with MMCacheServer(server_config(capacity_bytes=3 * size)) as server:
+    async with serving(capacity_bytes=3 * size) as server:
         async with client(server, "a", follow=False) as a, client(server, "b", follow=False) as b:
             await a.get_and_update([image_item(7)], ["old"], lease=False)
             for i in range(3):
@@ -92,7 +92,7 @@ async def test_namespaces_share_the_capacity_and_evict_in_one_lru_order() -> Non
 
 
 async def test_the_namespace_bound_refuses_one_more_with_the_fix() -> None:
-    async with MMCacheServer(server_config(max_namespaces=2)) as server:
+    async with serving(max_namespaces=2) as server:
         async with client(server, "a", follow=False) as a:
             await a.get_and_update([image_item(8)], ["h"], lease=False)
             with pytest.raises(ResourceExhaustedError, match="--max-namespaces"):
@@ -115,7 +115,7 @@ def test_a_client_refuses_a_namespace_outside_the_alphabet() -> None:
 
 async def test_the_server_refuses_a_bad_namespace_with_invalid_argument() -> None:
     async with (
-        MMCacheServer(server_config()) as server,
+        serving() as server,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
     ):
         touch = channel.unary_unary(

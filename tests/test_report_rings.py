@@ -19,7 +19,7 @@ from mmcache._rings import RECORD, RING_HEAD_BYTES, RingCorrupt, read_records, w
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 
-from .conftest import MIB, eventually, sample, scrape
+from .conftest import MIB, connected, eventually, sample, scrape, serving
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
 
@@ -103,7 +103,7 @@ async def test_reads_give_their_leases_back_through_the_ring_with_no_call(
     tmp_path: Path,
 ) -> None:
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as api,
         client(server) as engine,
     ):
@@ -127,15 +127,16 @@ async def test_reads_give_their_leases_back_through_the_ring_with_no_call(
 
 
 async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # No timer: only calls read the report rings (and beat the region).
+    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
     # A cache of 4 MiB: a leased 2 MiB item cannot be evicted for two more.
     async with (
-        MMCacheServer(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
+        serving(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
         client(server) as api,
         client(server) as engine,
     ):
-        server._drainer.cancel()  # type: ignore[union-attr]  # no timer: only calls drain
         first = {"x": tensor(torch.float32, 1 << 19, 1)}
         await api.get_and_update([first], ["a"], lease=False)
         await api.lookup(["a"])
@@ -153,7 +154,7 @@ async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
 
 async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> None:
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as api,
         client(server) as engine,
     ):
@@ -178,7 +179,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
 
 
 async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server:
+    async with serving(shm_config(tmp_path)) as server:
         async with client(server) as api, client(server) as engine:
             await api.get_and_update([{"x": tensor(torch.float32, 1 << 18, 5)}], ["h"])
             await engine.fetch(["h"])
@@ -189,8 +190,8 @@ async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
 
 
 async def test_a_client_without_shared_memory_asks_for_no_ring(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server:
-        async with MMCacheClient(f"127.0.0.1:{server.port}", shm=False, follow=False) as remote:
+    async with serving(shm_config(tmp_path)) as server:
+        async with connected(server, shm=False, follow=False) as remote:
             await remote.get_and_update([{"x": tensor(torch.float32, 64, 1)}], ["z"])
             await remote.fetch(["z"])
         assert server.cache.rings is None or len(server.cache.rings) == 0
@@ -202,7 +203,7 @@ async def test_a_read_only_client_gets_a_ring_in_its_namespace(tmp_path: Path) -
     tokens = tmp_path / "tokens"
     write_token, read_token = "w" * 24, "r" * 24
     tokens.write_text(f"write {write_token} a\nread {read_token} a\n")
-    async with MMCacheServer(shm_config(tmp_path, tokens_file=str(tokens))) as server:
+    async with serving(shm_config(tmp_path, tokens_file=str(tokens))) as server:
         target = f"127.0.0.1:{server.port}"
         async with (
             MMCacheClient(target, token=write_token, namespace="a", follow=False) as api,

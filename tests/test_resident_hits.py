@@ -11,6 +11,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmcache._rings import read_records, write_record
@@ -20,7 +21,7 @@ from mmcache.server import MMCacheServer
 from mmcache.server.cache._region import ITEM, open_region
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape
+from .conftest import MIB, eventually, sample, scrape, serving
 from .test_process import MMCACHE, free_port, start, wait_serving
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
@@ -56,7 +57,7 @@ async def with_ring(*clients: MMCacheClient) -> None:
 
 async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path) -> None:
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as api,
         client(server) as engine,
     ):
@@ -80,14 +81,17 @@ async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path
         assert engine.fetch_resident(["a", "absent"]) is None
 
 
-async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(tmp_path: Path) -> None:
+async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No timer: only calls read the report rings (and beat the region).
+    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
     # 4 MiB of cache, 2 MiB items: the third upload evicts the oldest unleased.
     async with (
-        MMCacheServer(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
+        serving(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
         client(server) as api,
         client(server) as engine,
     ):
-        server._drainer.cancel()  # type: ignore[union-attr]  # no timer: only calls read rings
         await api.get_and_update([item(1, 1 << 19)], ["a"], lease=False)
         await api.get_and_update([item(2, 1 << 19)], ["b"], lease=False)
         await with_ring(api, engine)
@@ -98,15 +102,18 @@ async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(tmp_path:
         assert got is not None and torch.equal(got[0]["x"], item(1, 1 << 19)["x"])
 
 
-async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: Path) -> None:
+async def test_an_extent_leased_in_an_unread_record_outlives_its_item(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No timer: only calls read the report rings (and beat the region).
+    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
     # The race the record and the check close: the item leaves the store after
     # the client checked its lease, before the server read the record.
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as api,
         client(server) as engine,
     ):
-        server._drainer.cancel()  # type: ignore[union-attr]
         await api.get_and_update([item(4), item(5)], ["a", "b"], lease=False)
         await with_ring(api, engine)
         region = server.region
@@ -124,9 +131,12 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(tmp_path: 
         assert api.lease_resident(["a"]).held == [False]
 
 
-async def test_a_full_ring_leases_nothing_and_the_lookup_counts(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as api:
-        server._drainer.cancel()  # type: ignore[union-attr]
+async def test_a_full_ring_leases_nothing_and_the_lookup_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No timer: only calls read the report rings (and beat the region).
+    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    async with serving(shm_config(tmp_path)) as server, client(server) as api:
         await api.get_and_update([item(6)], ["a"], lease=False)
         await with_ring(api)
         fill(api)
@@ -154,7 +164,7 @@ async def test_a_process_that_never_processed_an_item_leases_it_with_its_metadat
     # The metadata (vLLM's prompt updates) lives in the extent with the item:
     # another API process needs no lookup for it.
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as one,
         client(server) as other,
     ):
@@ -235,14 +245,15 @@ def fill(client: MMCacheClient) -> None:
 
 
 async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # No timer: only calls read the report rings (and beat the region).
+    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
     async with (
-        MMCacheServer(shm_config(tmp_path)) as server,
+        serving(shm_config(tmp_path)) as server,
         client(server) as api,
         client(server) as engine,
     ):
-        server._drainer.cancel()  # type: ignore[union-attr]  # only calls read rings
         await api.get_and_update([item(10)], ["a"], lease=False)
         await with_ring(api, engine)
         assert api.lease_resident(["a"]).held == [True]

@@ -12,7 +12,7 @@ from google.rpc import status_pb2
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, sample, scrape, server_config
+from .conftest import MIB, sample, scrape, serving
 from .raw import SERVICE, chunk, data_entry, fetch, header, tensor_spec, update, update_one
 
 
@@ -164,7 +164,7 @@ async def test_fetch_names_every_missing_hash(channel: grpc.aio.Channel) -> None
 
 
 async def test_fetch_changes_neither_order_nor_counters(server: MMCacheServer) -> None:
-    async with MMCacheServer(server_config(capacity_bytes=8)) as small:
+    async with serving(capacity_bytes=8) as small:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{small.port}") as ch:
             await update(ch, put_frames("a", b"1234"))
             await update(ch, put_frames("b", b"5678"))
@@ -180,7 +180,7 @@ async def test_fetch_changes_neither_order_nor_counters(server: MMCacheServer) -
 async def test_touch_of_missing_key_does_nothing_and_touch_reorders(
     server: MMCacheServer,
 ) -> None:
-    async with MMCacheServer(server_config(capacity_bytes=8)) as small:
+    async with serving(capacity_bytes=8) as small:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{small.port}") as ch:
             touch = ch.unary_unary(
                 f"{SERVICE}/Touch",
@@ -207,7 +207,7 @@ async def test_clear_empties_the_cache(server: MMCacheServer, channel: grpc.aio.
 
 
 async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
-    async with MMCacheServer(server_config(max_items=3)) as bounded:
+    async with serving(max_items=3) as bounded:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{bounded.port}") as ch:
             for i in range(5):  # a few bytes each: far below the byte capacity
                 reply = await update(ch, put_frames(f"h{i}", b"xyz"))
@@ -225,7 +225,7 @@ async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
 
 
 async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> None:
-    async with MMCacheServer(server_config(capacity_bytes=4)) as small:
+    async with serving(capacity_bytes=4) as small:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{small.port}") as ch:
             await update(ch, put_frames("kept", b"12"))
             reply = await update(ch, put_frames("huge", b"123456"))
@@ -399,7 +399,7 @@ async def test_every_reply_carries_the_instance_id(channel: grpc.aio.Channel) ->
     first = await info(pb.InfoRequest())
     reply = await update(channel, put_frames("a", b"1"))
     assert first.instance_id and reply.instance_id == first.instance_id
-    async with MMCacheServer(server_config()) as other:
+    async with serving() as other:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{other.port}") as ch2:
             other_reply = await update(ch2, put_frames("a", b"1"))
     assert other_reply.instance_id != first.instance_id

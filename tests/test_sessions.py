@@ -12,7 +12,7 @@ from mmcache.client import CacheMissError, MMCacheClient, ResourceExhaustedError
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config
+from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving
 from .items import image_item
 from .proxy import Proxy
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
@@ -78,7 +78,7 @@ async def test_a_session_header_in_metadata_is_refused(server: MMCacheServer) ->
 async def test_concurrent_puts_share_a_few_sessions_and_the_rest_make_calls(
     server: MMCacheServer,
 ) -> None:
-    async with MMCacheClient(f"127.0.0.1:{server.port}", sessions=2) as client:
+    async with connected(server, sessions=2) as client:
         items = [image_item(i, numel=MIB // 8) for i in range(24)]
         results = await asyncio.gather(
             *(client.get_and_update([item], [f"c{i}"]) for i, item in enumerate(items))
@@ -102,7 +102,7 @@ async def test_a_stopping_server_ends_idle_sessions_without_waiting_its_grace() 
     await server.start()
     try:
         # No feed: its stream would hold the stop for the grace, sessions apart.
-        async with MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client:
+        async with connected(server, follow=False) as client:
             await client.get_and_update([image_item(1)], ["a"])
             # Open, waiting for the next batch (it gets there just after its reply).
             await eventually(lambda: server.sessions.waiting == 1)
@@ -221,9 +221,9 @@ async def test_a_copy_of_a_batch_still_under_way_ends_that_run_and_is_applied_on
 
 async def test_a_session_dropped_before_its_reply_counts_the_batch_once() -> None:
     async with (
-        MMCacheServer(server_config()) as server,
+        serving() as server,
         Proxy(server.port) as proxy,
-        MMCacheClient(f"127.0.0.1:{proxy.port}", follow=False, timeout=10) as client,
+        connected(proxy, follow=False, timeout=10) as client,
     ):
         await client.get_and_update([image_item(1)], ["warm"])  # the session opens
         proxy.hold_replies()
@@ -239,7 +239,7 @@ async def test_a_session_dropped_before_its_reply_counts_the_batch_once() -> Non
 
 
 async def test_a_session_names_its_namespace_again_with_each_batch() -> None:
-    async with MMCacheServer(server_config(max_namespaces=2)) as server:
+    async with serving(max_namespaces=2) as server:
         target = f"127.0.0.1:{server.port}"
         async with MMCacheClient(target, namespace="a", follow=False) as a:
             with pytest.raises(CacheMissError):
@@ -259,7 +259,7 @@ async def test_a_server_started_again_takes_sessions_again() -> None:
     await server.stop()
     await server.start()
     try:
-        async with MMCacheClient(f"127.0.0.1:{server.port}", follow=False) as client:
+        async with connected(server, follow=False) as client:
             for i in range(3):
                 await client.get_and_update([image_item(i)], [f"k{i}"])
         assert handled(await scrape(server.metrics_port), "OK") == 3  # all three over a session
@@ -277,7 +277,7 @@ async def test_a_session_batch_waits_for_another_upload_only_within_its_own_time
     spec = tensor_spec("float32", [8])
     async with (
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
-        MMCacheClient(f"127.0.0.1:{server.port}", follow=False, timeout=2.0) as client,
+        connected(server, follow=False, timeout=2.0) as client,
     ):
         await client.get_and_update([image_item(1)], ["warm"])  # the session opens
         # Another client's upload of "p" stalls halfway: "p" is pending.
@@ -296,7 +296,7 @@ async def test_a_session_batch_waits_for_another_upload_only_within_its_own_time
 
 
 async def test_past_the_servers_session_limit_batches_go_as_calls() -> None:
-    async with MMCacheServer(server_config(max_sessions=1)) as server:
+    async with serving(max_sessions=1) as server:
         target = f"127.0.0.1:{server.port}"
         async with (
             MMCacheClient(target, follow=False) as first,

@@ -23,7 +23,7 @@ from mmcache.client._slots import SPARE_BYTES
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config
+from .conftest import MIB, eventually, sample, scrape, server_config, serving
 from .items import image_item
 
 DTYPES = [
@@ -51,7 +51,7 @@ def tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 
 @pytest.fixture
 async def shm_server(tmp_path: Path) -> AsyncIterator[MMCacheServer]:
-    async with MMCacheServer(shm_config(tmp_path, shm_bytes=256 * MIB)) as server:
+    async with serving(shm_config(tmp_path, shm_bytes=256 * MIB)) as server:
         assert server.region is not None
         yield server
 
@@ -183,7 +183,7 @@ async def test_namespaces_read_their_own_resident_items(shm_server: MMCacheServe
 async def test_items_past_the_index_are_read_through_readshm(tmp_path: Path) -> None:
     """A small region has few index buckets: items whose buckets are all taken
     are still resident, and ReadShm says where they are."""
-    async with MMCacheServer(shm_config(tmp_path, shm_bytes=4 * MIB)) as server:
+    async with serving(shm_config(tmp_path, shm_bytes=4 * MIB)) as server:
         async with client(server) as c:
             items = [{"x": tensor(torch.int32, 256, i)} for i in range(300)]
             hashes = [f"n{i}" for i in range(300)]
@@ -199,7 +199,7 @@ async def test_region_pressure_moves_the_coldest_items_to_the_heap_while_the_cac
     tmp_path: Path,
 ) -> None:
     config = shm_config(tmp_path, shm_bytes=24 * MIB, capacity_bytes=256 * MIB)
-    async with MMCacheServer(config) as server, client(server) as c:
+    async with serving(config) as server, client(server) as c:
         kept = {"x": tensor(torch.float32, 1 << 20, 99)}
         await c.get_and_update([kept], ["kept"])  # leased
         items = [{"x": tensor(torch.float32, 1 << 20, i)} for i in range(8)]  # 4 MiB each
@@ -220,7 +220,7 @@ async def test_region_pressure_in_a_full_cache_evicts_the_coldest_never_leased_o
     tmp_path: Path,
 ) -> None:
     config = shm_config(tmp_path, shm_bytes=24 * MIB, capacity_bytes=24 * MIB)
-    async with MMCacheServer(config) as server, client(server) as c:
+    async with serving(config) as server, client(server) as c:
         kept = {"x": tensor(torch.float32, 1 << 20, 99)}
         await c.get_and_update([kept], ["kept"])  # leased: never evicted
         items = [{"x": tensor(torch.float32, 1 << 20, i)} for i in range(8)]
@@ -289,7 +289,7 @@ async def test_concurrent_uploads_keep_spares_within_the_clients_caps(
 
 
 async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(3, numel=1 << 18)
         await c.get_and_update([item], ["s"], lease=False)
         assert c.region is not None
@@ -306,7 +306,7 @@ async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale
 ) -> None:
     from mmcache.client import _shm
 
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 6)}
         await c.get_and_update([item], ["m"], lease=False)
 
@@ -325,7 +325,7 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
     tmp_path: Path,
 ) -> None:
     config = shm_config(tmp_path, capacity_bytes=3 * MIB)
-    async with MMCacheServer(config) as server, client(server) as c:
+    async with serving(config) as server, client(server) as c:
         first = {"x": tensor(torch.float32, 1 << 18, 1)}
         await c.get_and_update([first], ["h"], lease=False)
         assert c.region is not None
@@ -347,16 +347,16 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
     tmp_path: Path,
 ) -> None:
     missing = shm_config(tmp_path / "no-such-dir")
-    async with MMCacheServer(missing) as server, client(server) as c:
+    async with serving(missing) as server, client(server) as c:
         assert server.region is None and c.region is None
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         assert (await c.fetch(["a"]))[0] == image_item(1)
     async with (
-        MMCacheServer(server_config(shm=ShmConfig(enabled=False))) as server,
+        serving(shm=ShmConfig(enabled=False)) as server,
         client(server) as c,
     ):
         assert server.region is None and c.region is None
-    async with MMCacheServer(shm_config(tmp_path)) as server:
+    async with serving(shm_config(tmp_path)) as server:
         async with client(server, shm=False) as c:  # the client's switch
             assert c.region is None
             await c.get_and_update([{"x": torch.ones(1 << 20)}], ["b"], lease=False)
@@ -366,7 +366,7 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
 
 async def test_another_hosts_file_under_the_same_name_is_refused(tmp_path: Path) -> None:
     """The client maps a file at the announced path, but not the server's: it stays on gRPC."""
-    async with MMCacheServer(shm_config(tmp_path)) as server:
+    async with serving(shm_config(tmp_path)) as server:
         assert server.region is not None
         path = server.region.path
         impostor = forged_copy(path, tmp_path / "impostor")
@@ -434,7 +434,7 @@ async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: 
         old_path = first.region.path if first.region else ""
         await first.stop(grace=0)
         assert not exists(old_path)  # a stopped server leaves no region behind
-        async with MMCacheServer(shm_config(tmp_path, port=port)) as second:
+        async with serving(shm_config(tmp_path, port=port)) as second:
             await c.get_and_update([image_item(2)], ["b"], lease=False)
             assert (await c.fetch(["b"]))[0] == image_item(2)  # over gRPC: the old token fails
             for _ in range(100):
@@ -466,17 +466,17 @@ async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
 ) -> None:
     stale = tmp_path / "mmcache-1-dead.shm"
     stale.write_bytes(b"\0" * 8192)  # left by a server that crashed: nobody holds its lock
-    async with MMCacheServer(shm_config(tmp_path)) as server:
+    async with serving(shm_config(tmp_path)) as server:
         assert server.region is not None
         mode = stat.S_IMODE(os.stat(server.region.path).st_mode)
         assert mode == 0o600
         assert not stale.exists()
-        async with MMCacheServer(shm_config(tmp_path)) as neighbour:
+        async with serving(shm_config(tmp_path)) as neighbour:
             # Two servers, one directory: each keeps its own file.
             assert neighbour.region is not None
             assert exists(server.region.path)
     gid = os.getgid()
-    async with MMCacheServer(shm_config(tmp_path, shm_group=gid)) as grouped:
+    async with serving(shm_config(tmp_path, shm_group=gid)) as grouped:
         assert grouped.region is not None
         info = os.stat(grouped.region.path)
         assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == gid
@@ -485,7 +485,7 @@ async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
 
 async def test_a_full_region_sends_over_grpc(tmp_path: Path) -> None:
     config = shm_config(tmp_path, shm_bytes=2 * MIB)
-    async with MMCacheServer(config) as server, client(server) as c:
+    async with serving(config) as server, client(server) as c:
         big = {"x": tensor(torch.float32, 1 << 20, 5)}  # 4 MiB: more than the region
         await c.get_and_update([big], ["big"], lease=False)
         assert same((await c.fetch(["big"]))[0], big)
@@ -520,7 +520,7 @@ def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) 
 
 
 async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
         assert c.region is not None and server.region is not None
         item = {"x": tensor(torch.float32, 1 << 20, 7)}  # 4 MiB: through a slot
         real_write = c.region.write
@@ -540,7 +540,7 @@ async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> N
 
 
 async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(4, numel=1 << 16)
         await c.get_and_update([item], ["twice"])  # one lease
         await c.get_and_update([item], ["twice"])  # and another
@@ -559,7 +559,7 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
 async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> None:
     """ReadShm gives no lease back: an item moved out from under the copy is read
     again over gRPC, and its lease must still keep it."""
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = image_item(12, numel=1 << 16)
         await c.get_and_update([item], ["kept"])  # one lease; over gRPC, so not yet resident
         region = c.region
@@ -575,7 +575,7 @@ async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> Non
 
 
 async def test_call_free_reads_give_their_leases_back_once(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 5)}
         for _ in range(3):
             await c.get_and_update([item], ["thrice"])  # three requests' leases
@@ -597,7 +597,7 @@ def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> Non
 
 
 async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path)) as server, client(server) as c:
         assert server.region is not None and c.region is not None
         mapping = {"x": tensor(torch.float32, 1 << 18, 8), "y": tensor(torch.int8, 5, 9), "n": 2}
         await c.get_and_update([mapping, image_item(6)], ["v", "w"], lease=False)
@@ -615,7 +615,7 @@ async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) ->
 
 
 async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
         await c.get_and_update([image_item(7)], ["slow"], lease=False)
 
         async def hold_too_long() -> None:
@@ -630,7 +630,7 @@ async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
 
 
 async def test_without_shared_memory_a_view_is_a_fetch(tmp_path: Path) -> None:
-    async with MMCacheServer(server_config()) as server, client(server) as c:
+    async with serving() as server, client(server) as c:
         await c.get_and_update([image_item(8)], ["g"], lease=False)
         async with c.view(["g"]) as items:
             assert items == [image_item(8)]
@@ -658,7 +658,7 @@ asyncio.run(main())
 
 async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path: Path) -> None:
     # Leases long enough to outlive the reader's start on a slow machine.
-    async with MMCacheServer(shm_config(tmp_path, lease_s=3)) as server, client(server) as c:
+    async with serving(shm_config(tmp_path, lease_s=3)) as server, client(server) as c:
         assert server.region is not None
         await c.get_and_update([image_item(9)], ["held"], lease=False)
         reader = await asyncio.create_subprocess_exec(

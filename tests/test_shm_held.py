@@ -17,7 +17,7 @@ from mmcache.client import MMCacheClient
 from mmcache.client._batch import Lease
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 
-from .conftest import MIB, eventually, server_config
+from .conftest import MIB, eventually, server_config, serving
 from .test_shm import same
 
 KEYS = 6  # few, so that batches hit, repeat and evict one another
@@ -66,7 +66,7 @@ async def test_an_upload_held_through_a_small_region_in_a_full_cache_is_readable
     # item itself (unleased, the cache full), though the reply said held.
     config = server_config(32 * MIB, shm=ShmConfig(dir=str(tmp_path), bytes=16 * MIB))
     async with (
-        MMCacheServer(config) as server,
+        serving(config) as server,
         client(server) as local,
         client(server, shm=False) as remote,
         client(server) as reader,
@@ -88,7 +88,7 @@ async def test_an_upload_held_through_a_small_region_in_a_full_cache_is_readable
 async def test_a_re_send_within_the_call_answers_held_only_what_it_left_held(lease: Lease) -> None:
     big, small, mine = item(1, 7 * MIB), item(2, 1_700_000), item(3, 1_700_000)
     async with (
-        MMCacheServer(server_config(8 * MIB)) as server,
+        serving(capacity_bytes=8 * MIB) as server,
         client(server) as a,
         client(server) as b,
         client(server) as reader,
@@ -140,7 +140,7 @@ async def uploads(
     the region's), and calls re-send what they wrongly thought held."""
     keys = list(items)
     async with (
-        MMCacheServer(config) as server,
+        serving(config) as server,
         client(server, follow=follow) as local,
         client(server, follow=follow, shm=False) as remote,
         client(server, shm=False) as reader,

@@ -22,7 +22,7 @@ from mmcache.server.cache._placement import ReadRoom
 from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config
+from .conftest import MIB, eventually, sample, scrape, server_config, serving
 from .test_shm import same, tensor
 
 # A 16 MiB region holds three 4 MiB items, two beside the reserve for one read.
@@ -51,7 +51,7 @@ async def in_the_heap(
     """A server with the small region, and `count` 4 MiB items uploaded over
     gRPC (so kept in the heap): the server, its region, the items, their hashes."""
     async with (
-        MMCacheServer(shm_config(directory, **overrides)) as server,
+        serving(shm_config(directory, **overrides)) as server,
         client(server, shm=False) as remote,
     ):
         assert server.region is not None
@@ -219,7 +219,7 @@ async def test_a_readshm_says_earlier_holds_done_before_it_is_served(tmp_path: P
 
 
 async def test_too_many_holds_done_in_a_readshm_is_invalid_argument(tmp_path: Path) -> None:
-    async with MMCacheServer(shm_config(tmp_path)) as server:
+    async with serving(shm_config(tmp_path)) as server:
         assert server.region is not None
         request = pb.FetchRequest(shm_token=server.region.token, shm_done=range(16385))
         with pytest.raises(grpc.aio.AioRpcError) as raised:

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from mmcache.client import FailOpen, InvalidArgumentError, MMCacheClient, Tls, UnavailableError
-from mmcache.server import MMCacheServer, TlsConfig
+from mmcache.server import TlsConfig
 
-from .conftest import MMCACHE, server_config
+from .conftest import MMCACHE, connected, serving
 from .items import image_item
 from .test_process import free_port, start, wait_serving
 
@@ -27,8 +27,8 @@ def tls_config(certs: Path, *, mtls: bool = False) -> TlsConfig:
 
 async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) -> None:
     async with (
-        MMCacheServer(server_config(tls=tls_config(certs))) as server,
-        MMCacheClient(f"127.0.0.1:{server.port}", tls=Tls(ca=str(certs / "ca.crt"))) as client,
+        serving(tls=tls_config(certs)) as server,
+        connected(server, tls=Tls(ca=str(certs / "ca.crt"))) as client,
     ):
         item = image_item(1)
         await client.get_and_update([item], ["h"])
@@ -39,7 +39,7 @@ async def test_items_round_trip_over_tls_with_the_ca_from_a_file(certs: Path) ->
 async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> None:
     credentials = grpc.ssl_channel_credentials((certs / "ca.crt").read_bytes())
     async with (
-        MMCacheServer(server_config(tls=tls_config(certs))) as server,
+        serving(tls=tls_config(certs)) as server,
         MMCacheClient(f"localhost:{server.port}", tls=Tls(credentials=credentials)) as client,
     ):
         await client.get_and_update([image_item(3)], ["c"])
@@ -49,7 +49,7 @@ async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> No
 async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
     certs: Path, rogue_certs: Path
 ) -> None:
-    async with MMCacheServer(server_config(tls=tls_config(certs))) as server:
+    async with serving(tls=tls_config(certs)) as server:
         target = f"127.0.0.1:{server.port}"
         with pytest.raises(UnavailableError):
             async with MMCacheClient(target, connect_timeout=1, follow=False):
@@ -64,7 +64,7 @@ async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
 async def test_mtls_needs_a_client_certificate_from_the_named_ca(
     certs: Path, rogue_certs: Path
 ) -> None:
-    async with MMCacheServer(server_config(tls=tls_config(certs, mtls=True))) as server:
+    async with serving(tls=tls_config(certs, mtls=True)) as server:
         target = f"127.0.0.1:{server.port}"
         ca = str(certs / "ca.crt")
         with pytest.raises(UnavailableError):  # no certificate

@@ -22,7 +22,7 @@ from mmcache.server._auth import parse_tokens
 from mmcache.server._config import ConfigError
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import Samples, sample, scrape, server_config
+from .conftest import Samples, sample, scrape, server_config, serving
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
 
@@ -38,7 +38,7 @@ async def secured(tmp_path: Path) -> AsyncIterator[tuple[MMCacheServer, Path]]:
     tokens.write_text(
         f"# roles\nwrite {WRITE}\nread {READ}\nadmin {ADMIN}\nwrite {TENANT} a\nread {TENANT} a\n"
     )
-    async with MMCacheServer(server_config(tokens_file=str(tokens))) as server:
+    async with serving(tokens_file=str(tokens)) as server:
         yield server, tokens
 
 
@@ -242,7 +242,7 @@ async def test_a_server_with_an_empty_tokens_file_refuses_to_start(tmp_path: Pat
 
 async def test_tokens_from_the_environment_setting(tmp_path: Path) -> None:
     async with (
-        MMCacheServer(server_config(tokens=f"write {WRITE}; read {READ}")) as server,
+        serving(tokens=f"write {WRITE}; read {READ}") as server,
         connect(server, WRITE) as frontend,
         connect(server, READ) as engine,
     ):
