@@ -157,8 +157,8 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client.mirror.keys()) == set(oracle.keys())
-            assert set(client.mirror.keys()) == set(server.store._lru.keys())
-            assert client.mirror.keys() == list(server.store._lru.keys())  # same order too
+            assert set(client.mirror.keys()) == set(server.store.keys())
+            assert client.mirror.keys() == server.store.keys()  # same order too
             samples = await scrape(server.metrics_port)
             assert sample(samples, "mmcache_resends_total", modality="image") == 0
 
@@ -176,7 +176,7 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client.mirror.keys()) == set(oracle.keys())
-            assert client.mirror.keys() == list(server.store._lru.keys())
+            assert client.mirror.keys() == server.store.keys()
             assert len(server.store) == 4
 
 
@@ -338,7 +338,7 @@ async def test_inject_covers_modalities_and_skips_absent_entries(
     samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_queries_total", modality="image") == 1
     assert sample(samples, "mmcache_queries_total", modality="video") == 1
-    assert set(server.store._lru.keys()) == {"i1", "v0"}
+    assert set(server.store.keys()) == {"i1", "v0"}
 
 
 async def test_inject_never_raises(caplog: pytest.LogCaptureFixture) -> None:
@@ -374,7 +374,7 @@ async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> No
             client.touch("ghost")  # not held: nothing happens
             await client.get_and_update([c], ["c"], lease=False)
             assert client.is_cached(["a", "b", "c"]) == [True, False, True]
-            assert set(server.store._lru.keys()) == {"a", "c"}
+            assert set(server.store.keys()) == {"a", "c"}
 
 
 async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
@@ -386,7 +386,7 @@ async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
                 await reader.fetch(["a"], release=False)  # a read moves nothing
                 assert await reader.refresh(["a", "ghost"]) == 1  # one call, one held
             await writer.get_and_update([c], ["c"], lease=False)
-            assert set(server.store._lru.keys()) == {"a", "c"}  # b, not a, was evicted
+            assert set(server.store.keys()) == {"a", "c"}  # b, not a, was evicted
 
 
 async def test_make_stats_delta(client: MMCacheClient) -> None:

@@ -219,7 +219,7 @@ async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
             )
             assert (await info(pb.InfoRequest())).max_items == 3
             samples = await scrape(bounded.metrics_port)
-        assert list(bounded.store._lru.keys()) == ["h2", "h3", "h4"]
+        assert bounded.store.keys() == ["h2", "h3", "h4"]
     assert sample(samples, "mmcache_max_items") == 3
     assert sample(samples, "mmcache_evictions_total") == 2
 
