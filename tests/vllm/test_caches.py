@@ -39,16 +39,16 @@ from vllm.multimodal.processing.processor import (
 )
 
 from mmcache.client import CacheMissError
-from mmcache.client.vllm_plugin import connection_settings
-from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache, MMCacheReceiverCache
-from mmcache.client.vllm_plugin._convert import (
+from mmcache.client.vllm import connection_settings
+from mmcache.client.vllm._caches import MMCacheProcessorCache, MMCacheReceiverCache
+from mmcache.client.vllm._convert import (
     decode_updates,
     encode_updates,
     from_vllm,
     to_vllm,
     undescribed,
 )
-from mmcache.client.vllm_plugin._sync import SyncClient
+from mmcache.client.vllm._sync import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, sidecars
@@ -532,7 +532,7 @@ def test_a_vllm_that_never_releases_still_shares_what_it_processed(
 ) -> None:
     """vLLM 0.31 (NVIDIA Dynamo 1.6's) has no release_sender_touches: items
     leave as vLLM takes them, and the next request on the thread ends the last."""
-    monkeypatch.setattr("mmcache.client.vllm_plugin._caches.VLLM_RELEASES", False)
+    monkeypatch.setattr("mmcache.client.vllm._caches.VLLM_RELEASES", False)
     p0_a = MMCacheProcessorCache(clients(), SCOPE)
     p0_b = MMCacheProcessorCache(clients(), SCOPE)
 

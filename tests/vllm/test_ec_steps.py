@@ -19,7 +19,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
-from mmcache.client.vllm_ec import MMCacheECConnector, MMCacheECMetadata
+from mmcache.client.vllm.connector import MMCacheECConnector, MMCacheECMetadata
 
 from .conftest import Sidecar
 from .test_caches import eventually
@@ -44,7 +44,7 @@ def sides(
         device_config=DeviceConfig(device="cpu"),
         ec_transfer_config=ECTransferConfig(
             ec_connector="MMCacheECConnector",
-            ec_connector_module_path="mmcache.client.vllm_ec",
+            ec_connector_module_path="mmcache.client.vllm.connector",
             ec_role="ec_both",
             ec_connector_extra_config={"target": sidecar.target, "staging_dir": str(tmp_path)},
         ),

@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 from vllm.config import MultiModalConfig
 
-from mmcache.client.vllm_plugin import scope_of
-from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache
-from mmcache.client.vllm_plugin._releases import PLUGIN_RELEASES, refusal, release_of
-from mmcache.client.vllm_plugin._sync import SyncClient
+from mmcache.client.vllm import scope_of
+from mmcache.client.vllm._caches import MMCacheProcessorCache
+from mmcache.client.vllm._releases import PLUGIN_RELEASES, refusal, release_of
+from mmcache.client.vllm._sync import SyncClient
 
 from .conftest import Sidecar
 from .serve import metrics
@@ -107,7 +107,7 @@ import vllm
 import vllm.multimodal.cache.factories as factories
 own = factories.processor_cache_from_config
 vllm.__version__ = {version!r}
-from mmcache.client.vllm_plugin import register
+from mmcache.client.vllm import register
 register()
 print("mmcache" if factories.processor_cache_from_config is not own else "vllm")
 """

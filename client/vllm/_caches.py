@@ -27,7 +27,7 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
   `invalidate`s what the engine found missing): the mirror alone, no call.
 - `release_sender_touches`: the request's uploads leave in one call, in the
   background (the engine has the data already); touches reach the server with
-  the next call. Only uploads worth their cost go (client/vllm_plugin/_costs.py:
+  the next call. Only uploads worth their cost go (client/vllm/_costs.py:
   the chance of a repeat, from this process's hit ratio, times the processing
   time saved, against the upload's time): with traffic of distinct images an
   API process uploads one item in ten, not every one.

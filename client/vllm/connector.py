@@ -1,7 +1,7 @@
 """mmcache as vLLM's encoder-cache (EC) connector: encoder outputs shared by the fleet.
 
     vllm serve MODEL --ec-transfer-config '{"ec_connector": "MMCacheECConnector",
-        "ec_connector_module_path": "mmcache.client.vllm_ec", "ec_role": "ec_both",
+        "ec_connector_module_path": "mmcache.client.vllm.connector", "ec_role": "ec_both",
         "ec_connector_extra_config": {"target": "127.0.0.1:50051"}}'
 
 An engine that encodes an image uploads the encoder output to its sidecar;
@@ -69,13 +69,13 @@ from mmcache._breaker import Breaker
 from mmcache._errors import CacheMissError, MMCacheError
 from mmcache._items import BatchedField, FieldElem, MMItem
 
-from .vllm_plugin import client_for, ec_scope_of
-from .vllm_plugin._releases import refusal, release_of
-from .vllm_plugin._staging import Staged, Staging, load_staged, to_host
+from . import client_for, ec_scope_of
+from ._releases import refusal, release_of
+from ._staging import Staged, Staging, load_staged, to_host
 
 if TYPE_CHECKING:
-    from ._client import MMCacheClient, UpdateResult
-    from .vllm_plugin._sync import SyncClient
+    from .._client import MMCacheClient, UpdateResult
+    from ._sync import SyncClient
 
 __all__ = ["MMCacheECConnector", "MMCacheECMetadata", "MMCacheECStats"]
 
