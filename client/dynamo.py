@@ -247,7 +247,7 @@ def _receiver_class() -> type:
         MmKwargsShmTransferMetadata,
     )
 
-    from . import vllm as plugin
+    from .vllm import client_for
     from .vllm._convert import to_vllm
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
@@ -261,7 +261,7 @@ def _receiver_class() -> type:
             keys = [item.key for item in metadata.items if item.key]
             fetched: list[Any] = []
             if keys:
-                sync = plugin._client()
+                sync = client_for()
                 # No wait for a sidecar that is not there: the media are processed instead.
                 future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
                 fetched = await asyncio.wait_for(asyncio.wrap_future(future), sync.deadline_s)

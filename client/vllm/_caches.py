@@ -74,6 +74,7 @@ from mmcache._spec import check_name
 
 from ._convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
 from ._costs import Admission, ProcessingTime
+from ._keys import scoped_key
 from ._metrics import plugin_metrics
 from ._sync import SyncClient
 
@@ -155,7 +156,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
-        return f"{self._scope}:{mm_hash}"
+        return scoped_key(self._scope, mm_hash)
 
     def _request(self) -> _Request:
         request: _Request | None = getattr(self._local, "request", None)
@@ -490,7 +491,7 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         self._scope = scope
 
     def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
-        keys = [f"{self._scope}:{h}" for h in hashes]
+        keys = [scoped_key(self._scope, h) for h in hashes]
         try:
             # Resident in the sidecar's shared memory: read on this thread, with no call.
             items = self._sync.client.fetch_resident(keys)

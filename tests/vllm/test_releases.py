@@ -93,10 +93,10 @@ def test_releases_are_known_by_major_and_minor() -> None:
     assert release_of("0.33.1.dev3+g1a2b3c") == (0, 33)
     assert release_of("0.31.0+cpu") == (0, 31)
     assert release_of("main") is None
-    assert refusal("it", "0.32.0", PLUGIN_RELEASES, {}) is None
-    why = refusal("it", "0.34.0", PLUGIN_RELEASES, {})
+    assert refusal("it", "0.32.0", PLUGIN_RELEASES, untested=False) is None
+    why = refusal("it", "0.34.0", PLUGIN_RELEASES, untested=False)
     assert why is not None and "vLLM 0.34.0 (tested: 0.31, 0.32, 0.33)" in why
-    assert refusal("it", "0.34.0", PLUGIN_RELEASES, {"MMCACHE_VLLM_UNTESTED": "1"}) is None
+    assert refusal("it", "0.34.0", PLUGIN_RELEASES, untested=True) is None
 
 
 # In a process of its own: register() replaces vLLM's cache factories there.
