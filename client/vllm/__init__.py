@@ -46,8 +46,8 @@ Keys are vLLM's own `mm_hash` (content-derived; vLLM prefixes LoRA requests'
 identifiers), scoped by a digest of the model and its processor settings, so
 two models on one sidecar never share items (_keys.py).
 
-The modules: _factories (vLLM's cache factories, replaced), _caches (P0's and
-P1's caches), _sync (a synchronous client, one per process and target),
+The modules: _factories (vLLM's cache factories, replaced), _caches (P0's cache),
+_receiver (P1's), _sync (a synchronous client, one per process and target),
 _convert (vLLM's items to mmcache's and back), _costs and _metrics (what an
 upload is worth; the plugin's counters), _media (a hit skips the decode),
 _naming (one model named alike wherever it is loaded from), _releases (the

@@ -61,7 +61,7 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
     """P1's cache: reads through to mmcache."""
     if not _caching_enabled(vllm_config):
         return None
-    from ._caches import MMCacheReceiverCache
+    from ._receiver import MMCacheReceiverCache
 
     settings = Settings.from_env()
     scope = scope_of(vllm_config, settings.namespace)

@@ -41,7 +41,7 @@ from vllm.multimodal.processing.processor import (
 
 from mmcache.client import CacheMissError
 from mmcache.client.vllm import Settings
-from mmcache.client.vllm._caches import MMCacheProcessorCache, MMCacheReceiverCache
+from mmcache.client.vllm._caches import MMCacheProcessorCache
 from mmcache.client.vllm._convert import (
     decode_updates,
     encode_updates,
@@ -49,6 +49,7 @@ from mmcache.client.vllm._convert import (
     to_vllm,
     undescribed,
 )
+from mmcache.client.vllm._receiver import MMCacheReceiverCache
 from mmcache.client.vllm._sync import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
