@@ -1,7 +1,7 @@
 """What the EC connector's copies cost an engine's thread on a GPU: the save
 of an encoder output to the host, and the load of a staged one onto the GPU,
 the way they were (`.to("cpu")`, a pageable `.to("cuda")`) beside the way
-they are (client/vllm_plugin/_staging.py: pinned memory, queued on the
+they are (client/vllm/_staging.py: pinned memory, queued on the
 stream, waited for off the engine's thread). Needs a CUDA device.
 
     python -m bench.gpu_copies [--busy-ms 20] [--reps 20]
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from mmcache.client.vllm_plugin._staging import Staged, Staging, load_staged, to_host
+from mmcache.client.vllm._staging import Staged, Staging, load_staged, to_host
 
 SIZES = {"1369 x 1536 bf16": (1369, 1536), "1369 x 8192 bf16": (1369, 8192)}
 

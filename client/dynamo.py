@@ -4,7 +4,7 @@ Dynamo's vLLM-processor frontend (`python -m dynamo.frontend
 --dyn-chat-processor vllm`) processes images and ships the tensors of every
 item to the worker on every request, repeats included (a fresh shared-memory
 segment, or NIXL). With `MMCACHE_TARGET` set in both processes, the vLLM
-plugin (mmcache.client.vllm_plugin) loads in each as a vLLM general plugin
+plugin (mmcache.client.vllm) loads in each as a vLLM general plugin
 and installs this transport there; no file of Dynamo's is edited:
 
 - **Frontend.** vLLM's P0 cache there is the plugin's: an item the sidecar
@@ -128,8 +128,8 @@ def _install_frontend() -> None:
     from dynamo.frontend import vllm_processor
     from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY
 
-    from .vllm_plugin._caches import MMCacheProcessorCache
-    from .vllm_plugin._media import MMCacheMediaConnector
+    from .vllm._caches import MMCacheProcessorCache
+    from .vllm._media import MMCacheMediaConnector
 
     # The frontend loads media through the connector it registers as "dynamo"
     # (it sets VLLM_MEDIA_CONNECTOR=dynamo), which hands vLLM decoded images:
@@ -149,7 +149,7 @@ def _sender_class() -> type:
         encode_mm_kwargs_item,
     )
 
-    from .vllm_plugin._caches import MMCacheProcessorCache
+    from .vllm._caches import MMCacheProcessorCache
 
     class MMCacheSender(MmKwargsSender):  # type: ignore[misc]
         """Hits as their sidecar keys, misses as Dynamo's shm sender sends them."""
@@ -247,8 +247,8 @@ def _receiver_class() -> type:
         MmKwargsShmTransferMetadata,
     )
 
-    from . import vllm_plugin
-    from .vllm_plugin._convert import to_vllm
+    from .vllm import client_for
+    from .vllm._convert import to_vllm
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
         """The items: held ones in one fetch from this worker's sidecar,
@@ -261,7 +261,7 @@ def _receiver_class() -> type:
             keys = [item.key for item in metadata.items if item.key]
             fetched: list[Any] = []
             if keys:
-                sync = vllm_plugin._client()
+                sync = client_for()
                 # No wait for a sidecar that is not there: the media are processed instead.
                 future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
                 fetched = await asyncio.wait_for(asyncio.wrap_future(future), sync.deadline_s)
@@ -289,7 +289,7 @@ def _patch_worker(request_processor: Any, receiver: type) -> None:
     """Dynamo's worker receives mmcache's transfers through `receiver`."""
     from vllm.multimodal.inputs import MultiModalKwargsItem
 
-    from .vllm_plugin._caches import already_shared
+    from .vllm._caches import already_shared
 
     processor = request_processor.VllmMultimodalRequestProcessor
     original_receive = processor.try_receive_mm_kwargs

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmcache.client import BatchedField, FieldElem, MMCacheClient, MMItem
-from mmcache.client.vllm_plugin._staging import Staging, load_staged, to_host
+from mmcache.client.vllm._staging import Staging, load_staged, to_host
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device (run on a GPU machine)"

@@ -1,10 +1,10 @@
-"""The vLLM plugin's P0 estimates (client/vllm_plugin/_costs.py), which need no
+"""The vLLM plugin's P0 estimates (client/vllm/_costs.py), which need no
 vLLM: how long a lookup waits for an upload in flight elsewhere, and which
 uploads are worth their cost. Their use in a real P0: tests/vllm/test_caches.py."""
 
 from __future__ import annotations
 
-from mmcache.client.vllm_plugin._costs import MOST_WAIT_S, Admission, ProcessingTime, UploadCost
+from mmcache.client.vllm._costs import MOST_WAIT_S, Admission, ProcessingTime, UploadCost
 
 
 def test_a_lookup_waits_about_the_processing_it_would_save() -> None:

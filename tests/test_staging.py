@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmcache.client.vllm_plugin._staging import Staging, load_staged
+from mmcache.client.vllm._staging import Staging, load_staged
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -59,7 +59,7 @@ def test_engines_stage_apart_and_close_removes_everything(tmp_path: Path) -> Non
 def test_a_killed_engines_files_are_removed_by_the_next_one(tmp_path: Path) -> None:
     # A scheduler in another process holds its directory's lock while it lives.
     code = (
-        "import sys, time, torch; from mmcache.client.vllm_plugin._staging import Staging; "
+        "import sys, time, torch; from mmcache.client.vllm._staging import Staging; "
         "s = Staging(1 << 20, sys.argv[1]); s.put('x', torch.ones(8)); "
         "print(s.directory, flush=True); time.sleep(60)"
     )

@@ -19,6 +19,6 @@ COPY client/ client/
 COPY metrics/ metrics/
 COPY proto/ proto/
 RUN python3 -m pip install --no-cache-dir ".[client]" \
-    && python3 -c "import mmcache.client.vllm_plugin, mmcache.client.vllm_ec" \
+    && python3 -c "import mmcache.client.vllm, mmcache.client.vllm.connector" \
     && rm -rf /tmp/mmcache
 WORKDIR /

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mmcache.client.vllm_plugin._releases import PLUGIN_RELEASES
+from mmcache.client.vllm._releases import PLUGIN_RELEASES
 from mmcache.server import ServerConfig
 from mmcache.server._config import SETTINGS
 from tests.deploy.checks import (

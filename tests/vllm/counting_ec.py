@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-from mmcache.client.vllm_ec import MMCacheECConnector
+from mmcache.client.vllm.connector import MMCacheECConnector
 
 
 class CountingECConnector(MMCacheECConnector):

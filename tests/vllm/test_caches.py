@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -39,16 +40,17 @@ from vllm.multimodal.processing.processor import (
 )
 
 from mmcache.client import CacheMissError
-from mmcache.client.vllm_plugin import connection_settings
-from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache, MMCacheReceiverCache
-from mmcache.client.vllm_plugin._convert import (
+from mmcache.client.vllm import Settings
+from mmcache.client.vllm._caches import MMCacheProcessorCache
+from mmcache.client.vllm._convert import (
     decode_updates,
     encode_updates,
     from_vllm,
     to_vllm,
     undescribed,
 )
-from mmcache.client.vllm_plugin._sync import SyncClient
+from mmcache.client.vllm._receiver import MMCacheReceiverCache
+from mmcache.client.vllm._sync import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, sidecars
@@ -344,6 +346,11 @@ def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], Sy
     assert p0._sync.client.fail_opens >= 1
 
 
+def options(env: dict[str, str]) -> dict[str, Any]:
+    """MMCacheClient's arguments, as the plugin reads them from `env`."""
+    return Settings.from_env(env).client_options()
+
+
 def test_tls_tokens_and_a_namespace_from_the_environment(tmp_path: Path) -> None:
     """The plugin's settings as an operator gives them: P0 writes, P1 reads, over mTLS."""
     certs = tmp_path / "tls"
@@ -366,15 +373,13 @@ def test_tls_tokens_and_a_namespace_from_the_environment(tmp_path: Path) -> None
         "MMCACHE_NAMESPACE": "tiny@1",
     }
     try:
-        frontend = SyncClient(
-            server.target, **connection_settings({**tls, "MMCACHE_TOKEN": roles["write"]})
-        )
+        frontend = SyncClient(server.target, **options({**tls, "MMCACHE_TOKEN": roles["write"]}))
         engine = SyncClient(
             server.target,
-            **connection_settings({**tls, "MMCACHE_TOKEN_FILE": str(tmp_path / "read-token")}),
+            **options({**tls, "MMCACHE_TOKEN_FILE": str(tmp_path / "read-token")}),
         )
         other = SyncClient(  # another model's namespace on the same sidecar
-            server.target, **connection_settings({**tls, "MMCACHE_NAMESPACE": "other@1",
+            server.target, **options({**tls, "MMCACHE_NAMESPACE": "other@1",
                                                   "MMCACHE_TOKEN": roles["admin"]})
         )  # fmt: skip
         try:
@@ -532,7 +537,7 @@ def test_a_vllm_that_never_releases_still_shares_what_it_processed(
 ) -> None:
     """vLLM 0.31 (NVIDIA Dynamo 1.6's) has no release_sender_touches: items
     leave as vLLM takes them, and the next request on the thread ends the last."""
-    monkeypatch.setattr("mmcache.client.vllm_plugin._caches.VLLM_RELEASES", False)
+    monkeypatch.setattr("mmcache.client.vllm._caches.VLLM_RELEASES", False)
     p0_a = MMCacheProcessorCache(clients(), SCOPE)
     p0_b = MMCacheProcessorCache(clients(), SCOPE)
 

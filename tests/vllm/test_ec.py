@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.client.vllm_ec import LEAST_VLLM, require_supported_vllm
+from mmcache.client.vllm.connector import LEAST_VLLM, require_supported_vllm
 
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, free_port, sidecars

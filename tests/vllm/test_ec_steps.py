@@ -19,7 +19,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.outputs import ECConnectorOutput
 from vllm.v1.request import Request
 
-from mmcache.client.vllm_ec import MMCacheECConnector, MMCacheECMetadata
+from mmcache.client.vllm.connector import MMCacheECConnector, MMCacheECMetadata, WrongRoleError
 
 from .conftest import Sidecar
 from .test_caches import eventually
@@ -44,7 +44,7 @@ def sides(
         device_config=DeviceConfig(device="cpu"),
         ec_transfer_config=ECTransferConfig(
             ec_connector="MMCacheECConnector",
-            ec_connector_module_path="mmcache.client.vllm_ec",
+            ec_connector_module_path="mmcache.client.vllm.connector",
             ec_role="ec_both",
             ec_connector_extra_config={"target": sidecar.target, "staging_dir": str(tmp_path)},
         ),
@@ -105,7 +105,8 @@ def test_an_output_one_engine_saved_is_staged_and_loaded_by_the_next(
         ECConnectorOutput(ec_connector_worker_meta=worker.build_connector_worker_meta())
     )
     scheduler.request_finished(request)
-    assert "img" not in scheduler._staging  # loaded: the staged copy goes
+    assert scheduler.connector_scheduler is not None
+    assert "img" not in scheduler.connector_scheduler.staging  # loaded: the staged copy goes
     assert scheduler.take_unavailable_requests() == set()
 
 
@@ -121,3 +122,28 @@ def test_an_output_the_sidecar_lacks_is_encoded_and_nothing_is_promised(
     assert not scheduler.has_cache_item("never-saved")  # vLLM encodes it
     assert scheduler.build_connector_meta(scheduler_output=None).loads == []
     assert scheduler.take_unavailable_requests() == set()  # no request fails for it
+
+
+def test_each_role_holds_its_own_part_and_refuses_the_others_methods(
+    sides: tuple[MMCacheECConnector, MMCacheECConnector],
+) -> None:
+    scheduler, worker = sides
+    assert scheduler.connector_scheduler is not None and scheduler.connector_worker is None
+    assert worker.connector_worker is not None and worker.connector_scheduler is None
+    with pytest.raises(WrongRoleError, match="save_caches is the worker's"):
+        scheduler.save_caches({"img": torch.zeros(EMBEDS, 32)}, "img")
+    with pytest.raises(WrongRoleError, match="has_cache_item is the scheduler's"):
+        worker.has_cache_item("img")
+    with pytest.raises(WrongRoleError, match="build_connector_meta is the scheduler's"):
+        worker.build_connector_meta(scheduler_output=None)
+    assert worker.get_ec_connector_stats() is None  # a worker's counts go back in its metadata
+    worker.shutdown()  # a worker has nothing to close
+
+
+def test_the_former_module_paths_still_load_the_same_names() -> None:
+    import mmcache.client.vllm as package
+    import mmcache.client.vllm_ec as former_ec
+    import mmcache.client.vllm_plugin as former_plugin
+
+    assert former_ec.MMCacheECConnector is MMCacheECConnector
+    assert former_plugin.register is package.register

@@ -158,7 +158,7 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
         assert served["mmcache_leases"] == 0
         # A JPEG whose bytes break after a valid header is opened, not decoded
-        # (client/vllm_plugin/_media.py), so the processor finds it: still 400.
+        # (client/vllm/_media.py), so the processor finds it: still 400.
         broken = jpeg(200, 160, seed=1)
         assert chat_url(port, "data:image/jpeg;base64," + b64(broken[: len(broken) // 2])) == 400
 

@@ -1,4 +1,4 @@
-"""The plugin's media connector (client/vllm_plugin/_media.py) with vLLM's own
+"""The plugin's media connector (client/vllm/_media.py) with vLLM's own
 loader beside it: a photo is opened, not decoded, and keyed as vLLM keys it;
 an image whose load changes it loads as vLLM loads it; the plugin makes the
 connector vLLM's default unless another was chosen. A corrupt image's 400 in
@@ -20,7 +20,7 @@ from vllm.multimodal.media import MediaConnector
 from vllm.multimodal.media import base as media_base
 
 from bench.photos import jpeg
-from mmcache.client.vllm_plugin._media import MMCacheMediaConnector
+from mmcache.client.vllm._media import MMCacheMediaConnector
 
 
 def _url(data: bytes, kind: str) -> str:
@@ -88,7 +88,7 @@ def test_the_plugin_makes_the_connector_vllms_default_unless_another_was_chosen(
     if chosen is not None:
         env["VLLM_MEDIA_CONNECTOR"] = chosen
     script = (
-        "from mmcache.client.vllm_plugin import register\n"
+        "from mmcache.client.vllm import register\n"
         "from vllm import envs\n"
         "from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY\n"
         "register()\n"

@@ -1,4 +1,4 @@
-"""One model served from two paths names its items alike (client/vllm_plugin/_naming.py):
+"""One model served from two paths names its items alike (client/vllm/_naming.py):
 vLLM's item digests name the model by its processing files' content, not its path."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from vllm.config import ModelConfig
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from mmcache.client.vllm_plugin._naming import (
+from mmcache.client.vllm._naming import (
     PROCESSING_FILES,
     model_identity,
     name_models_by_content,

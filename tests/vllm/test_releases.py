@@ -20,10 +20,10 @@ from types import SimpleNamespace
 import pytest
 from vllm.config import MultiModalConfig
 
-from mmcache.client.vllm_plugin import scope_of
-from mmcache.client.vllm_plugin._caches import MMCacheProcessorCache
-from mmcache.client.vllm_plugin._releases import PLUGIN_RELEASES, refusal, release_of
-from mmcache.client.vllm_plugin._sync import SyncClient
+from mmcache.client.vllm import scope_of
+from mmcache.client.vllm._caches import MMCacheProcessorCache
+from mmcache.client.vllm._releases import PLUGIN_RELEASES, refusal, release_of
+from mmcache.client.vllm._sync import SyncClient
 
 from .conftest import Sidecar
 from .serve import metrics
@@ -93,10 +93,10 @@ def test_releases_are_known_by_major_and_minor() -> None:
     assert release_of("0.33.1.dev3+g1a2b3c") == (0, 33)
     assert release_of("0.31.0+cpu") == (0, 31)
     assert release_of("main") is None
-    assert refusal("it", "0.32.0", PLUGIN_RELEASES, {}) is None
-    why = refusal("it", "0.34.0", PLUGIN_RELEASES, {})
+    assert refusal("it", "0.32.0", PLUGIN_RELEASES, untested=False) is None
+    why = refusal("it", "0.34.0", PLUGIN_RELEASES, untested=False)
     assert why is not None and "vLLM 0.34.0 (tested: 0.31, 0.32, 0.33)" in why
-    assert refusal("it", "0.34.0", PLUGIN_RELEASES, {"MMCACHE_VLLM_UNTESTED": "1"}) is None
+    assert refusal("it", "0.34.0", PLUGIN_RELEASES, untested=True) is None
 
 
 # In a process of its own: register() replaces vLLM's cache factories there.
@@ -107,7 +107,7 @@ import vllm
 import vllm.multimodal.cache.factories as factories
 own = factories.processor_cache_from_config
 vllm.__version__ = {version!r}
-from mmcache.client.vllm_plugin import register
+from mmcache.client.vllm import register
 register()
 print("mmcache" if factories.processor_cache_from_config is not own else "vllm")
 """

@@ -10,6 +10,9 @@ server that is down or slow makes `get_and_update` hand the items back.
 
 Local reads of the mirror (`client.is_cached`) need no round trip to the loop:
 the mirror's maps are read under the GIL while the loop thread updates them.
+
+`process_client` makes one per process and target, shared by the plugin's
+caches and the EC connector.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from typing import Any, TypeVar
 from mmcache._errors import DeadlineExceededError
 
 from .._client import FailOpen, MMCacheClient
+from ._metrics import plugin_metrics
+from ._settings import Settings
 
-__all__ = ["SyncClient"]
+__all__ = ["SyncClient", "process_client"]
 
 T = TypeVar("T")
 
@@ -103,6 +108,25 @@ class SyncClient:
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+
+
+_lock = threading.Lock()
+_process_clients: dict[str, SyncClient] = {}  # this process's, per target, made on first use
+
+
+def process_client(settings: Settings) -> SyncClient:
+    """This process's SyncClient of `settings.target` (one per process and
+    target: the first made sets its deadline and connection settings)."""
+    with _lock:
+        client = _process_clients.get(settings.target)
+        if client is None:
+            client = _process_clients[settings.target] = SyncClient(
+                settings.target,
+                deadline_s=settings.deadline_s,
+                on_fail_open=plugin_metrics().fail_opens.inc,
+                **settings.client_options(),
+            )
+        return client
 
 
 def _name_this_thread(name: str) -> None:

@@ -6,7 +6,7 @@ once per process, on first use: a second client (the EC connector's) shares
 them. What they tell: how often the sidecar failed open, and what a hit
 saves against what an upload costs, in CPU seconds of the API processes
 (the processor's CPU on the items they processed; the CPU of the uploads
-they sent), which is what `Admission` weighs (client/vllm_plugin/_costs.py).
+they sent), which is what `Admission` weighs (client/vllm/_costs.py).
 """
 
 from __future__ import annotations

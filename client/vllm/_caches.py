@@ -1,4 +1,4 @@
-"""vLLM's P0 and P1 multimodal caches, backed by one mmcache server.
+"""vLLM's P0 multimodal cache, backed by one mmcache server.
 
 P0 (`MMCacheProcessorCache`, in every API-server process). vLLM asks it, per
 request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
@@ -27,7 +27,7 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
   `invalidate`s what the engine found missing): the mirror alone, no call.
 - `release_sender_touches`: the request's uploads leave in one call, in the
   background (the engine has the data already); touches reach the server with
-  the next call. Only uploads worth their cost go (client/vllm_plugin/_costs.py:
+  the next call. Only uploads worth their cost go (client/vllm/_costs.py:
   the chance of a repeat, from this process's hit ratio, times the processing
   time saved, against the upload's time): with traffic of distinct images an
   API process uploads one item in ten, not every one.
@@ -37,13 +37,7 @@ An item larger than the whole server is never uploaded (vLLM's
 flight end. Per-request state is thread-local: vLLM runs requests on a thread pool.
 Counters are vLLM's: one query per item, a hit per item sent without data.
 
-P1 (`MMCacheReceiverCache`, in the engine core): features that came with data
-are used as they are (P0 uploaded them); those without are copied out of the
-sidecar's shared memory on the engine's thread, with no call, where all are
-resident there, or else read through in one `fetch` per request; either
-releases their leases. Hashes the server does not
-hold raise vLLM's `MultiModalCacheMissError` naming each, in request order,
-so vLLM's own retry path has P0 invalidate them and the client re-send.
+P1's cache, which reads what P0 shared: _receiver.py.
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,21 +57,21 @@ from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.multimodal.cache import (
     BaseMultiModalProcessorCache,
-    BaseMultiModalReceiverCache,
     MultiModalCacheMissError,
 )
-from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
+from vllm.multimodal.inputs import MultiModalKwargsItem
 from vllm.utils.cache import CacheInfo
 
-from mmcache._errors import CacheMissError, MMCacheError
+from mmcache._errors import MMCacheError
 from mmcache._spec import check_name
 
-from ._convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
+from ._convert import decode_updates, encode_updates, from_vllm, undescribed
 from ._costs import Admission, ProcessingTime
+from ._keys import scoped_key
 from ._metrics import plugin_metrics
 from ._sync import SyncClient
 
-__all__ = ["MMCacheProcessorCache", "MMCacheReceiverCache", "already_shared"]
+__all__ = ["MMCacheProcessorCache", "already_shared"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -155,7 +149,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
-        return f"{self._scope}:{mm_hash}"
+        return scoped_key(self._scope, mm_hash)
 
     def _request(self) -> _Request:
         request: _Request | None = getattr(self._local, "request", None)
@@ -481,57 +475,3 @@ def _nbytes(data: Any) -> int:
     if isinstance(data, list | tuple):
         return sum(_nbytes(part) for part in data)
     return 0
-
-
-class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
-    def __init__(self, sync: SyncClient, scope: str) -> None:
-        super().__init__()
-        self._sync = sync
-        self._scope = scope
-
-    def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
-        keys = [f"{self._scope}:{h}" for h in hashes]
-        try:
-            # Resident in the sidecar's shared memory: read on this thread, with no call.
-            items = self._sync.client.fetch_resident(keys)
-            if items is None:
-                items = self._sync.call(self._sync.client.fetch(keys, release=True))
-        except CacheMissError as exc:
-            missing = set(exc.missing_hashes)
-            raise MultiModalCacheMissError(
-                [h for h, k in zip(hashes, keys, strict=True) if k in missing]
-            ) from None
-        except MMCacheError as exc:  # the server did not answer: vLLM's retry path
-            _LOGGER.warning("mmcache read failed: %s", exc)
-            raise MultiModalCacheMissError(list(hashes)) from None
-        return [to_vllm(item) for item in items]
-
-    @override
-    def get_and_update_features(
-        self, mm_features: list[MultiModalFeatureSpec]
-    ) -> list[MultiModalFeatureSpec]:
-        need = [f for f in mm_features if f.data is None]
-        if need:
-            hashes = [f.mm_hash or f.identifier for f in need]
-            items = self._read(hashes, [f.modality for f in need])
-            for feature, item in zip(need, items, strict=True):
-                feature.data = item
-        return mm_features
-
-    @override
-    def get_and_update_item(
-        self, mm_item: MultiModalKwargsItem | None, mm_hash: str
-    ) -> MultiModalKwargsItem:
-        if mm_item is not None:
-            return mm_item
-        return self._read([mm_hash], ["unknown"])[0]
-
-    @override
-    def touch_receiver_cache_item(
-        self, mm_hash: str, mm_item: MultiModalKwargsItem | None = None
-    ) -> None:
-        return None  # the server orders by its own calls
-
-    @override
-    def clear_cache(self) -> None:
-        return None

@@ -1,0 +1,79 @@
+"""vLLM's cache factories, replaced: P0's and P1's caches on the sidecar.
+
+`register` (the package's entry point) installs these in place of
+`processor_cache_from_config` (P0: each API server) and
+`engine_receiver_cache_from_config` (P1: the engine core), also in the
+modules that imported them by name, so every API process gets a cache backed
+by the shared sidecar, where vLLM would have built its own or fallen back to
+"processor_only".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._keys import scope_of
+from ._settings import Settings
+from ._sync import process_client
+
+__all__ = [
+    "engine_receiver_cache_from_config",
+    "install_factories",
+    "processor_cache_from_config",
+]
+
+
+def install_factories() -> None:
+    """vLLM builds its multimodal caches with the factories below."""
+    import vllm.multimodal.cache as cache_package
+    import vllm.multimodal.cache.factories as factories
+    import vllm.renderers.base as renderers
+    import vllm.v1.engine.core as engine_core
+
+    # The factories, and the modules that imported them by name.
+    for module in (factories, cache_package, renderers):
+        module.processor_cache_from_config = processor_cache_from_config
+    for module in (factories, cache_package, engine_core):
+        module.engine_receiver_cache_from_config = engine_receiver_cache_from_config
+
+
+def _caching_enabled(vllm_config: Any) -> bool:
+    model = vllm_config.model_config
+    return bool(
+        model.supports_multimodal_inputs and model.get_multimodal_config().mm_processor_cache_gb > 0
+    )
+
+
+def processor_cache_from_config(vllm_config: Any) -> Any:
+    """P0's cache: mmcache's, wherever vLLM would build one or fall back."""
+    if not _caching_enabled(vllm_config):
+        return None
+    from ._caches import MMCacheProcessorCache
+
+    settings = Settings.from_env()
+    model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
+    scope = scope_of(vllm_config, settings.namespace)
+    _said_active("multimodal processor cache", settings, scope)
+    return MMCacheProcessorCache(process_client(settings), scope, model)
+
+
+def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
+    """P1's cache: reads through to mmcache."""
+    if not _caching_enabled(vllm_config):
+        return None
+    from ._receiver import MMCacheReceiverCache
+
+    settings = Settings.from_env()
+    scope = scope_of(vllm_config, settings.namespace)
+    _said_active("engine's multimodal reads", settings, scope)
+    return MMCacheReceiverCache(process_client(settings), scope)
+
+
+def _said_active(what: str, settings: Settings, scope: str) -> None:
+    """One INFO line per process and cache, through vLLM's logger (its lines
+    name the process): what is mmcache's, where, and under which key scope."""
+    from vllm.logger import init_logger
+
+    init_logger("vllm.mmcache").info(
+        "mmcache: the %s is the sidecar at %s, key scope %s", what, settings.target, scope
+    )
