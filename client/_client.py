@@ -164,10 +164,14 @@ class MMCacheClient(EncoderBooksAPI):
         await self._conn.open()
 
     async def close(self) -> None:
-        if self._conn.connected:  # what reads owe the server: leases, holds, spares
-            await self._co.flush(self._touch.timeout)
-        await self._conn.close()
-        self._co.close()
+        try:
+            if self._conn.connected:  # what reads owe the server: leases, holds, spares
+                await self._co.flush(self._touch.timeout)
+        finally:
+            # The shared memory first (its ring retired, its report tasks
+            # stopped), before anything that waits and may be cancelled.
+            self._co.close()
+            await self._conn.close()
 
     async def wait_following(self, timeout: float = 10.0) -> None:
         """Wait until the mirror follows the server's feed (DeadlineExceededError

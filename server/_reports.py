@@ -15,13 +15,13 @@ __all__ = ["parse_report", "report_of"]
 
 
 def report_of(request: pb.ReleaseRequest) -> Report:
-    return Report(
-        mm_hashes=request.mm_hashes,
+    return Report(  # copies: no protobuf container reaches the data plane
+        mm_hashes=tuple(request.mm_hashes),
         shm_token=request.shm_token,
         shm_read_bytes=request.shm_read_bytes,
-        shm_done=request.shm_done,
-        misses=request.misses,
-        hits=request.hits,
+        shm_done=tuple(request.shm_done),
+        misses=dict(request.misses),
+        hits=dict(request.hits),
         shm_leases=[(lease.mm_hash, lease.generation) for lease in request.shm_leases],
         client_cpu_ns=request.client_cpu_ns,
     )

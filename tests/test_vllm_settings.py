@@ -38,8 +38,12 @@ def test_the_environment_gives_the_plugins_settings(tmp_path: Path) -> None:
     }
     tls = Settings.from_env({"MMCACHE_TLS_CA": "ca.crt", "MMCACHE_TLS_SERVER_NAME": "sidecar"})
     assert tls.client_options()["tls"] == Tls(ca="ca.crt", server_name="sidecar")
+    named = Settings.from_env({"MMCACHE_TLS_SERVER_NAME": "sidecar"})  # no CA: plaintext
+    assert named.client_options()["tls"] is None
     with pytest.raises(ValueError, match="MMCACHE_DEADLINE_S is a number of seconds"):
         Settings.from_env({"MMCACHE_DEADLINE_S": "soon"})
+    with pytest.raises(ValueError, match="MMCACHE_DEADLINE_S is a number of seconds more than 0"):
+        Settings.from_env({"MMCACHE_DEADLINE_S": "0"})
 
 
 def test_the_ec_connectors_extra_config_goes_over_the_environment() -> None:

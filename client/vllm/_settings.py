@@ -71,9 +71,9 @@ class Settings:
         }
 
     def tls(self) -> Tls | None:
-        """The client's TLS settings; None (plaintext) when no MMCACHE_TLS_* is set."""
-        parts = (self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
-        if not any(parts):
+        """The client's TLS settings; None (plaintext) unless a CA, certificate
+        or key is named (a server name alone only renames a TLS server)."""
+        if not (self.tls_ca or self.tls_cert or self.tls_key):
             return None
         return Tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
@@ -113,6 +113,9 @@ class ECSettings:
 
 def _seconds(name: str, value: Any) -> float:
     try:
-        return float(value)
+        seconds = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} is a number of seconds, not {value!r}") from None
+    if not seconds > 0:  # a call that may take no time fails open every time
+        raise ValueError(f"{name} is a number of seconds more than 0, not {value!r}")
+    return seconds

@@ -35,7 +35,7 @@ class MemoryL2:
     recently read or written go first).
 
         backend = MemoryL2(max_bytes=256 << 20)
-        tier = L2Tier(backend, store, metrics, L2Settings())
+        tier = L2Tier(backend, store, metrics, L2Settings(), WIRE_MANIFESTS)  # server/_records.py
     """
 
     def __init__(
