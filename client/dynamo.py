@@ -248,7 +248,7 @@ def _receiver_class() -> type:
     )
 
     from .vllm import client_for
-    from .vllm._convert import to_vllm
+    from .vllm.convert import to_vllm
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
         """The items: held ones in one fetch from this worker's sidecar,

@@ -65,11 +65,11 @@ from vllm.utils.cache import CacheInfo
 from mmcache._errors import MMCacheError
 from mmcache._spec import check_name
 
-from ._convert import decode_updates, encode_updates, from_vllm, undescribed
 from ._costs import Admission, ProcessingTime
 from ._keys import scoped_key
 from ._metrics import plugin_metrics
 from ._sync import SyncClient
+from .convert import decode_updates, encode_updates, from_vllm, undescribed
 
 __all__ = ["MMCacheProcessorCache", "already_shared"]
 

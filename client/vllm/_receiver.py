@@ -20,9 +20,9 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
 
 from mmcache._errors import CacheMissError, MMCacheError
 
-from ._convert import to_vllm
 from ._keys import scoped_key
 from ._sync import SyncClient
+from .convert import to_vllm
 
 __all__ = ["MMCacheReceiverCache"]
 

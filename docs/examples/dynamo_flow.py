@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from mmcache.client import MMCacheClient
-from mmcache.client.vllm._convert import from_vllm, to_vllm
+from mmcache.client.vllm.convert import from_vllm, to_vllm
 
 
 def process(model_dir: str, colors: list[str]) -> tuple[list[str], list[Any]]:

@@ -42,15 +42,15 @@ from vllm.multimodal.processing.processor import (
 from mmcache.client import CacheMissError
 from mmcache.client.vllm import Settings
 from mmcache.client.vllm._caches import MMCacheProcessorCache
-from mmcache.client.vllm._convert import (
+from mmcache.client.vllm._receiver import MMCacheReceiverCache
+from mmcache.client.vllm._sync import SyncClient
+from mmcache.client.vllm.convert import (
     decode_updates,
     encode_updates,
     from_vllm,
     to_vllm,
     undescribed,
 )
-from mmcache.client.vllm._receiver import MMCacheReceiverCache
-from mmcache.client.vllm._sync import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, sidecars
