@@ -134,13 +134,13 @@ class MMCacheClient(EncoderBooksAPI):
         self._co = CoLocated(
             namespace,
             shm,
-            lambda: self._rpc,
+            lambda: self.transport,
             self._pool,
             connect_timeout=connect_timeout,
-            allocate_timeout=self._touch.timeout if self._touch.fail_open else None,
+            allocate_timeout=self._touch.call_timeout,
         )
         self._counts = HitCounts()
-        rpc, mirror = lambda: self._rpc, lambda: self._conn.mirror
+        rpc, mirror = lambda: self.transport, lambda: self._conn.mirror
         self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counts.add, chunk_bytes)
         self._reads = Reads(rpc, self._co, self._pool, self.forget)
 
@@ -184,18 +184,13 @@ class MMCacheClient(EncoderBooksAPI):
         return self._conn.channel
 
     @property
-    def call_timeout(self) -> float:
-        """The deadline of each call, in seconds (`timeout`)."""
+    def _books_timeout(self) -> float:
         return self._conn.timeout
 
     @property
     def transport(self) -> CacheTransport:
         """The client's calls on its channel, one method per RPC, with no policy
         (no mirror, no fail-open): for tools and tests."""
-        return self._conn.transport
-
-    @property
-    def _rpc(self) -> CacheTransport:
         return self._conn.transport
 
     # -- the mirror --------------------------------------------------------
@@ -280,8 +275,8 @@ class MMCacheClient(EncoderBooksAPI):
         "hits", only those returned as None (vLLM's P0); False, none.
         `resend[i]`: data for a hash a `lookup` found missing (no second query).
         """
-        options = {"want_metadata": want_metadata, "lease": lease, "resend": resend}
-        return await self._uploads.run(update_call(items, mm_hashes, modality, metadata, **options))
+        call = update_call(items, mm_hashes, modality, metadata, want_metadata, lease, resend)
+        return await self._uploads.run(call)
 
     async def lookup(
         self,
@@ -301,8 +296,10 @@ class MMCacheClient(EncoderBooksAPI):
             found = await client.lookup(hashes, want_metadata=True)
             for h, held, meta in zip(hashes, found.held, found.metadata): ...
         """
-        options = {"want_metadata": want_metadata, "lease": lease, "wait_s": wait_s}
-        return await self._uploads.run(lookup_call(mm_hashes, modality, **options))
+        call = lookup_call(
+            mm_hashes, modality, want_metadata=want_metadata, lease=lease, wait_s=wait_s
+        )
+        return await self._uploads.run(call)
 
     async def inject_into_mm_cache(
         self,
@@ -395,7 +392,7 @@ class MMCacheClient(EncoderBooksAPI):
             local_bytes = sum(w.size for w in where if w.tier == "l1")
         """
         check_hashes(mm_hashes)
-        reply = await self._rpc.locate(mm_hashes, check_l2)
+        reply = await self.transport.locate(mm_hashes, check_l2)
         return [
             Location(_TIERS.get(t), size) for t, size in zip(reply.tiers, reply.sizes, strict=True)
         ]
@@ -406,7 +403,7 @@ class MMCacheClient(EncoderBooksAPI):
         it fetches says so. How many the server held. (`touch` waits for the
         next batch instead.)"""
         check_hashes(mm_hashes)
-        return int((await self._rpc.touch(mm_hashes)).touched)
+        return int((await self.transport.touch(mm_hashes)).touched)
 
     async def count_misses(self, modalities: Sequence[str]) -> None:
         """Count queries answered here as misses on the server, one per modality
@@ -422,7 +419,7 @@ class MMCacheClient(EncoderBooksAPI):
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves."""
         check_hashes(mm_hashes)
-        return int((await self._rpc.release(mm_hashes)).released)
+        return int((await self.transport.release(mm_hashes)).released)
 
     # -- internals ---------------------------------------------------------
 

@@ -523,13 +523,12 @@ class EncoderBooksAPI:
         raise NotImplementedError  # the client's
 
     @property
-    def call_timeout(self) -> float:
-        """The deadline of each of the client's calls, in seconds."""
-        raise NotImplementedError  # the client's
+    def _books_timeout(self) -> float:
+        raise NotImplementedError  # the client's deadline of each call, in seconds
 
     def encoder_cache(self, engine_id: str) -> EncoderCache:
         """The server's encoder-cache book of one engine (see `EncoderCache`)."""
-        return EncoderCache(self.channel, engine_id, timeout=self.call_timeout)
+        return EncoderCache(self.channel, engine_id, timeout=self._books_timeout)
 
     async def compute_encoder_budget(
         self,
@@ -549,14 +548,14 @@ class EncoderBooksAPI:
             disable_chunked_mm_input,
         )
         request = epb.ComputeEncoderBudgetRequest(inputs=inputs._message())
-        reply = await _Calls(self.channel, self.call_timeout)(
+        reply = await _Calls(self.channel, self._books_timeout)(
             "ComputeEncoderBudget", request, epb.ComputeEncoderBudgetReply.FromString
         )
         return EncoderBudget(reply.compute_budget, reply.cache_size)
 
     async def encoder_cache_stats(self) -> dict[str, EncoderCacheStats]:
         """Every engine's book on the server, by engine id (sorted)."""
-        reply = await _Calls(self.channel, self.call_timeout)(
+        reply = await _Calls(self.channel, self._books_timeout)(
             "GetEncoderCacheStats",
             epb.GetEncoderCacheStatsRequest(),
             epb.GetEncoderCacheStatsReply.FromString,

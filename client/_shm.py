@@ -71,21 +71,20 @@ class Extent(NamedTuple):
 class ClientRegion:
     """A mapped region of one server instance."""
 
-    def __init__(
-        self, instance_id: str, buffer: mmap.mmap, token: bytes, index: int, buckets: int
-    ) -> None:
+    def __init__(self, instance_id: str, buffer: mmap.mmap, token: bytes, buckets: int) -> None:
         self.instance_id = instance_id
         self.token = token
         self._map = buffer
         self._view = memoryview(buffer)
         self._buckets = buckets
         self._data = data_start(buckets)  # the index is at HEADER_BYTES (checked at open)
+        self._first_payload = payload_at(self._data)
         # The heartbeat last seen to move, and when (this process's clock).
         self._beats = self._word(BEAT_AT)
         self._beat_seen = time.monotonic()
 
     def _payload(self, slot: pb.ShmSlot) -> memoryview:
-        if slot.offset < payload_at(self._data) or slot.offset + slot.length > len(self._view):
+        if slot.offset < self._first_payload or slot.offset + slot.length > len(self._view):
             raise ValueError(f"slot {slot.lease} lies outside the region")
         return self._view[slot.offset : slot.offset + slot.length]
 
@@ -161,10 +160,11 @@ class ClientRegion:
             bucket_fp, start, generation, _ = BUCKET.unpack_from(self._map, at)
             if bucket_fp != fp or not generation:
                 continue
-            if start < self._data or start % PAGE or payload_at(start) > size:
+            payload = payload_at(start)
+            if start < self._data or start % PAGE or payload > size:
                 continue
             word, length, key_len, spec_len, meta_len = EXTENT_HEAD.unpack_from(self._map, start)
-            end = payload_at(start) + length
+            end = payload + length
             if word != generation or end + key_len + spec_len + meta_len > size:
                 continue
             if key_len != len(wanted) or self._map[end : end + key_len] != wanted:
@@ -252,7 +252,7 @@ def _attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion:
         raise ValueError("a region laid out otherwise (another version's)")
     _LOGGER.debug("shared memory on: %s", announced.path)
     _populate(buffer)
-    return ClientRegion(instance_id, buffer, token, index, buckets)
+    return ClientRegion(instance_id, buffer, token, buckets)
 
 
 # madvise(2): fault every page of a mapping in, writable (Linux 5.14 and up).

@@ -77,22 +77,41 @@ def update_call(
     mm_hashes: Sequence[str],
     modality: str | None,
     metadata: Sequence[bytes | None] | None,
-    **options: Any,
+    want_metadata: bool,
+    lease: Lease,
+    resend: Sequence[bool] | None,
 ) -> Call:
-    """A get_and_update's call (`options`: Call's own)."""
+    """A get_and_update's call."""
     if metadata is not None and len(metadata) != len(items):
         raise InvalidArgumentError(
             f"{len(metadata)} metadata blobs for {len(items)} items: give one per item "
             "(None where there is none)"
         )
     blobs = [b"" if m is None else m for m in metadata or [None] * len(items)]
-    return Call(items, mm_hashes, [modality] * len(mm_hashes), blobs, **options)
+    modalities = [modality] * len(mm_hashes)
+    return Call(items, mm_hashes, modalities, blobs, want_metadata, lease, resend)
 
 
-def lookup_call(mm_hashes: Sequence[str], modality: str | None, **options: Any) -> Call:
+def lookup_call(
+    mm_hashes: Sequence[str],
+    modality: str | None,
+    *,
+    want_metadata: bool,
+    lease: Lease,
+    wait_s: float | None,
+) -> Call:
     """A lookup's call: the hashes alone, a miss no error."""
     n = len(mm_hashes)
-    return Call([None] * n, mm_hashes, [modality] * n, [b""] * n, missing_ok=True, **options)
+    return Call(
+        [None] * n,
+        mm_hashes,
+        [modality] * n,
+        [b""] * n,
+        want_metadata,
+        lease,
+        missing_ok=True,
+        wait_s=wait_s,
+    )
 
 
 def inject_call(

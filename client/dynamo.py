@@ -247,8 +247,10 @@ def _receiver_class() -> type:
         MmKwargsShmTransferMetadata,
     )
 
-    from .vllm import client_for
+    from .vllm import Settings, client_for
     from .vllm.convert import to_vllm
+
+    settings = Settings.from_env()  # this worker's, read once: not per request
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
         """The items: held ones in one fetch from this worker's sidecar,
@@ -261,7 +263,7 @@ def _receiver_class() -> type:
             keys = [item.key for item in metadata.items if item.key]
             fetched: list[Any] = []
             if keys:
-                sync = client_for()
+                sync = client_for(settings)
                 # No wait for a sidecar that is not there: the media are processed instead.
                 future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
                 fetched = await asyncio.wait_for(asyncio.wrap_future(future), sync.deadline_s)

@@ -16,6 +16,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import fields
 from types import TracebackType
 
 import grpc
@@ -358,14 +359,9 @@ def _l2_tier(
     from .cache._l2_redis import RedisClusterL2
 
     backend = RedisClusterL2(config.url, prefix=config.prefix, timeout_s=config.timeout_s)
-    settings = L2Settings(
-        admit=config.admit,
-        timeout_s=config.timeout_s,
-        ttl_s=config.ttl_s,
-        window_s=config.window_s,
-        wait_s=config.wait_s,
-        queue_items=config.queue_items,
-    )
+    # The tier's settings that are flags (L2Config's fields of the same names).
+    flags = {f.name for f in fields(config)} & {f.name for f in fields(L2Settings)}
+    settings = L2Settings(**{name: getattr(config, name) for name in flags})
     metrics = L2Metrics(registry)
     tier = L2Tier(
         backend,

@@ -114,7 +114,7 @@ class L2Config:
     queue_items: int = L2Settings.queue_items  # items waiting to be written, at most
 
     def __post_init__(self) -> None:
-        from .cache._l2_redis import parse_l2_url  # the data plane, loaded only for an L2
+        from .cache._l2_redis import parse_l2_url  # redis-py, loaded only for an L2
 
         try:
             parse_l2_url(self.url)

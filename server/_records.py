@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 from mmcache._errors import InvalidArgumentError
 from mmcache.v1 import cache_pb2 as pb
 
-from ._upload import parse_header
+from ._upload import entry_header
 from .cache._entries import EntryHeader
 from .cache._l2 import Manifests
 from .cache._store import StoredItem
@@ -45,8 +45,7 @@ class WireManifests:
             or entry.HasField("shm")
         ):
             raise InvalidArgumentError(f"the L2 record under {key!r} is not an item record")
-        (header,) = parse_header(pb.UpdateRequest(entries=[entry]))
-        return header
+        return entry_header(0, entry, str)
 
 
 WIRE_MANIFESTS: Manifests = WireManifests()

@@ -37,11 +37,11 @@ from .cache._types import Lease, ShmRef
 
 __all__ = [
     "Batch",
-    "EntryHeader",
     "TruncatedUploadError",
     "build_reply",
     "check_no_surplus",
     "chunks_declared",
+    "entry_header",
     "frames_of",
     "grace_for_cancel",
     "header_metadata",
@@ -140,10 +140,11 @@ def parse_header(
         )
     for h in request.touches:
         check_name("touched mm_hash", h)
-    return [_entry_header(i, entry, key_of) for i, entry in enumerate(request.entries)]
+    return [entry_header(i, entry, key_of) for i, entry in enumerate(request.entries)]
 
 
-def _entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str]) -> EntryHeader:
+def entry_header(index: int, entry: pb.UpdateEntry, key_of: Callable[[str], str]) -> EntryHeader:
+    """Entry `index` of a header, checked (an upload's, or an L2 record's manifest)."""
     check_name(f"mm_hash of entry {index}", entry.mm_hash)
     check_name(f"modality of entry {index}", entry.modality, allow_empty=True)
     where = f"entry {index} ({entry.mm_hash!r})"

@@ -35,7 +35,7 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         self._sync = sync
         self._scope = scope
 
-    def _read(self, hashes: Sequence[str], modalities: Sequence[str]) -> list[MultiModalKwargsItem]:
+    def _read(self, hashes: Sequence[str]) -> list[MultiModalKwargsItem]:
         keys = [scoped_key(self._scope, h) for h in hashes]
         try:
             # Resident in the sidecar's shared memory: read on this thread, with no call.
@@ -59,7 +59,7 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
         need = [f for f in mm_features if f.data is None]
         if need:
             hashes = [f.mm_hash or f.identifier for f in need]
-            items = self._read(hashes, [f.modality for f in need])
+            items = self._read(hashes)
             for feature, item in zip(need, items, strict=True):
                 feature.data = item
         return mm_features
@@ -70,7 +70,7 @@ class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     ) -> MultiModalKwargsItem:
         if mm_item is not None:
             return mm_item
-        return self._read([mm_hash], ["unknown"])[0]
+        return self._read([mm_hash])[0]
 
     @override
     def touch_receiver_cache_item(

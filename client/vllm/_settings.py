@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .._security import Tls
+from ._releases import UNTESTED_ENV
 
 __all__ = ["ECSettings", "Settings"]
 
@@ -53,7 +54,7 @@ class Settings:
             tls_key=env.get("MMCACHE_TLS_KEY") or None,
             tls_server_name=env.get("MMCACHE_TLS_SERVER_NAME") or None,
             shm=env.get("MMCACHE_SHM", "on").strip().lower() not in _OFF,
-            untested=env.get("MMCACHE_VLLM_UNTESTED", "") == "1",
+            untested=env.get(UNTESTED_ENV, "") == "1",
         )
 
     def client_options(self) -> dict[str, Any]:

@@ -45,7 +45,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
 
 from mmcache._errors import InvalidArgumentError
 from mmcache.metrics import L2Metrics
@@ -68,8 +67,6 @@ from ._write_queue import WriteQueue
 __all__ = ["L2Settings", "L2Tier"]
 
 _LOGGER = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
