@@ -45,6 +45,14 @@ class L2Metrics:
             ["op"],
             registry=registry,
         )
+        self.bad_records = Counter(
+            "mmcache_l2_bad_records",
+            "L2 records read and refused (a miss, never served): format (not an item "
+            "record), key (written for another key, or by a release before 0.2), digest "
+            "(other bytes than written).",
+            ["reason"],
+            registry=registry,
+        )
         self.flight_waits = Counter(
             "mmcache_l2_flight_waits",
             "Cold items another sidecar was processing that this one waited for: arrived "
@@ -65,6 +73,8 @@ class L2Metrics:
             self.latency.labels(op)
         for result in L2_WRITE_RESULTS:
             self.writes.labels(result)
+        for reason in ("format", "key", "digest"):
+            self.bad_records.labels(reason)
         for result in ("arrived", "abandoned", "timeout"):
             self.flight_waits.labels(result)
         # Read from the tier at scrape time (`set_function`, by whoever makes it).

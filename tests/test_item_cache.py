@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import xxhash
 from prometheus_client import CollectorRegistry
 
 from mmcache._errors import CacheMissError, InvalidArgumentError
@@ -35,7 +36,15 @@ from mmcache.server.cache import (
     Tier,
     upload_entry,
 )
-from mmcache.server.cache._l2 import L2Error, Poll, Sighting, Want, record_of_item
+from mmcache.server.cache._l2 import (
+    BadRecord,
+    L2Error,
+    Poll,
+    Sighting,
+    Want,
+    item_of_record,
+    record_of_item,
+)
 from mmcache.server.cache._l2_memory import MemoryL2
 from mmcache.server.cache._store import BatchResult
 from mmcache.server.cache._tier import L2Settings, L2Tier
@@ -285,7 +294,7 @@ async def test_a_record_that_fails_its_check_is_written_over_when_the_item_is_st
     not at a second sighting, so the next node reads it instead of the bad bytes."""
     a, b, c = nodes
     assert a.tier is not None
-    good = record_of_item(await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
+    good = record_of_item("x", await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
     bad = replace(good, chunks=good.chunks[:-1])  # a chunk short: its check fails
     await a.tier.backend.write("x", bad, 0)
     assert (await _update(b.cache, [("x", None)])).outcomes == [Outcome.MISSING]
@@ -316,7 +325,7 @@ async def test_an_l2_that_fails_is_a_miss_never_an_error(nodes: list[Node]) -> N
 async def test_a_read_with_no_time_left_does_not_ask_l2(nodes: list[Node]) -> None:
     a, b, _ = nodes
     assert b.tier is not None
-    record = record_of_item(await _stored_item(a, "x"), WIRE_MANIFESTS)
+    record = record_of_item("x", await _stored_item(a, "x"), WIRE_MANIFESTS)
     backend = b.tier.backend
     await backend.write("x", record, 0)
     with pytest.raises(CacheMissError):
@@ -335,7 +344,7 @@ async def _stored_item(node: Node, key: str):  # type: ignore[no-untyped-def]
 
 async def test_memory_l2_records_are_whole_bounded_and_expire() -> None:
     now = [0.0]
-    record = record_of_item(await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
+    record = record_of_item("x", await _stored_item(_node(None), "x"), WIRE_MANIFESTS)
     backend = MemoryL2(max_bytes=3 * record.nbytes, clock=lambda: now[0])
     await backend.write("a", record, ttl_s=10)
     await backend.write("b", record, ttl_s=0)
@@ -408,20 +417,58 @@ def test_the_enums_keep_the_wires_numbers() -> None:
     }
 
 
-async def test_an_l2_manifest_is_written_as_every_release_wrote_it() -> None:
-    """Records written by older sidecars read back, and ours read there:
-    the manifest is the UpdateEntry a client would send, spec and all."""
+async def test_an_l2_record_names_its_key_and_the_digest_of_its_frames() -> None:
+    """The manifest is the UpdateEntry a client would send, spec and all,
+    inside an L2Manifest that names the key and the frames' XXH3-128."""
     item = await _stored_item(_node(None), "x")
     spec = pb.ItemSpec.FromString(item.spec)
     frames = len(item.frames)
-    before = pb.UpdateEntry(mm_hash="l2", item=spec, num_chunks=frames, metadata=b"m")
-    ours = WIRE_MANIFESTS.encode(replace(item, metadata=b"m"), frames)
-    assert pb.UpdateEntry.FromString(ours) == before
-    entry = WIRE_MANIFESTS.decode("x", before.SerializeToString())
-    assert (entry.spec, entry.payload, entry.chunks) == (item.spec, item.payload, frames)
-    assert entry.item_modality == item.modality == "image"
-    with pytest.raises(InvalidArgumentError, match="not an item record"):
-        WIRE_MANIFESTS.decode("x", pb.UpdateEntry(mm_hash="x", item=spec).SerializeToString())
+    entry = pb.UpdateEntry(mm_hash="l2", item=spec, num_chunks=frames, metadata=b"m")
+    record = record_of_item("x", replace(item, metadata=b"m"), WIRE_MANIFESTS)
+    written = pb.L2Manifest.FromString(record.manifest)
+    assert (written.key, written.entry) == ("x", entry)
+    assert written.digest == xxhash.xxh3_128(b"".join(item.frames)).digest()
+    read = item_of_record("x", record, WIRE_MANIFESTS)
+    assert (read.spec, read.payload, read.frames) == (item.spec, item.payload, item.frames)
+
+
+async def test_a_record_of_another_key_or_other_bytes_is_refused_with_its_reason() -> None:
+    item = await _stored_item(_node(None), "x")
+    record = record_of_item("x", item, WIRE_MANIFESTS)
+    with pytest.raises(BadRecord, match="written for 'x'") as other:
+        item_of_record("y", record, WIRE_MANIFESTS)
+    assert other.value.reason == "key"
+    flipped = bytearray(record.chunks[-1])
+    flipped[-1] ^= 1
+    changed = replace(record, chunks=(*record.chunks[:-1], bytes(flipped)))
+    with pytest.raises(BadRecord, match="digest") as bytes_:
+        item_of_record("x", changed, WIRE_MANIFESTS)
+    assert bytes_.value.reason == "digest"
+    # A record of a release before 0.2: a bare UpdateEntry, which named no key.
+    spec = pb.ItemSpec.FromString(item.spec)
+    before = pb.UpdateEntry(mm_hash="l2", item=spec, num_chunks=len(record.chunks))
+    with pytest.raises(BadRecord) as old:
+        item_of_record("x", replace(record, manifest=before.SerializeToString()), WIRE_MANIFESTS)
+    assert old.value.reason in ("key", "format")
+    with pytest.raises(BadRecord) as junk:
+        item_of_record("x", replace(record, manifest=b"\xff\xff"), WIRE_MANIFESTS)
+    assert junk.value.reason == "format"
+
+
+async def test_a_record_under_another_key_is_a_miss_counted_and_never_stored(
+    nodes: list[Node],
+) -> None:
+    """What a reply that reached the wrong read would be: x's record under y."""
+    a, b, _ = nodes
+    assert a.tier is not None
+    x = record_of_item("x", await _stored_item(a, "x"), WIRE_MANIFESTS)
+    await a.tier.backend.write("y", x, 0)
+    assert (await _update(b.cache, [("y", None)])).outcomes == [Outcome.MISSING]
+    assert "y" not in b.store.keys()
+    assert b.sample("mmcache_l2_bad_records_total", reason="key") == 1
+    assert b.sample("mmcache_l2_hits_total") == 0
+    with pytest.raises(CacheMissError):
+        await b.cache.read(["y"], NO_DEADLINE)
 
 
 def test_a_ring_record_converts_whole_and_garbage_is_refused() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from mmcache.server.cache._l2 import L2Record
 from mmcache.server.cache._l2_redis import RedisClusterL2, redis_key
 from mmcache.server.cache._resp_reads import BulkReader, Reply, _Replies, encode_command
 
+from .proxy import Proxy
 from .redis_cluster import RedisCluster, redis_available, redis_cluster
 
 pytestmark = pytest.mark.skipif(
@@ -98,6 +100,8 @@ async def test_a_burst_of_commands_opens_no_more_connections_than_the_most(
 
 
 async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: RedisCluster) -> None:
+    """The command is on the wire (connected first) when its caller gives up:
+    its 16 MiB reply is read and dropped, and the next waiter gets its own."""
     port = _master_of(cluster, "{g}big")
     big = os.urandom(16 * MIB)
     async with Redis(port=port) as plain:
@@ -105,13 +109,74 @@ async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: Red
         await plain.set("{g}small", b"small")
         reader = BulkReader("127.0.0.1", port, connections=1)
         try:
+            assert await reader.command("PING") == b"PONG"
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(reader.command("GET", "{g}big"), 0.0001)
-            # The big reply is read and dropped: this one gets its own.
+            (connection,) = reader._open
+            assert len(connection.waiters) == 1  # sent: its place kept for its reply
             assert await reader.command("GET", "{g}small") == b"small"
             assert await reader.command("GET", "{g}big") == big
         finally:
             await reader.close()
+
+
+_SIZES = st.sampled_from([0, 5, 40_000, 70_000, MIB + 3, 3 * MIB])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    late=st.lists(_SIZES, min_size=1, max_size=3),
+    asked=_SIZES,
+    moment=st.sampled_from(["before", "during", "after"]),
+    cut=st.integers(1, 3 * MIB),
+    steps=st.integers(1, 4),
+)
+def test_a_reply_released_after_its_reader_gave_up_never_reaches_another(
+    cluster: RedisCluster, late: list[int], asked: int, moment: str, cut: int, steps: int
+) -> None:
+    """Replies held past their readers' deadline (a master stalling), then
+    released before, during (cut inside them) or after the next command is
+    sent: the next reader gets its own value, or an error; never another's."""
+    port = _master_of(cluster, "{h}0")
+    values = [os.urandom(size) for size in late]
+    wanted = os.urandom(asked)
+
+    async def trial() -> None:
+        async with Redis(port=port) as plain:
+            await plain.mset({f"{{h}}{i}": v for i, v in enumerate([*values, wanted])})
+        async with Proxy(port) as proxy:
+            reader = BulkReader("127.0.0.1", proxy.port, connections=1)
+            try:
+                assert await reader.command("PING") == b"PONG"
+                proxy.stall()
+                for i in range(len(values)):
+                    with pytest.raises(asyncio.TimeoutError):
+                        await asyncio.wait_for(reader.command("GET", f"{{h}}{i}"), 0.05)
+                await _until(lambda: proxy.held_bytes >= sum(len(v) for v in values))
+                if moment == "before":
+                    proxy.release()
+                elif moment == "during":
+                    proxy.release(min(cut, max(0, proxy.held_bytes - 1)))
+                read = asyncio.ensure_future(reader.command("GET", f"{{h}}{len(values)}"))
+                await asyncio.sleep(0.01)  # sent, its reply behind the late ones
+                for _ in range(steps - 1):
+                    proxy.release(cut // steps + 1)
+                    await asyncio.sleep(0)
+                proxy.release()
+                assert await asyncio.wait_for(read, 10) == wanted
+                assert await reader.command("GET", "{h}0") == values[0]
+            finally:
+                await reader.close()
+
+    asyncio.run(trial())
+
+
+async def _until(done: Callable[[], bool], within_s: float = 10.0) -> None:
+    for _ in range(int(within_s / 0.005)):
+        if done():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("not reached in time")
 
 
 async def test_error_replies_are_redis_pys_exceptions_and_the_connection_stays(

@@ -9,11 +9,15 @@ tier's reads get are parsed (RESP2: simple strings, errors, integers, bulk
 strings, arrays); redis-py keeps every other command.
 
 A few connections per node carry pipelined commands: replies come in the
-order of the commands, so each waiter takes the next reply, and a command
-goes on an idle connection where there is one (a small reply does not wait
-behind a big one; Redis interleaves the replies of its connections). A
-waiter that gives up (its caller's deadline) leaves its reply to be read and
-dropped, and the connection stays usable.
+order of the commands, so each command's waiter stays in its place in the
+queue until its own reply arrives, and a command goes on an idle connection
+where there is one (a small reply does not wait behind a big one; Redis
+interleaves the replies of its connections). One reply per waiter, always: a
+waiter that gave up (its caller's deadline) keeps its place, and its reply,
+when it comes, is read and dropped; it is never handed to the next waiter,
+which would be another key's value. A connection whose state is in doubt (a
+command not wholly written, a reply that does not parse) is aborted before
+anything else is sent on it.
 """
 
 from __future__ import annotations
@@ -189,11 +193,11 @@ class _Replies(asyncio.BufferedProtocol):
                 return
             self._arrays.pop()
             value = items
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():  # a waiter that gave up: its reply is dropped
-                waiter.set_result(value)
-                return
+        if not self.waiters:  # a reply nobody asked for: nothing after it can be trusted
+            raise ValueError("a reply with no command waiting for it")
+        waiter = self.waiters.popleft()
+        if not waiter.done():  # done: its caller gave up, and this, its reply, is dropped
+            waiter.set_result(value)
 
     def _fail(self, exc: Exception) -> None:
         if self.lost is None:
@@ -301,13 +305,18 @@ class BulkReader:
             raise RedisConnectionError(
                 f"cannot connect to {self._host}:{self._port}: {exc or 'timed out'}"
             ) from None
-        if self._password is not None:
-            auth: list[bytes | str | int] = ["AUTH", self._password]
-            if self._username is not None:
-                auth.insert(1, self._username)
+        if self._password is None:
+            return replies
+        auth: list[bytes | str | int] = ["AUTH", self._password]
+        if self._username is not None:
+            auth.insert(1, self._username)
+        assert replies.transport is not None
+        try:
             reply = await self._send(replies, encode_command(auth))
-            if isinstance(reply, ResponseError):
-                assert replies.transport is not None
-                replies.transport.close()
-                raise reply
+        except BaseException:  # given up while authenticating: no half-open connection kept
+            replies.transport.abort()
+            raise
+        if isinstance(reply, ResponseError):
+            replies.transport.close()
+            raise reply
         return replies

@@ -46,10 +46,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from mmcache._errors import InvalidArgumentError
 from mmcache.metrics import L2Metrics
 
 from ._l2 import (
+    BadRecord,
     L2Backend,
     L2Error,
     L2Record,
@@ -138,6 +138,7 @@ class L2Tier:
         self._watching: asyncio.Task[None] | None = None
         self._stopping = False
         self._next_beat = 0.0
+        self._bad_logged: set[str] = set()  # reasons of refused records logged at WARNING
 
     @property
     def backend(self) -> L2Backend:
@@ -319,8 +320,16 @@ class L2Tier:
     def _read_in(self, key: str, record: L2Record) -> StoredItem | None:
         try:
             item = item_of_record(key, record, self._manifests)
-        except InvalidArgumentError as exc:
-            _LOGGER.warning("L2 record ignored (a miss): %s", exc)
+        except BadRecord as exc:
+            # Logged once per reason (a fleet upgrade makes many); counted always.
+            log = _LOGGER.debug if exc.reason in self._bad_logged else _LOGGER.warning
+            self._bad_logged.add(exc.reason)
+            log(
+                "L2 record refused (a miss; further ones counted in "
+                "mmcache_l2_bad_records_total): %s",
+                exc,
+            )
+            self._metrics.bad_records.labels(exc.reason).inc()
             self._metrics.errors.labels("read").inc()
             self._metrics.misses.inc()
             # Written over as soon as this sidecar stores the item (its caller
@@ -473,7 +482,7 @@ class L2Tier:
         if item is None:
             self._metrics.writes.labels("gone").inc()
             return
-        record, size = record_of_item(item, self._manifests), item.size
+        record, size = record_of_item(key, item, self._manifests), item.size
         del item  # a resident item's extent is not held while the write waits
         try:
             await self._calls.within(

@@ -552,6 +552,43 @@ class UpdateEntry(_message.Message):
 Global___UpdateEntry: _TypeAlias = UpdateEntry  # noqa: Y015
 
 @_typing.final
+class L2Manifest(_message.Message):
+    """An item's record in the L2 tier (server/_records.py), written beside its
+    chunk frames: a sidecar that reads it back serves it only when `key` is the
+    key it asked for and `digest` matches the frames it read; anything else is
+    a miss. Records of releases before 0.2 (a bare UpdateEntry) read as another
+    item's, so they are misses too, written over once the item is stored.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """the store key (namespace and mm_hash) it was written under"""
+    digest: _builtins.bytes
+    """XXH3-128 of the chunk frames, in order, as stored"""
+    @_builtins.property
+    def entry(self) -> Global___UpdateEntry:
+        """as a client would send it: spec, num_chunks, metadata"""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        digest: _builtins.bytes = ...,
+        entry: Global___UpdateEntry | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "entry", b"entry", "key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___L2Manifest: _TypeAlias = L2Manifest  # noqa: Y015
+
+@_typing.final
 class UpdateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
