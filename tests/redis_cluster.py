@@ -119,6 +119,10 @@ class RedisCluster:
         return done.stdout
 
     def create(self) -> None:
+        if len(self.ports) == 1:  # redis-cli creates three masters at least
+            self.cli(self.ports[0], "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+            self.wait_ok()
+            return
         nodes = [f"127.0.0.1:{port}" for port in self.ports]
         subprocess.run(
             ["redis-cli", *self._auth(), "--cluster", "create", *nodes, "--cluster-replicas", "0"],
@@ -150,6 +154,11 @@ class RedisCluster:
         self.start_node(port)
         self.wait_ok()
 
+    def announce(self, port: int, announced: int) -> None:
+        """The node at `port` tells clients (CLUSTER SLOTS) to reach it at
+        `announced`: a proxy in front of it, say."""
+        self.cli(port, "CONFIG", "SET", "cluster-announce-port", str(announced))
+
     def _auth(self) -> list[str]:
         return ["--no-auth-warning", "-a", self.password] if self.password else []
 
@@ -172,7 +181,8 @@ class RedisCluster:
 def redis_cluster(
     masters: int = 3, maxmemory_mb: int = 256, password: str | None = None
 ) -> Iterator[RedisCluster]:
-    """A fresh cluster of `masters` masters (three at least: Redis's minimum)."""
+    """A fresh cluster of `masters` masters (one serving every slot, or three
+    at least: redis-cli's minimum)."""
     with tempfile.TemporaryDirectory(prefix="mmcache-redis-") as directory:
         cluster = RedisCluster(Path(directory), maxmemory_mb, password)
         try:

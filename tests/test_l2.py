@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -22,6 +24,7 @@ from mmcache.server.cache._l2_redis import redis_key
 
 from .conftest import MIB, connected, eventually, serving
 from .items import image_item
+from .proxy import Proxy
 from .redis_cluster import RedisCluster, redis_available, redis_cluster
 
 pytestmark = pytest.mark.skipif(
@@ -540,3 +543,46 @@ async def test_hundreds_of_items_in_one_lookup_all_come_from_l2(fresh: RedisClus
         found = await cb.lookup(hashes, lease=False)
         assert all(found.held)
         assert value(b, "mmcache_l2_errors_total", op="read") == 0
+
+
+async def test_no_fetch_returns_another_items_bytes_while_the_master_stalls() -> None:
+    """Issue 41: replies held back past the L2 timeout (a master stalling: a
+    fork, a slow command), then let go at moments around it, while reads of
+    other items are queued behind them. Whatever B answers held, its engine
+    reads those very bytes; a late reply is a miss, never another item."""
+    rng = random.Random(41)
+    with redis_cluster(masters=1) as node:
+        async with Proxy(node.ports[0]) as proxy:
+            node.announce(node.ports[0], proxy.port)  # every connection through the proxy
+            through = SimpleNamespace(url=f"redis://127.0.0.1:{proxy.port}")
+            async with sidecars(through, 2, admit="first", timeout_s=0.1) as [(a, ca), (b, cb)]:  # type: ignore[arg-type]
+                trials, per_trial = 10, 6
+                items = {
+                    f"x{i}": image_item(i, numel=rng.choice([4_000, 60_000, 300_000]))
+                    for i in range(trials * per_trial)
+                }
+                await ca.get_and_update(list(items.values()), list(items))
+                written = "mmcache_l2_writes_total"
+                await eventually(lambda: value(a, written, result="written") == len(items), 20)
+                keys = list(items)
+                served = 0
+                for trial in range(trials):
+                    await eventually(lambda: value(b, "mmcache_l2_up") == 1, timeout=10)
+                    asked = keys[trial * per_trial : (trial + 1) * per_trial]
+                    proxy.stall()
+                    lookups = []
+                    for key in asked:  # apart, so their deadlines fall apart
+                        lookups.append(asyncio.ensure_future(cb.lookup([key], lease=False)))
+                        await asyncio.sleep(rng.uniform(0, 0.015))
+                    await asyncio.sleep(rng.uniform(0.0, 0.06))  # before, at or past the 0.1 s timeout
+                    proxy.release()
+                    await asyncio.gather(*lookups)
+                    held = [key for key in asked if key in b.store]
+                    served += len(held)
+                    for key, fetched in zip(held, await cb.fetch(held), strict=True):
+                        assert fetched == items[key], f"{key} read back as another item"
+                assert value(b, "mmcache_l2_errors_total", op="read") > 0  # stalls happened
+                assert served > 0  # and reads got through between them
+                # No reply reached another read (the key check would have caught it).
+                for reason in ("key", "digest", "format"):
+                    assert value(b, "mmcache_l2_bad_records_total", reason=reason) == 0
