@@ -464,7 +464,7 @@ async def test_a_record_under_another_key_is_a_miss_counted_and_never_stored(
     x = record_of_item("x", await _stored_item(a, "x"), WIRE_MANIFESTS)
     await a.tier.backend.write("y", x, 0)
     assert (await _update(b.cache, [("y", None)])).outcomes == [Outcome.MISSING]
-    assert "y" not in b.store.keys()
+    assert "y" not in b.store
     assert b.sample("mmcache_l2_bad_records_total", reason="key") == 1
     assert b.sample("mmcache_l2_hits_total") == 0
     with pytest.raises(CacheMissError):

@@ -303,3 +303,22 @@ def test_an_error_inside_an_array_is_a_value_and_a_command_encodes_as_resp() -> 
     finally:
         loop.close()
     assert encode_command([b"HGETALL", "k", 7]) == b"*3\r\n$7\r\nHGETALL\r\n$1\r\nk\r\n$1\r\n7\r\n"
+
+
+def test_a_reply_with_no_command_waiting_aborts_the_connection() -> None:
+    """Out of step means nothing after it can be matched: the connection goes."""
+
+    class Transport(asyncio.Transport):
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+    transport = Transport()
+    protocol = _Replies()
+    protocol.connection_made(transport)
+    wire = b"+OK\r\n"
+    protocol.get_buffer(-1)[: len(wire)] = wire
+    protocol.buffer_updated(len(wire))
+    assert transport.aborted
+    assert isinstance(protocol.lost, RedisConnectionError)
