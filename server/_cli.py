@@ -43,8 +43,8 @@ def _parser() -> argparse.ArgumentParser:
         "stats", help="items, bytes, hit ratio, leases, namespaces and L2 state of a server"
     )
     shown.add_argument(
-        "--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
-        help="refresh in the terminal every SECONDS (2 when none is given)",
+        "--watch", type=_seconds, nargs="?", const=2.0, metavar="SECONDS",
+        help="refresh in the terminal every SECONDS (2 when none is given; Ctrl-C stops)",
     )  # fmt: skip
     _add_connection(shown)
     where = commands.add_parser("locate", help="where each hash is held: here, only in L2, nowhere")
@@ -63,6 +63,17 @@ def _parser() -> argparse.ArgumentParser:
     wipe.add_argument("--yes", action="store_true", help="do not ask")
     _add_connection(wipe, target_positional=False)
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A pause of at least 0.1 s: 0 would ask the server without pause."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds >= 0.1:  # also NaN
+        raise argparse.ArgumentTypeError(f"takes seconds, 0.1 or more, e.g. 2; got {text!r}")
+    return seconds
 
 
 def _add_connection(
@@ -117,6 +128,17 @@ def _connection(args: argparse.Namespace) -> Connection:
     )
 
 
+async def _inspect(args: argparse.Namespace) -> int:
+    connection = _connection(args)
+    if args.command == "stats":
+        return await stats(connection, args.watch)
+    if args.command == "locate":
+        return await locate(connection, args.hashes, args.l2)
+    if args.command == "get":
+        return await get(connection, args.hash, args.out)
+    return await clear(connection, args.yes)
+
+
 class _EarlyStop:
     """A SIGTERM or SIGINT that arrives before the server's own handlers are in
     place (the imports and the start take a second): remembered, not lost. As
@@ -142,17 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("stats", "locate", "get", "clear"):
         try:
-            connection = _connection(args)
+            return asyncio.run(_inspect(args))
         except OSError as exc:
             print(f"mmcache {args.command}: {exc}", file=sys.stderr)
             return 2
-        if args.command == "stats":
-            return asyncio.run(stats(connection, args.watch))
-        if args.command == "locate":
-            return asyncio.run(locate(connection, args.hashes, args.l2))
-        if args.command == "get":
-            return asyncio.run(get(connection, args.hash, args.out))
-        return asyncio.run(clear(connection, args.yes))
+        except KeyboardInterrupt:  # Ctrl-C: what a person asked for, no traceback
+            print(file=sys.stderr)
+            return 130
     if args.command == "health":
         from ._health import check
 

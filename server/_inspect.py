@@ -152,7 +152,15 @@ async def clear(
         f"namespace {connection.namespace!r}" if connection.namespace else "the default namespace"
     )
     if not yes:
-        answer = ask(f"remove every item of {where} at {connection.target}? [y/N] ")
+        try:
+            answer = ask(f"remove every item of {where} at {connection.target}? [y/N] ")
+        except EOFError:  # no terminal (a script, a pipe): nobody to ask
+            print(
+                "\nmmcache clear: nobody to ask (standard input is closed): pass --yes "
+                "to clear without asking; nothing removed",
+                file=sys.stderr,
+            )
+            return 2
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing removed", file=out)
             return 1

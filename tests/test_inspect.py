@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -102,3 +103,26 @@ async def test_get_writes_an_items_tensors_and_where_each_lies(tmp_path: Path) -
             assert got == data.contiguous().view(torch.uint8).numpy().tobytes()
         code, shown = await mmcache("get", "dog", "--target", target, "--out", str(tmp_path))
         assert code == 1 and "NOT_FOUND" in shown
+
+
+async def test_a_persons_mistakes_get_one_line_and_no_traceback() -> None:
+    """Ctrl-C in --watch, clear with nobody to ask, --watch 0: each a line, no traceback."""
+    async with serving() as server:
+        target = f"127.0.0.1:{server.port}"
+        watching = await asyncio.create_subprocess_exec(
+            MMCACHE, "stats", target, "--watch", "0.1",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        await asyncio.sleep(1.5)
+        watching.send_signal(signal.SIGINT)
+        seen, said = await watching.communicate()
+        assert watching.returncode == 130
+        assert b"hit ratio" in seen and b"Traceback" not in said + seen
+
+        code, shown = await mmcache("clear", "--target", target)  # stdin closed: no answer
+        assert code == 2 and "pass --yes" in shown and "Traceback" not in shown
+        assert "nothing removed" in shown
+
+    for pause in ("0", "-1", "nan", "soon"):
+        code, shown = await mmcache("stats", "127.0.0.1:1", "--watch", pause)
+        assert code == 2 and "0.1 or more" in shown and "Traceback" not in shown
