@@ -49,6 +49,7 @@ _LOGGER = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_BATCH_EVENTS = 4096  # changes in one message: sent at once when reached
+REPLAY_S = 10.0  # the longest one replay may take: a client that stops reading
 
 
 class ItemStored(msgspec.Struct, array_like=True, gc=False, tag=True):
@@ -123,6 +124,10 @@ class ItemEvents:
             if self._replay_endpoint is not None:
                 self._replay = context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # Past a slow reader's high-water mark a ROUTER drops what it
+                # sends, silently: a replay would skip batches and still end
+                # with the end marker. Mandatory: the send waits instead.
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.bind(self._replay_endpoint)
                 replay_at = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -206,8 +211,14 @@ class ItemEvents:
         if len(frames) != 3 or len(frames[2]) != 8:
             _LOGGER.debug("replay request of %d frames ignored", len(frames))
             return
-        client, empty, start = frames
-        first = int.from_bytes(start, "big")
+        client, _, start = frames
+        try:  # a client that stops reading holds up the next replay this long at most
+            await asyncio.wait_for(self._replay_to(replay, client, start), REPLAY_S)
+        except asyncio.TimeoutError:  # no end marker: the client knows it is incomplete
+            _LOGGER.warning("item-event replay abandoned: not taken within %.0fs", REPLAY_S)
+
+    async def _replay_to(self, replay: zmq.asyncio.Socket, client: bytes, start: bytes) -> None:
+        first, empty = int.from_bytes(start, "big"), b""
         for seq, payload in list(self._buffer):
             if seq >= first:
                 await replay.send_multipart([client, empty, seq.to_bytes(8, "big"), payload])

@@ -16,6 +16,8 @@ import zmq.asyncio
 from mmcache.client import MMCacheClient
 from mmcache.server import EventsConfig, MMCacheServer
 from mmcache.server._config import ConfigError, parse_serve_args
+from mmcache.server._events import ItemEvents
+from mmcache.server.cache import Change
 
 from .conftest import MIB, connected, server_config, serving
 from .items import image_item
@@ -159,3 +161,37 @@ async def test_locate_says_where_items_are_and_counts_nothing(
     after = server.registry.get_sample_value("mmcache_queries_total", {"modality": "image"})
     assert after == queries
     assert server.store.leases == leases
+
+
+async def test_a_replay_to_a_slow_reader_skips_no_batch() -> None:
+    """5,000 buffered batches (7 MB) asked for by a subscriber that reads only after a
+    pause: past its high-water mark the ROUTER waits (ROUTER_MANDATORY) instead
+    of dropping, so every batch comes, in order, then the end marker."""
+    events = ItemEvents("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", "mm", "inst", flush_s=0.001)
+    events.start()
+    try:
+        for i in range(5000):  # one batch each, of 20 changes (about 1.5 KB)
+            for j in range(20):
+                events.changed(Change.STORED, f"{i:032d}{j:032d}", 10)
+            events._flush()
+        _, replay_at = events.endpoints
+        assert replay_at is not None
+        context = zmq.asyncio.Context()
+        dealer = context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(replay_at)
+        try:
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            await asyncio.sleep(0.5)  # busy a moment: the replay meets its high-water mark
+            seqs = []
+            while True:
+                _, seq, payload = await asyncio.wait_for(dealer.recv_multipart(), 5)
+                if not payload:
+                    break
+                seqs.append(int.from_bytes(seq, "big"))
+        finally:
+            dealer.close()
+            context.term()
+        assert len(seqs) >= 5000 and seqs == list(range(len(seqs)))  # every batch, in order
+    finally:
+        await events.stop()

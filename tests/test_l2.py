@@ -574,7 +574,8 @@ async def test_no_fetch_returns_another_items_bytes_while_the_master_stalls() ->
                     for key in asked:  # apart, so their deadlines fall apart
                         lookups.append(asyncio.ensure_future(cb.lookup([key], lease=False)))
                         await asyncio.sleep(rng.uniform(0, 0.015))
-                    await asyncio.sleep(rng.uniform(0.0, 0.06))  # before, at or past the 0.1 s timeout
+                    # Then let go: before, at or past the 0.1 s timeout.
+                    await asyncio.sleep(rng.uniform(0.0, 0.06))
                     proxy.release()
                     await asyncio.gather(*lookups)
                     held = [key for key in asked if key in b.store]
