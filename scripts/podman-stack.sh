@@ -20,7 +20,10 @@
 #   - with podman's CNI backend, services find each other by name only through
 #     the dnsname plugin: its absence is an error here, not a Prometheus target
 #     that stays down;
-#   - the image mmcache:dev is built when missing (its base comes from Docker Hub).
+#   - the image mmcache:dev is built when missing, by scripts/image-build.sh
+#     (a Debian base made with mmdebstrap: no container registry needed);
+#   - `up` checks that every service it started runs: one whose image could not
+#     be pulled (Grafana's, with no registry) is named with its image, exit 3.
 #
 # Environment: MMCACHE_IMAGE, PROMETHEUS_IMAGE, GRAFANA_IMAGE (the images);
 # STACK_GRPC_PORT, STACK_METRICS_PORT, STACK_PROMETHEUS_PORT, STACK_GRAFANA_PORT
@@ -66,9 +69,10 @@ check_tools() {
 up() {
     check_tools
     if ! podman image exists "$image"; then
-        echo "podman-stack: building $image (deploy/docker/Dockerfile)"
-        # shellcheck disable=SC2046 # limits() is a list of flags
-        podman build --format docker $(limits) -f deploy/docker/Dockerfile -t "$image" .
+        echo "podman-stack: no image $image: building it with scripts/image-build.sh (a few minutes)"
+        MMCACHE_IMAGE=$image scripts/image-build.sh \
+            || die "no image $image, and scripts/image-build.sh could not build it (above);" \
+                "build it there, or name one with MMCACHE_IMAGE"
     fi
     podman_can_run "$image" || die "podman cannot run containers here: $PODMAN_WHY"
     if ! podman volume exists "$shm_volume"; then
@@ -96,6 +100,11 @@ up() {
         die "not running: $stopped (podman logs NAME says more; scripts/podman-stack.sh down cleans up)"
     fi
     rm -f "$log"
+    local wanted=("$@") missing=()
+    [[ ${#wanted[@]} -gt 0 ]] || wanted=(mmcache prometheus grafana)
+    for service in "${wanted[@]}"; do
+        podman container exists "${project}_${service}_1" || missing+=("$service")
+    done
     echo "podman-stack: up (project $project):"
     echo "  gRPC        127.0.0.1:${STACK_GRPC_PORT:-50051}"
     echo "  /metrics    http://127.0.0.1:${STACK_METRICS_PORT:-9470}/metrics"
@@ -104,6 +113,22 @@ up() {
         echo "  Grafana     http://127.0.0.1:${STACK_GRAFANA_PORT:-3000}"
     fi
     echo "  stop with: scripts/podman-stack.sh down"
+    if [[ ${#missing[@]} -gt 0 ]]; then
+        for service in "${missing[@]}"; do
+            echo "podman-stack: $service did not start: its image ($(service_image "$service"))" \
+                "could not be had (podman pull it, or name another with ${service^^}_IMAGE)" >&2
+        done
+        exit 3
+    fi
+}
+
+service_image() {
+    case $1 in
+        mmcache) echo "$image" ;;
+        prometheus) echo "${PROMETHEUS_IMAGE:-docker.io/prom/prometheus:v3.5.0}" ;;
+        grafana) echo "${GRAFANA_IMAGE:-docker.io/grafana/grafana:12.2.0}" ;;
+        *) echo "see docker-compose.yml" ;;
+    esac
 }
 
 down() {

@@ -154,3 +154,33 @@ def test_the_compose_file_takes_images_and_ports_from_the_environment() -> None:
     ports = ("STACK_GRPC_PORT", "STACK_METRICS_PORT", "STACK_PROMETHEUS_PORT", "STACK_GRAFANA_PORT")
     for variable in images + ports:
         assert "${" + variable + ":-" in compose, variable
+
+
+def test_a_service_whose_image_cannot_be_had_is_named_and_up_fails(stack: Stack) -> None:
+    """Grafana's image cannot be pulled without a registry: `up` says so, with
+    the image and the variable that names another, and exits 3."""
+    absent = f"localhost/mmcache-absent-grafana:{os.getpid()}"
+    stack.env["GRAFANA_IMAGE"] = absent
+    up = stack.run("up")
+    assert up.returncode == 3, up.stdout + up.stderr
+    assert f"grafana did not start: its image ({absent})" in up.stderr
+    assert "GRAFANA_IMAGE" in up.stderr and "Traceback" not in up.stderr
+    assert f"127.0.0.1:{stack.grpc_port}" in up.stdout  # the rest is up
+
+
+def test_with_no_image_and_none_buildable_up_points_at_the_build_script(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A machine with podman but no mmdebstrap: the image cannot be built, and
+    `up` says where the build is and why it failed, not a registry's error."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name != "mmdebstrap":
+            (bin_dir / tool.name).symlink_to(tool)
+    stack.env["PATH"] = str(bin_dir)
+    stack.env["MMCACHE_IMAGE"] = f"localhost/mmcache-absent:{os.getpid()}"
+    up = stack.run("up", "mmcache")
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "scripts/image-build.sh could not build it" in up.stderr
+    assert "mmdebstrap is missing" in up.stderr
