@@ -1,8 +1,12 @@
 # Set-up is two commands on a fresh machine:
 #   make serve   installs into .venv and runs the server with its defaults
-#   make test    installs the test tools (and Debian's prometheus, kubectl,
-#                docker-compose when missing; and vLLM, in .venv-vllm) and runs
-#                every check CI runs
+#   make test    installs the test tools into .venv, the Debian programs the
+#                tests run when missing (scripts/install-system-deps.sh: kubectl,
+#                docker-compose, prometheus, redis-server, podman, mmdebstrap,
+#                podman-compose and CNI's dnsname plugin), the vLLM test
+#                environments (.venv-vllm, .venv-vllm-0.31, .venv-vllm-0.33) and
+#                NVIDIA Dynamo's (.venv-dynamo), and runs every check CI runs
+# Other targets: lint, typecheck, unit, test-vllm, test-dynamo, bench, clean.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt

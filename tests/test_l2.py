@@ -8,8 +8,12 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import signal
+import subprocess
+import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -22,10 +26,10 @@ from mmcache.server import EventsConfig, L2Config, MMCacheServer
 from mmcache.server._config import ConfigError
 from mmcache.server.cache._l2_redis import redis_key
 
-from .conftest import MIB, connected, eventually, serving
+from .conftest import MIB, MMCACHE, ROOT, connected, eventually, serving
 from .items import image_item
 from .proxy import Proxy
-from .redis_cluster import RedisCluster, redis_available, redis_cluster
+from .redis_cluster import RedisCluster, free_port, redis_available, redis_cluster
 
 pytestmark = pytest.mark.skipif(
     not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
@@ -587,3 +591,63 @@ async def test_no_fetch_returns_another_items_bytes_while_the_master_stalls() ->
                 # No reply reached another read (the key check would have caught it).
                 for reason in ("key", "digest", "format"):
                     assert value(b, "mmcache_l2_bad_records_total", reason=reason) == 0
+
+
+def test_the_local_recipe_runs_as_written(tmp_path: Path) -> None:
+    """docs/l2.md's "Trying it on one machine", line by line, on free ports:
+    the cluster forms, both sidecars use it, an item crosses from one to the
+    other, and `down` leaves no master running."""
+    text = (ROOT / "docs/l2.md").read_text()
+    marker = "<!-- run by tests/test_l2.py::test_the_local_recipe_runs_as_written -->\n```sh\n"
+    block = text[text.index(marker) + len(marker) :].split("```", 1)[0]
+    ports = {str(p): str(free_port()) for p in (7000, 7001, 7002)}
+    ports |= {str(p): str(free_port()) for p in (50061, 50062, 9471, 9472)}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(MMCACHE).parent}:{os.environ['PATH']}",
+        "REDIS_CLUSTER_DIR": str(tmp_path),
+    }
+    lines = [re.sub(r"\b(\d{4,5})\b", lambda m: ports.get(m[1], m[1]), line.split("#")[0])
+             for line in block.splitlines()]  # fmt: skip
+    masters = f"{ports['7000']} {ports['7001']} {ports['7002']}"
+    lines = [f"{line.rstrip()} {masters}" if "redis-cluster.sh" in line else line for line in lines]
+    servers: list[subprocess.Popen[bytes]] = []
+    try:
+        for line in lines:
+            if line.rstrip().endswith("&"):
+                servers.append(subprocess.Popen(line.rstrip(" &"), shell=True, env=env))
+            elif "mmcache stats" in line:
+                shown = ""
+                for _ in range(100):
+                    done = subprocess.run(line, shell=True, env=env, capture_output=True, text=True)
+                    shown = done.stdout
+                    if "L2 tier    up" in shown:
+                        break
+                    time.sleep(0.1)
+                assert "L2 tier    up" in shown, shown
+                asyncio.run(_an_item_crosses(ports["50061"], ports["50062"]))
+            else:
+                done = subprocess.run(line, shell=True, env=env, capture_output=True, text=True)
+                assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        for proc in servers:
+            proc.terminate()
+            proc.wait(20)
+        subprocess.run(f"scripts/redis-cluster.sh down {masters}", shell=True, env=env, cwd=ROOT)
+    assert subprocess.run(["redis-cli", "-p", ports["7000"], "PING"], capture_output=True,
+                          text=True).stdout.strip() != "PONG"  # fmt: skip
+
+
+async def _an_item_crosses(one: str, other: str) -> None:
+    async with (
+        MMCacheClient(f"127.0.0.1:{one}") as first,
+        MMCacheClient(f"127.0.0.1:{other}") as second,
+    ):
+        item = image_item(7)
+        await first.get_and_update([item], ["recipe"])
+        for _ in range(200):
+            if (await second.locate(["recipe"], check_l2=True))[0].tier == "l2":
+                break
+            await asyncio.sleep(0.02)
+        (fetched,) = await second.fetch(["recipe"])
+        assert fetched == item
