@@ -601,7 +601,7 @@ def test_the_local_recipe_runs_as_written(tmp_path: Path) -> None:
     marker = "<!-- run by tests/test_l2.py::test_the_local_recipe_runs_as_written -->\n```sh\n"
     block = text[text.index(marker) + len(marker) :].split("```", 1)[0]
     ports = {str(p): str(free_port()) for p in (7000, 7001, 7002)}
-    ports |= {str(p): str(free_port()) for p in (50061, 50062, 9471, 9472)}
+    ports |= {str(p): str(free_port()) for p in (50061, 50062, 9481, 9482)}
     env = {
         **os.environ,
         "PATH": f"{Path(MMCACHE).parent}:{os.environ['PATH']}",
