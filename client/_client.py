@@ -20,6 +20,7 @@ from ._colocated import CoLocated
 from ._connection import Connection
 from ._encoder import EncoderBooksAPI
 from ._feed import FeedFollower
+from ._legacy import translate
 from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reads import Reads
@@ -112,7 +113,10 @@ class MMCacheClient(EncoderBooksAPI):
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
         fail_open: bool | FailOpen = False,
+        **deprecated: Any,  # 0.1's tls_* and fail_open_* keywords, until 0.3 (client/_legacy.py)
     ) -> None:
+        if deprecated:
+            tls, fail_open = translate(deprecated, tls, fail_open)
         _check_settings(chunk_bytes, sessions)
         self.namespace = namespace
         self._touch = Touch(FailOpen() if fail_open is True else fail_open or None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from mmcache.server import TlsConfig
 
 from .conftest import MMCACHE, connected, serving
 from .items import image_item
+from .test_fleet import _silent_listener
 from .test_process import free_port, start, wait_serving
 
 
@@ -191,3 +193,28 @@ def test_client_tls_and_fail_open_settings_are_checked_when_made(tmp_path: Path)
     assert Tls(server_name="sidecar").channel_options() == (
         ("grpc.ssl_target_name_override", "sidecar"),
     )
+
+
+async def test_01s_keywords_still_work_with_a_warning_naming_the_new_form(certs: Path) -> None:
+    """0.2 keeps 0.1's constructor keywords for one minor release (CHANGELOG.md)."""
+    ca = str(certs / "ca.crt")
+    async with serving(tls=tls_config(certs)) as server:
+        with pytest.warns(DeprecationWarning, match=r"pass tls=Tls\(ca='.*ca.crt'\) instead"):
+            client = MMCacheClient(f"localhost:{server.port}", tls_ca=ca)
+        async with client:
+            await client.get_and_update([image_item(4)], ["old"])
+        assert "old" in server.store
+    sock, port = _silent_listener()  # a server that never answers
+    try:
+        with pytest.warns(DeprecationWarning, match=r"fail_open=FailOpen\(timeout_s=0.25\)"):
+            client = MMCacheClient(f"127.0.0.1:{port}", fail_open=True, fail_open_timeout=0.25)
+        async with client:
+            started = time.monotonic()
+            assert list(await client.get_and_update([image_item(5)], ["a"])) == [image_item(5)]
+            assert time.monotonic() - started < 2.0 and client.fail_opens >= 1
+    finally:
+        sock.close()
+    with pytest.raises(TypeError, match="not both"):
+        MMCacheClient("127.0.0.1:1", tls=Tls(ca=ca), tls_ca=ca)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tls_cafile'"):
+        MMCacheClient("127.0.0.1:1", tls_cafile=ca)
