@@ -21,7 +21,7 @@ from ._errors import (
 from ._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
 from ._memory import keep_freed_memory
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AbortedError",

@@ -3,7 +3,7 @@
 # mmcache's plugin is tested with, plus mmcache's client (the vLLM plugin and
 # the EC connector). `MMCACHE_TARGET` turns the plugin on; unset, it is inert.
 #
-#   docker build -f deploy/docker/engine.Dockerfile -t mmcache-vllm:0.1.0 .
+#   docker build -f deploy/docker/engine.Dockerfile -t mmcache-vllm:0.2.0 .
 #
 # The build context is the repository root. vLLM's image brings its CUDA
 # torch; mmcache's client asks torch for a range only, so pip keeps vLLM's.

@@ -444,7 +444,7 @@ def test_the_engine_is_a_vllm_the_plugin_supports_with_mmcache_in_it(
     assert 'pip install --no-cache-dir ".[client]"' in recipe
     for name, objects in rendered.items():
         images = [c["image"] for c in _pod(objects)["containers"]]
-        assert images == ["mmcache-vllm:0.1.0"], name
+        assert images == ["mmcache-vllm:0.2.0"], name
 
 
 def test_mmcache_is_a_native_sidecar_with_grpc_probes(
