@@ -1,4 +1,4 @@
-"""The local stack on podman, as a newcomer without Docker starts it
+"""The local stack on podman, as a newcomer without Docker starts it (docs/deploy.md)
 (scripts/podman-stack.sh: podman-compose over docker-compose.yml): the sidecar
 answers on its published port, Prometheus scrapes it by service name and reads
 back what a client did, the shared-memory volume is a tmpfs, `down` leaves no
