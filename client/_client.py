@@ -120,6 +120,7 @@ class MMCacheClient(EncoderBooksAPI):
             target,
             self._touch,
             self._attach,
+            lambda instance_id: self._co.answered(instance_id),
             timeout=timeout,
             connect_timeout=connect_timeout,
             sessions=sessions,

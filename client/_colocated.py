@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
@@ -31,6 +32,9 @@ _LOGGER = logging.getLogger(__name__)
 # Uploads from this size up go through shared memory when the region is
 # mapped: below it, the copy saves less than a slot's bookkeeping costs.
 SHM_MIN_BYTES = 1 << 20
+# After a region is dropped, Info is asked again at most this often (on the
+# replies and feed messages that show the server answers).
+REATTACH_S = 1.0
 
 
 class CoLocated:
@@ -59,38 +63,71 @@ class CoLocated:
         self.resident = ResidentHits(namespace, self.reports, pool)
         self.write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
+        self._reattach_tried = -REATTACH_S
+        # No region mapped, and Info not asked since (a region dropped, or no
+        # server at connect): the next answer maps the server's region.
+        self._lost = enabled
 
     # -- the mapping -------------------------------------------------------
 
     def attach(self, info: pb.InfoReply) -> None:
         """Map the server's region, if it has one this host can map."""
         self.detach()
+        self._lost = False  # what Info says is the whole answer, region or none
         if self._enabled and info.HasField("shm"):
             self.region = attach(info.instance_id, info.shm)
             if self.region is not None:  # a ring now: leases with no call need one
                 self.reports.open(self.region.token)
 
     def detach(self) -> None:
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+        region, self.region = self.region, None
+        if region is not None:
+            self.reports.forget(region.token)  # nothing more goes to its ring
+            region.close()
         self.write_slots.drain()  # the old region's
 
     def answered(self, instance_id: str) -> None:
-        """A reply's instance: another than the mapped region's means a restart."""
-        if self.region is not None and instance_id != self.region.instance_id:
+        """The server's instance, as a reply or the feed says it: another than
+        the mapped region's means a restart; any, once the region was dropped
+        (a restart, a heartbeat that stopped), a server to map anew."""
+        region = self.region
+        if region is not None:
+            if instance_id and instance_id != region.instance_id:
+                self.restarted()
+        elif self._lost and instance_id and self._enabled:
+            self._reattach_soon()
+
+    def usable(self, region: ClientRegion) -> bool:
+        """Whether `region` may be used with no call now: its server's heartbeat
+        is fresh. If not, it is dropped (the next answer maps the server's
+        region again): a killed server's region is never read or leased."""
+        if region.serving():
+            return True
+        if region is self.region:
+            _LOGGER.info("mmcache: the server's shared memory has no heartbeat; not used")
             self.restarted()
+        return False
 
     def restarted(self) -> None:
-        """The server is a new instance: drop its old region, and map the new one."""
+        """The server is a new instance, or gone: drop its old region, and map
+        the one the server now announces."""
         self.detach()
-        if self._reattach is None or self._reattach.done():
-            self._reattach = asyncio.create_task(self._attach_again())
+        self._lost = True
+        self._reattach_soon()
+
+    def _reattach_soon(self) -> None:
+        now = time.monotonic()
+        if self._reattach is not None and not self._reattach.done():
+            return
+        if now - self._reattach_tried < REATTACH_S:
+            return  # asked lately: the next answer asks again
+        self._reattach_tried = now
+        self._reattach = asyncio.get_running_loop().create_task(self._attach_again())
 
     async def _attach_again(self) -> None:
-        try:
+        try:  # in the background: a server down makes it wait, never a request
             self.attach(await self._rpc().info(timeout=self._connect_timeout))
-        except MMCacheError as exc:  # gone again: the next restart tries anew
+        except MMCacheError as exc:  # gone again: the next answer tries anew
             _LOGGER.debug("shared memory not remapped: %s", exc)
 
     async def _open_report_ring(self, token: bytes) -> ClientRing | None:
@@ -125,7 +162,7 @@ class CoLocated:
         """Slots holding the payloads of this batch's larger uploads (none: all
         over gRPC), by entry index; and the spares to ask for with its reply."""
         region = self.region
-        if region is None:
+        if region is None or not self.usable(region):
             return {}, []
         sizes = {
             i: size_of(e.data.size.payload, self._trailer(e))
@@ -206,7 +243,7 @@ class CoLocated:
         self, mm_hashes: Sequence[str], usable: Callable[[int, bytes], bool] | None
     ) -> ResidentLeases | None:
         """Leases with no call of the resident items (None: no region)."""
-        region = self.region
+        region = self.region  # (the heartbeat is checked there, on the caller's thread)
         return None if region is None else self.resident.lease(region, mm_hashes, usable)
 
     def read_all(self, mm_hashes: Sequence[str], release: bool) -> list[Item] | None:
@@ -219,8 +256,7 @@ class CoLocated:
     ) -> tuple[list[Item | None], int]:
         """The items resident in the region, copied out with no call (None for the
         rest), and the payload bytes read."""
-        if not region.open():  # the server stopped: its items are no longer served
-            self.restarted()
+        if not self.usable(region):  # stopped or killed: its items are not served
             return [None] * len(mm_hashes), 0
         found: list[Item | None] = []
         nbytes = 0
@@ -258,6 +294,9 @@ class CoLocated:
             self.restarted()  # the token is not the server's: a new server
             return None
         header = parse_fetch_header(raw)
+        if header.instance_id != region.instance_id:  # another server now
+            self.answered(header.instance_id)
+            return None
         if not header.items and mm_hashes:
             return None
         held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]

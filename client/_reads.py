@@ -13,7 +13,7 @@ from mmcache._items import Item
 from mmcache.v1 import cache_pb2 as pb
 
 from ._colocated import CoLocated
-from ._fetched import ShmRace, read_fetch
+from ._fetched import ShmRace, decode_items, parse_fetch_header
 from ._pool import BufferPool
 from ._transport import CacheTransport
 
@@ -108,6 +108,8 @@ class Reads:
         request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
         frames = self._rpc().fetch(request, wait)
         try:
-            return await read_fetch(frames, len(mm_hashes), self._pool)
+            header = parse_fetch_header(await anext(frames))
+            self._co.answered(header.instance_id)  # a restart: its new region mapped
+            return await decode_items(header, frames, len(mm_hashes), self._pool)
         finally:
             await frames.aclose()

@@ -425,6 +425,7 @@ class Uploads:
             )
             if region is not None and reply.instance_id == region.instance_id:
                 given = reply.spares
+            self._co.answered(reply.instance_id)  # a restart: its new region mapped
         finally:
             mirror.call_ended(call)
             if spares:  # the ask settled, whatever became of the batch
