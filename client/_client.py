@@ -138,12 +138,12 @@ class MMCacheClient(EncoderBooksAPI):
             lambda: self.transport,
             self._pool,
             connect_timeout=connect_timeout,
-            allocate_timeout=self._touch.call_timeout,
+            touch=self._touch,
         )
         self._counts = HitCounts()
         rpc, mirror = lambda: self.transport, lambda: self._conn.mirror
         self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counts.add, chunk_bytes)
-        self._reads = Reads(rpc, self._co, self._pool, self.forget)
+        self._reads = Reads(rpc, self._co, self._pool, self.forget, self._touch.call_timeout)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -333,7 +333,8 @@ class MMCacheClient(EncoderBooksAPI):
         until the deadline; False fails at once with UnavailableError.
         """
         check_hashes(mm_hashes)
-        return await self._reads.fetch(mm_hashes, release, wait)
+        async with self._touch.bounded("fetch"):
+            return await self._reads.fetch(mm_hashes, release, wait)
 
     def lease_resident(
         self, mm_hashes: Sequence[str], *, usable: Callable[[int, bytes], bool] | None = None
@@ -393,7 +394,12 @@ class MMCacheClient(EncoderBooksAPI):
             local_bytes = sum(w.size for w in where if w.tier == "l1")
         """
         check_hashes(mm_hashes)
-        reply = await self.transport.locate(mm_hashes, check_l2)
+        reply = await self._touch.answer(
+            "locate",
+            lambda timeout, wait: self.transport.locate(mm_hashes, check_l2, timeout, wait),
+        )
+        if reply is None:  # failed open: nowhere known, routed as without a cache
+            return [Location(None, 0)] * len(mm_hashes)
         return [
             Location(_TIERS.get(t), size) for t, size in zip(reply.tiers, reply.sizes, strict=True)
         ]
@@ -404,7 +410,12 @@ class MMCacheClient(EncoderBooksAPI):
         it fetches says so. How many the server held. (`touch` waits for the
         next batch instead.)"""
         check_hashes(mm_hashes)
-        return int((await self.transport.touch(mm_hashes)).touched)
+        reply = await self._touch.answer(
+            "refresh", lambda timeout, wait: self.transport.touch(mm_hashes, timeout, wait)
+        )
+        if reply is None:
+            return 0
+        return int(reply.touched)
 
     async def count_misses(self, modalities: Sequence[str]) -> None:
         """Count queries answered here as misses on the server, one per modality
@@ -418,9 +429,15 @@ class MMCacheClient(EncoderBooksAPI):
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
-        request); how many were leased. Leases also end by themselves."""
+        request); how many were leased. Leases also end by themselves: failing
+        open, a server that does not answer within the deadline gives 0."""
         check_hashes(mm_hashes)
-        return int((await self.transport.release(mm_hashes)).released)
+        reply = await self._touch.answer(
+            "release", lambda timeout, wait: self.transport.release(mm_hashes, timeout, wait)
+        )
+        if reply is None:
+            return 0
+        return int(reply.released)
 
     # -- internals ---------------------------------------------------------
 

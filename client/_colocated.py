@@ -23,6 +23,7 @@ from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, attach
 from ._slots import Size, WriteSlots, size_of
+from ._touch import Touch
 from ._transport import CacheTransport
 
 __all__ = ["SHM_MIN_BYTES", "CoLocated"]
@@ -48,17 +49,19 @@ class CoLocated:
         pool: BufferPool | None,
         *,
         connect_timeout: float,
-        allocate_timeout: float | None,
+        touch: Touch,
     ) -> None:
         self._namespace = namespace
         self._enabled = enabled
         self._rpc = rpc
         self._pool = pool
         self._connect_timeout = connect_timeout
-        self._allocate_timeout = allocate_timeout
+        self._touch = touch  # every call's bound on a request's path (docs/faults.md)
         self.region: ClientRegion | None = None
         self.reports = Reports(
-            lambda request: rpc().report(request), self.answered, self._open_report_ring
+            lambda request: rpc().report(request, touch.call_timeout, touch.wait_for_ready),
+            self.answered,
+            self._open_report_ring,
         )
         self.resident = ResidentHits(namespace, self.reports, pool)
         self.write_slots = WriteSlots()
@@ -201,7 +204,7 @@ class CoLocated:
                         region.token,
                         [payload for payload, _ in asked],
                         [room for _, room in asked],
-                        timeout=self._allocate_timeout,
+                        timeout=self._touch.call_timeout,
                     )
                 except InvalidArgumentError:
                     self.restarted()  # the token is not the server's: a restart
@@ -289,7 +292,7 @@ class CoLocated:
             shm_done=self.reports.done(region.token),
         )
         try:
-            raw = await self._rpc().read_shm(request, wait)
+            raw = await self._rpc().read_shm(request, wait, self._touch.call_timeout)
         except InvalidArgumentError:
             self.restarted()  # the token is not the server's: a new server
             return None

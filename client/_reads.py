@@ -29,11 +29,13 @@ class Reads:
         co: CoLocated,
         pool: BufferPool | None,
         forget: Callable[[Sequence[str]], None],
+        timeout: float | None = None,
     ) -> None:
         self._rpc = rpc
         self._co = co
         self._pool = pool
         self._forget = forget  # a miss: the mirror's "held" was wrong
+        self._timeout = timeout  # a Fetch's bound (the fail-open deadline; None: the client's)
 
     async def fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         region = self._co.region
@@ -106,7 +108,7 @@ class Reads:
     async def _fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         """The items as the chunk frames of a Fetch."""
         request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
-        frames = self._rpc().fetch(request, wait)
+        frames = self._rpc().fetch(request, wait, self._timeout)
         try:
             header = parse_fetch_header(await anext(frames))
             self._co.answered(header.instance_id)  # a restart: its new region mapped

@@ -209,7 +209,8 @@ class Uploads:
         """One get_and_update (or lookup, or inject); with fail-open, the items
         handed back as misses when the server did not answer in time."""
         try:
-            return await self._update(call)
+            async with self._touch.bounded("get_and_update"):
+                return await self._update(call)
         except OUT_OF_TOUCH as exc:
             if not self._touch.fail_open:
                 raise
@@ -357,7 +358,9 @@ class Uploads:
         # Best effort: a lease not given back ends by itself.
         if mm_hashes:
             try:
-                await self._rpc.release(mm_hashes)
+                await self._rpc.release(
+                    mm_hashes, self._touch.call_timeout, self._touch.wait_for_ready
+                )
             except MMCacheError as exc:
                 _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
 
@@ -410,7 +413,7 @@ class Uploads:
                 batch.header,
                 batch.frames,
                 timeout=self._touch.call_timeout,
-                wait_for_ready=not self._touch.fail_open,
+                wait_for_ready=self._touch.wait_for_ready,
             )
             reply = read_reply(raw, len(entries))
             mirror.apply_reply(
