@@ -264,6 +264,7 @@ class MMCacheClient(EncoderBooksAPI):
         want_metadata: bool = False,
         lease: Lease = True,
         resend: Sequence[bool] | None = None,
+        processed: bool = False,
     ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
@@ -275,8 +276,15 @@ class MMCacheClient(EncoderBooksAPI):
         engine's `fetch` until it reads it (or the server's lease time);
         "hits", only those returned as None (vLLM's P0); False, none.
         `resend[i]`: data for a hash a `lookup` found missing (no second query).
+        Counted as vLLM counts: a hit is a hash sent alone and held; data sent
+        is a miss. `processed`: the caller processed every item given (vLLM's
+        P0 sharing its misses), so each carries its data and is a miss, even
+        where the mirror knows another client stored it meanwhile (else its
+        hash goes alone: a hit, and None in the result).
         """
-        call = update_call(items, mm_hashes, modality, metadata, want_metadata, lease, resend)
+        call = update_call(
+            items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed
+        )
         return await self._uploads.run(call)
 
     async def lookup(

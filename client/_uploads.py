@@ -39,8 +39,6 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-HELD = (Outcome.HIT, Outcome.REPLACED)
-
 
 def check_hashes(mm_hashes: Sequence[str]) -> None:
     check_count("mm_hashes", len(mm_hashes))
@@ -70,6 +68,7 @@ class Call:
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
+    processed: bool = False  # the caller processed the items: data sent, each a miss
 
 
 def update_call(
@@ -80,6 +79,7 @@ def update_call(
     want_metadata: bool,
     lease: Lease,
     resend: Sequence[bool] | None,
+    processed: bool = False,
 ) -> Call:
     """A get_and_update's call."""
     if metadata is not None and len(metadata) != len(items):
@@ -89,7 +89,9 @@ def update_call(
         )
     blobs = [b"" if m is None else m for m in metadata or [None] * len(items)]
     modalities = [modality] * len(mm_hashes)
-    return Call(items, mm_hashes, modalities, blobs, want_metadata, lease, resend)
+    return Call(
+        items, mm_hashes, modalities, blobs, want_metadata, lease, resend, processed=processed
+    )
 
 
 def lookup_call(
@@ -242,7 +244,9 @@ class Uploads:
             (e.modality if e is not None and e.modality else m) or ""
             for e, m in zip(encoded, call.modalities, strict=True)
         ]
-        send = self._mirror().plan(mm_hashes, [e is not None for e in encoded])
+        send = self._mirror().plan(
+            mm_hashes, [e is not None for e in encoded], processed=call.processed
+        )
         entries = [
             self._entry(
                 h, label, enc if s else None, blob, want_metadata=call.want_metadata, resend=r and s
@@ -255,7 +259,7 @@ class Uploads:
             entries, self._mirror().take_touches(), mode, wait_ms=wait_ms_of(call.wait_s)
         )
         outcomes = reply.outcomes
-        self._counted(sum(o in HELD for o in outcomes), len(outcomes))
+        self._counted(sum(o == Outcome.HIT for o in outcomes), len(outcomes))  # as the server
         held = await self._resend_drifted(call, encoded, labels, outcomes, mode)
         no_data = [
             mm_hashes[i]

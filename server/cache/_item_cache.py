@@ -343,10 +343,13 @@ class ItemCache:
         return "" if item is None else item.modality
 
     def count(self, modality: str, outcome: Outcome, resend: bool) -> None:
+        """One entry's query. A hit is a hash sent alone and held: data sent
+        (STORED, REPLACED) was processed by its caller, a miss as vLLM counts
+        it, whatever another client uploaded meanwhile."""
         if resend:
             self.metrics.resends.labels(modality or "unknown").inc()
         else:
-            self.metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
+            self.metrics.queried(modality, hit=outcome == Outcome.HIT)
         if outcome == Outcome.UNCACHED:
             self.metrics.uncached.labels(modality or "unknown").inc()
 
