@@ -139,6 +139,7 @@ class Reports:
         """Ask for a ring in the region of `token` now, before the first report
         (a client that leases with no call needs one first)."""
         self._loop = asyncio.get_running_loop()
+        self._gone.discard(token)  # mapped again (a server that stalled, then answered)
         if token != self._ring_token:  # a new region (a restarted server): ask at once
             self._no_ring_until = 0.0
         self._ring_for(token)

@@ -24,7 +24,7 @@ from mmcache.client import FailOpen, MMCacheClient
 
 from .conftest import eventually
 from .test_process import free_port
-from .test_region_liveness import item, serve
+from .test_region_liveness import item, serve, settled
 
 DEADLINE_S = 0.5
 MARGIN_S = 0.5  # generous: CI machines are slow; the figure itself is a bench's
@@ -101,6 +101,10 @@ async def leased_and_resident(client: MMCacheClient) -> None:
     await eventually(lambda: client.report_ring is not None)
 
 
+async def leases_are(client: MMCacheClient, wanted: int) -> bool:
+    return (await client.transport.info()).leases == wanted
+
+
 def check_failed_open(got: dict[str, Any]) -> None:
     assert list(got["get_and_update"]) != [None]  # handed back as a miss
     assert got["lookup"].held == [False]
@@ -129,11 +133,17 @@ async def test_a_stopped_sidecar_costs_at_most_the_deadline(tmp_path: Path) -> N
                 check_failed_open(await all_bounded(client))
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
-            # Back: the calls answer again, and the region is mapped once more.
+            # Back: the calls answer again, the region is mapped once more, and
+            # a read there gives its lease back (its report no longer dropped).
             deadline = time.monotonic() + 10
-            while (await client.lookup(["held"])).held != [True]:
+            while (await client.lookup(["held"], lease=False)).held != [True]:
                 assert time.monotonic() < deadline, "not back after SIGCONT"
                 await asyncio.sleep(0.1)
+            await eventually(lambda: client.region is not None, timeout=5)
+            leases = (await client.transport.info()).leases
+            assert (await client.lookup(["held"])).held == [True]
+            await client.fetch(["held"])  # out of the region, with no call
+            await settled(lambda: leases_are(client, leases))
 
 
 async def test_an_unreachable_sidecar_costs_at_most_the_deadline() -> None:
