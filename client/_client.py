@@ -143,7 +143,7 @@ class MMCacheClient(EncoderBooksAPI):
         self._counts = HitCounts()
         rpc, mirror = lambda: self.transport, lambda: self._conn.mirror
         self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counts.add, chunk_bytes)
-        self._reads = Reads(rpc, self._co, self._pool, self.forget, self._touch.call_timeout)
+        self._reads = Reads(rpc, self._co, self._pool, self.forget, self._touch)
 
     # -- lifecycle ---------------------------------------------------------
 
