@@ -370,15 +370,16 @@ class ItemCache:
         return self._rings_of(region).open(namespace)
 
     def drain_reports(self) -> int:
-        """Apply what co-located clients wrote in their report rings; how many reports."""
+        """Apply what co-located clients wrote in their report rings; how many
+        reports. The region's heartbeat too: a server that serves a call is alive."""
         region = self._region()
-        return 0 if region is None or self._rings is None else self._rings_of(region).drain()
+        if region is None:
+            return 0
+        region.beat()
+        return 0 if self._rings is None else self._rings_of(region).drain()
 
     def beat(self) -> None:
         """The region's heartbeat, and its rings read (the server's timer, every BEAT_S)."""
-        region = self._region()
-        if region is not None:
-            region.beat()
         self.drain_reports()
 
     def _report(
