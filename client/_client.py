@@ -124,6 +124,7 @@ class MMCacheClient(EncoderBooksAPI):
             target,
             self._touch,
             self._attach,
+            lambda instance_id: self._co.answered(instance_id),
             timeout=timeout,
             connect_timeout=connect_timeout,
             sessions=sessions,
@@ -141,12 +142,12 @@ class MMCacheClient(EncoderBooksAPI):
             lambda: self.transport,
             self._pool,
             connect_timeout=connect_timeout,
-            allocate_timeout=self._touch.call_timeout,
+            touch=self._touch,
         )
         self._counts = HitCounts()
         rpc, mirror = lambda: self.transport, lambda: self._conn.mirror
         self._uploads = Uploads(rpc, self._co, mirror, self._touch, self._counts.add, chunk_bytes)
-        self._reads = Reads(rpc, self._co, self._pool, self.forget)
+        self._reads = Reads(rpc, self._co, self._pool, self.forget, self._touch)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -267,6 +268,7 @@ class MMCacheClient(EncoderBooksAPI):
         want_metadata: bool = False,
         lease: Lease = True,
         resend: Sequence[bool] | None = None,
+        processed: bool = False,
     ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
@@ -278,8 +280,15 @@ class MMCacheClient(EncoderBooksAPI):
         engine's `fetch` until it reads it (or the server's lease time);
         "hits", only those returned as None (vLLM's P0); False, none.
         `resend[i]`: data for a hash a `lookup` found missing (no second query).
+        Counted as vLLM counts: a hit is a hash sent alone and held; data sent
+        is a miss. `processed`: the caller processed every item given (vLLM's
+        P0 sharing its misses), so each carries its data and is a miss, even
+        where the mirror knows another client stored it meanwhile (else its
+        hash goes alone: a hit, and None in the result).
         """
-        call = update_call(items, mm_hashes, modality, metadata, want_metadata, lease, resend)
+        call = update_call(
+            items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed
+        )
         return await self._uploads.run(call)
 
     async def lookup(
@@ -336,7 +345,8 @@ class MMCacheClient(EncoderBooksAPI):
         until the deadline; False fails at once with UnavailableError.
         """
         check_hashes(mm_hashes)
-        return await self._reads.fetch(mm_hashes, release, wait)
+        async with self._touch.bounded("fetch"):
+            return await self._reads.fetch(mm_hashes, release, wait)
 
     def lease_resident(
         self, mm_hashes: Sequence[str], *, usable: Callable[[int, bytes], bool] | None = None
@@ -396,7 +406,12 @@ class MMCacheClient(EncoderBooksAPI):
             local_bytes = sum(w.size for w in where if w.tier == "l1")
         """
         check_hashes(mm_hashes)
-        reply = await self.transport.locate(mm_hashes, check_l2)
+        reply = await self._touch.answer(
+            "locate",
+            lambda timeout, wait: self.transport.locate(mm_hashes, check_l2, timeout, wait),
+        )
+        if reply is None:  # failed open: nowhere known, routed as without a cache
+            return [Location(None, 0)] * len(mm_hashes)
         return [
             Location(_TIERS.get(t), size) for t, size in zip(reply.tiers, reply.sizes, strict=True)
         ]
@@ -407,7 +422,12 @@ class MMCacheClient(EncoderBooksAPI):
         it fetches says so. How many the server held. (`touch` waits for the
         next batch instead.)"""
         check_hashes(mm_hashes)
-        return int((await self.transport.touch(mm_hashes)).touched)
+        reply = await self._touch.answer(
+            "refresh", lambda timeout, wait: self.transport.touch(mm_hashes, timeout, wait)
+        )
+        if reply is None:
+            return 0
+        return int(reply.touched)
 
     async def count_misses(self, modalities: Sequence[str]) -> None:
         """Count queries answered here as misses on the server, one per modality
@@ -421,9 +441,15 @@ class MMCacheClient(EncoderBooksAPI):
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
-        request); how many were leased. Leases also end by themselves."""
+        request); how many were leased. Leases also end by themselves: failing
+        open, a server that does not answer within the deadline gives 0."""
         check_hashes(mm_hashes)
-        return int((await self.transport.release(mm_hashes)).released)
+        reply = await self._touch.answer(
+            "release", lambda timeout, wait: self.transport.release(mm_hashes, timeout, wait)
+        )
+        if reply is None:
+            return 0
+        return int(reply.released)
 
     # -- internals ---------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
@@ -22,6 +23,7 @@ from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, attach
 from ._slots import Size, WriteSlots, size_of
+from ._touch import Touch
 from ._transport import CacheTransport
 
 __all__ = ["SHM_MIN_BYTES", "CoLocated"]
@@ -31,6 +33,9 @@ _LOGGER = logging.getLogger(__name__)
 # Uploads from this size up go through shared memory when the region is
 # mapped: below it, the copy saves less than a slot's bookkeeping costs.
 SHM_MIN_BYTES = 1 << 20
+# After a region is dropped, Info is asked again at most this often (on the
+# replies and feed messages that show the server answers).
+REATTACH_S = 1.0
 
 
 class CoLocated:
@@ -44,53 +49,88 @@ class CoLocated:
         pool: BufferPool | None,
         *,
         connect_timeout: float,
-        allocate_timeout: float | None,
+        touch: Touch,
     ) -> None:
         self._namespace = namespace
         self._enabled = enabled
         self._rpc = rpc
         self._pool = pool
         self._connect_timeout = connect_timeout
-        self._allocate_timeout = allocate_timeout
+        self._touch = touch  # every call's bound on a request's path (docs/faults.md)
         self.region: ClientRegion | None = None
         self.reports = Reports(
-            lambda request: rpc().report(request), self.answered, self._open_report_ring
+            lambda request: rpc().report(request, touch.call_timeout, touch.wait_for_ready),
+            self.answered,
+            self._open_report_ring,
         )
         self.resident = ResidentHits(namespace, self.reports, pool)
         self.write_slots = WriteSlots()
         self._reattach: asyncio.Task[None] | None = None
+        self._reattach_tried = -REATTACH_S
+        # No region mapped, and Info not asked since (a region dropped, or no
+        # server at connect): the next answer maps the server's region.
+        self._lost = enabled
 
     # -- the mapping -------------------------------------------------------
 
     def attach(self, info: pb.InfoReply) -> None:
         """Map the server's region, if it has one this host can map."""
         self.detach()
+        self._lost = False  # what Info says is the whole answer, region or none
         if self._enabled and info.HasField("shm"):
             self.region = attach(info.instance_id, info.shm)
             if self.region is not None:  # a ring now: leases with no call need one
                 self.reports.open(self.region.token)
 
     def detach(self) -> None:
-        if self.region is not None:
-            self.region.close()
-            self.region = None
+        region, self.region = self.region, None
+        if region is not None:
+            self.reports.forget(region.token)  # nothing more goes to its ring
+            region.close()
         self.write_slots.drain()  # the old region's
 
     def answered(self, instance_id: str) -> None:
-        """A reply's instance: another than the mapped region's means a restart."""
-        if self.region is not None and instance_id != self.region.instance_id:
+        """The server's instance, as a reply or the feed says it: another than
+        the mapped region's means a restart; any, once the region was dropped
+        (a restart, a heartbeat that stopped), a server to map anew."""
+        region = self.region
+        if region is not None:
+            if instance_id and instance_id != region.instance_id:
+                self.restarted()
+        elif self._lost and instance_id and self._enabled:
+            self._reattach_soon()
+
+    def usable(self, region: ClientRegion) -> bool:
+        """Whether `region` may be used with no call now: its server's heartbeat
+        is fresh. If not, it is dropped (the next answer maps the server's
+        region again): a killed server's region is never read or leased."""
+        if region.serving():
+            return True
+        if region is self.region:
+            _LOGGER.info("mmcache: the server's shared memory has no heartbeat; not used")
             self.restarted()
+        return False
 
     def restarted(self) -> None:
-        """The server is a new instance: drop its old region, and map the new one."""
+        """The server is a new instance, or gone: drop its old region, and map
+        the one the server now announces."""
         self.detach()
-        if self._reattach is None or self._reattach.done():
-            self._reattach = asyncio.create_task(self._attach_again())
+        self._lost = True
+        self._reattach_soon()
+
+    def _reattach_soon(self) -> None:
+        now = time.monotonic()
+        if self._reattach is not None and not self._reattach.done():
+            return
+        if now - self._reattach_tried < REATTACH_S:
+            return  # asked lately: the next answer asks again
+        self._reattach_tried = now
+        self._reattach = asyncio.get_running_loop().create_task(self._attach_again())
 
     async def _attach_again(self) -> None:
-        try:
+        try:  # in the background: a server down makes it wait, never a request
             self.attach(await self._rpc().info(timeout=self._connect_timeout))
-        except MMCacheError as exc:  # gone again: the next restart tries anew
+        except MMCacheError as exc:  # gone again: the next answer tries anew
             _LOGGER.debug("shared memory not remapped: %s", exc)
 
     async def _open_report_ring(self, token: bytes) -> ClientRing | None:
@@ -125,7 +165,7 @@ class CoLocated:
         """Slots holding the payloads of this batch's larger uploads (none: all
         over gRPC), by entry index; and the spares to ask for with its reply."""
         region = self.region
-        if region is None:
+        if region is None or not self.usable(region):
             return {}, []
         sizes = {
             i: size_of(e.data.size.payload, self._trailer(e))
@@ -164,7 +204,7 @@ class CoLocated:
                         region.token,
                         [payload for payload, _ in asked],
                         [room for _, room in asked],
-                        timeout=self._allocate_timeout,
+                        timeout=self._touch.call_timeout,
                     )
                 except InvalidArgumentError:
                     self.restarted()  # the token is not the server's: a restart
@@ -206,7 +246,7 @@ class CoLocated:
         self, mm_hashes: Sequence[str], usable: Callable[[int, bytes], bool] | None
     ) -> ResidentLeases | None:
         """Leases with no call of the resident items (None: no region)."""
-        region = self.region
+        region = self.region  # (the heartbeat is checked there, on the caller's thread)
         return None if region is None else self.resident.lease(region, mm_hashes, usable)
 
     def read_all(self, mm_hashes: Sequence[str], release: bool) -> list[Item] | None:
@@ -219,8 +259,7 @@ class CoLocated:
     ) -> tuple[list[Item | None], int]:
         """The items resident in the region, copied out with no call (None for the
         rest), and the payload bytes read."""
-        if not region.open():  # the server stopped: its items are no longer served
-            self.restarted()
+        if not self.usable(region):  # stopped or killed: its items are not served
             return [None] * len(mm_hashes), 0
         found: list[Item | None] = []
         nbytes = 0
@@ -253,11 +292,14 @@ class CoLocated:
             shm_done=self.reports.done(region.token),
         )
         try:
-            raw = await self._rpc().read_shm(request, wait)
+            raw = await self._rpc().read_shm(request, wait, self._touch.call_timeout)
         except InvalidArgumentError:
             self.restarted()  # the token is not the server's: a new server
             return None
         header = parse_fetch_header(raw)
+        if header.instance_id != region.instance_id:  # another server now
+            self.answered(header.instance_id)
+            return None
         if not header.items and mm_hashes:
             return None
         held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]

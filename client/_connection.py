@@ -30,6 +30,7 @@ class Connection:
         target: str,
         touch: Touch,
         on_info: Callable[[pb.InfoReply], None],
+        on_instance: Callable[[str], None],
         *,
         timeout: float,
         connect_timeout: float,
@@ -44,6 +45,7 @@ class Connection:
         self.timeout = timeout
         self._touch = touch
         self._on_info = on_info
+        self._on_instance = on_instance
         self._connect_timeout = connect_timeout
         self._sessions = sessions
         self._credentials = None if tls is None else tls.channel_credentials()
@@ -105,7 +107,9 @@ class Connection:
             touch.back()
             self._on_info(info)
         if self._follow:
-            self.follower = FeedFollower(transport.subscribe, lambda: self.mirror, touch.back)
+            self.follower = FeedFollower(
+                transport.subscribe, lambda: self.mirror, touch.back, self._on_instance
+            )
             self._follower_task = asyncio.create_task(self.follower.run())
 
     async def close(self) -> None:

@@ -36,10 +36,12 @@ class FeedFollower:
         subscribe: Callable[[], AsyncIterator[pb.FeedMessage]],
         mirror: Callable[[], Mirror],
         on_live: Callable[[], None],
+        on_instance: Callable[[str], None] = lambda _: None,
     ) -> None:
         self._subscribe = subscribe
         self._mirror = mirror
         self._on_live = on_live
+        self._on_instance = on_instance  # each snapshot's: a restart seen here too
         self.live = asyncio.Event()
         self.resubscribes = 0
 
@@ -95,6 +97,7 @@ class FeedFollower:
                     )
                     hashes, sizes, pending = [], [], []
                     head = None
+                    self._on_instance(message.instance_id)
                     yield
                 elif body == "changes":
                     if not mirror.apply_changes(message.instance_id, message.seq, message.changes):

@@ -107,18 +107,23 @@ class Mirror:
         latest = list(dict.fromkeys(reversed(touched)))[:MAX_HASHES_PER_CALL]
         return latest[::-1]
 
-    def plan(self, hashes: Sequence[str], has_data: Sequence[bool]) -> list[bool]:
+    def plan(
+        self, hashes: Sequence[str], has_data: Sequence[bool], *, processed: bool = False
+    ) -> list[bool]:
         """Which entries of a batch should carry their data.
 
-        An entry goes as its hash alone when the mirror holds it, when it
-        repeats an earlier entry of the batch, or when another client's
-        upload of it is in flight (the server waits for that upload, so the
-        bytes travel once). Pure: the reply, not the guess, changes the mirror.
+        An entry goes as its hash alone when it repeats an earlier entry of
+        the batch, and (unless `processed`: the caller shares data it
+        processed, which counts as a miss however the server answers) when
+        the mirror holds it or another client's upload of it is in flight
+        (the server waits for that upload, so the bytes travel once). Pure:
+        the reply, not the guess, changes the mirror.
         """
         seen: set[str] = set()
         send: list[bool] = []
         for mm_hash, data in zip(hashes, has_data, strict=True):
-            held = mm_hash in seen or mm_hash in self._lru or mm_hash in self._pending
+            known = not processed and (mm_hash in self._lru or mm_hash in self._pending)
+            held = mm_hash in seen or known
             send.append(data and not held)
             seen.add(mm_hash)
         return send

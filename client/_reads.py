@@ -13,8 +13,9 @@ from mmcache._items import Item
 from mmcache.v1 import cache_pb2 as pb
 
 from ._colocated import CoLocated
-from ._fetched import ShmRace, read_fetch
+from ._fetched import ShmRace, decode_items, parse_fetch_header
 from ._pool import BufferPool
+from ._touch import Touch
 from ._transport import CacheTransport
 
 __all__ = ["Reads"]
@@ -29,11 +30,13 @@ class Reads:
         co: CoLocated,
         pool: BufferPool | None,
         forget: Callable[[Sequence[str]], None],
+        touch: Touch,
     ) -> None:
         self._rpc = rpc
         self._co = co
         self._pool = pool
         self._forget = forget  # a miss: the mirror's "held" was wrong
+        self._touch = touch  # the bound of reads (the fail-open deadline)
 
     async def fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         region = self._co.region
@@ -65,14 +68,17 @@ class Reads:
         region = self._co.region
         slots: list[pb.ShmSlot] = []
         items = None
-        if region is not None:
-            try:
-                items = await self._co.read_shm(mm_hashes, release, region, slots)
-            except CacheMissError as exc:
-                self._forget(exc.missing_hashes)
-                raise
-        if items is None or region is None:  # no shared memory: owned, as fetch gives
-            yield await self.fetch(mm_hashes, release, True)
+        async with self._touch.bounded("view"):  # its calls together, not the block
+            if region is not None:
+                try:
+                    items = await self._co.read_shm(mm_hashes, release, region, slots)
+                except CacheMissError as exc:
+                    self._forget(exc.missing_hashes)
+                    raise
+            if items is None or region is None:  # no shared memory: owned, as fetch gives
+                owned = await self.fetch(mm_hashes, release, True)
+        if items is None or region is None:
+            yield owned
             return
         try:
             yield items
@@ -106,8 +112,10 @@ class Reads:
     async def _fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         """The items as the chunk frames of a Fetch."""
         request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
-        frames = self._rpc().fetch(request, wait)
+        frames = self._rpc().fetch(request, wait, self._touch.call_timeout)
         try:
-            return await read_fetch(frames, len(mm_hashes), self._pool)
+            header = parse_fetch_header(await anext(frames))
+            self._co.answered(header.instance_id)  # a restart: its new region mapped
+            return await decode_items(header, frames, len(mm_hashes), self._pool)
         finally:
             await frames.aclose()

@@ -44,6 +44,7 @@ _LOGGER = logging.getLogger(__name__)
 
 MAX_PENDING = 4 * MAX_HASHES_PER_CALL
 RING_RETRY_S = 30.0  # after a ring was refused or retired, reports go by call this long
+_GONE_KEPT = 16  # the tokens of dropped regions remembered (one per restart)
 
 
 class Reports:
@@ -72,6 +73,7 @@ class Reports:
         self._hits: Counter[str] = Counter()
         self._cpu_ns = 0
         self._task: asyncio.Task[None] | None = None
+        self._gone: set[bytes] = set()  # tokens of regions dropped
 
     def add(
         self,
@@ -81,9 +83,10 @@ class Reports:
         done: Iterable[int] = (),
         read_bytes: int = 0,
     ) -> None:
+        if token in self._gone:  # a region dropped: what it leased and held ended with it
+            return
         if token != self._token:  # another region (a restarted server): its holds are gone
-            self._done.clear()
-            self._read_bytes = 0
+            self._forget_pending()
             self._token = token
         ring = self._ring_for(token)
         if ring is not None:
@@ -98,6 +101,23 @@ class Reports:
         del self._done[:-MAX_PENDING]
         self._read_bytes += read_bytes
         self._start()
+
+    def forget(self, token: bytes) -> None:
+        """The region of `token` is dropped (its server restarted, or killed):
+        nothing more goes to its ring, nor by call for its leases and holds
+        (the server that took them is gone; another must not end its own)."""
+        if len(self._gone) >= _GONE_KEPT:
+            self._gone.clear()
+        self._gone.add(token)
+        if token == self._ring_token:
+            self._ring, self._ring_token = None, b""
+        if token == self._token:
+            self._forget_pending()
+
+    def _forget_pending(self) -> None:
+        self._released.clear()
+        self._done.clear()
+        self._read_bytes = 0
 
     def add_misses(self, modalities: Iterable[str]) -> None:
         """Queries answered here as misses, one per modality named."""
@@ -119,6 +139,7 @@ class Reports:
         """Ask for a ring in the region of `token` now, before the first report
         (a client that leases with no call needs one first)."""
         self._loop = asyncio.get_running_loop()
+        self._gone.discard(token)  # mapped again (a server that stalled, then answered)
         if token != self._ring_token:  # a new region (a restarted server): ask at once
             self._no_ring_until = 0.0
         self._ring_for(token)

@@ -38,8 +38,8 @@ from mmcache._shm_layout import (
     HEADER_BYTES,
     MAGIC,
     PAGE,
-    STALE_S,
     WORD,
+    beat_fresh,
     bucket_at,
     data_start,
     fingerprint,
@@ -79,9 +79,7 @@ class ClientRegion:
         self._buckets = buckets
         self._data = data_start(buckets)  # the index is at HEADER_BYTES (checked at open)
         self._first_payload = payload_at(self._data)
-        # The heartbeat last seen to move, and when (this process's clock).
-        self._beats = self._word(BEAT_AT)
-        self._beat_seen = time.monotonic()
+        self._closed = False
 
     def _payload(self, slot: pb.ShmSlot) -> memoryview:
         if slot.offset < self._first_payload or slot.offset + slot.length > len(self._view):
@@ -99,21 +97,17 @@ class ClientRegion:
         return self.still(slot.offset - HEAD_BYTES, slot.lease)
 
     def open(self) -> bool:
-        """Whether the server still serves the region (it blanks the magic when it stops)."""
-        return self._map[: len(MAGIC)] == MAGIC
+        """Whether the server still serves the region (it blanks the magic when it
+        stops), and this client has not dropped it."""
+        return not self._closed and self._map[: len(MAGIC)] == MAGIC
 
     def serving(self) -> bool:
-        """`open`, and the server's heartbeat moved within STALE_S: a server
-        killed never blanks the magic (mmcache._shm_layout.BEAT_AT). For work
-        with no call, which would never hear that the server is gone."""
-        if not self.open():
-            return False
-        beats = self._word(BEAT_AT)
-        now = time.monotonic()
-        if beats != self._beats:
-            self._beats, self._beat_seen = beats, now
-            return True
-        return now - self._beat_seen < STALE_S
+        """`open`, and the server's last heartbeat less than STALE_S old now: a
+        server killed never blanks the magic, and its beat's time only ages
+        (mmcache._shm_layout.BEAT_AT), however long this client looked away.
+        Checked before any work with no call, which would never hear that the
+        server is gone."""
+        return self.open() and beat_fresh(self._word(BEAT_AT), time.monotonic_ns())
 
     def _word(self, start: int) -> int:
         word: int = WORD.unpack_from(self._map, start)[0]
@@ -192,6 +186,7 @@ class ClientRegion:
         copy_payload(encoded, payload)
 
     def close(self) -> None:
+        self._closed = True  # not used again, even while views keep it mapped
         # Tensors viewing it (client.view) keep the mapping; the collector unmaps.
         with contextlib.suppress(BufferError):
             self._view.release()
@@ -208,13 +203,16 @@ class ClientRing:
         self._lock = threading.Lock()  # one writer at a time: the loop, or a caller's thread
 
     def live(self) -> bool:
-        """Whether the server still keeps the ring (it retires an idle or broken one)."""
-        return self.region.live(self.slot)
+        """Whether the server still keeps the ring (it retires an idle or broken
+        one), and the client its region."""
+        return self.region.open() and self.region.live(self.slot)
 
     def write(self, report: bytes) -> bool:
         """Append a serialised ReleaseRequest; False when the ring is full, or
         retired (the caller sends a Release instead)."""
         try:
+            if not self.region.open():  # dropped by the client: never written again
+                return False
             ring = self.region.view(self.slot)
         except ValueError:  # retired
             return False

@@ -4,15 +4,20 @@ when it is not (`MMCacheClient(fail_open=True)`): calls give up after
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from mmcache._errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 __all__ = ["OUT_OF_TOUCH", "FailOpen", "Touch"]
 
 _LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # What a call that fails open gives up on: the server did not answer in time.
 OUT_OF_TOUCH = (UnavailableError, DeadlineExceededError)
@@ -53,6 +58,43 @@ class Touch:
     def call_timeout(self) -> float | None:
         """A call's own bound: `timeout` when failing open, else the caller's."""
         return self.timeout if self.fail_open else None
+
+    @property
+    def wait_for_ready(self) -> bool:
+        """Whether a call waits for the channel to connect: never when failing
+        open (a server down answers UNAVAILABLE at once, not at the deadline)."""
+        return not self.fail_open
+
+    @contextlib.asynccontextmanager
+    async def bounded(self, what: str) -> AsyncIterator[None]:
+        """One request's whole bound when failing open: every call it makes (a
+        retry, a second route, a lease given back) ends within `timeout`
+        together; DeadlineExceededError past it. No bound otherwise (each call
+        has the client's `timeout`)."""
+        if not self.fail_open:
+            yield
+            return
+        try:
+            async with asyncio.timeout(self.timeout):
+                yield
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"{what} did not finish within the client's deadline ({self.timeout:g} s)"
+            ) from None
+
+    async def answer(
+        self, what: str, call: Callable[[float | None, bool], Awaitable[T]]
+    ) -> T | None:
+        """One call on a request's path, given its timeout and wait_for_ready:
+        bounded, and None where it failed open."""
+        try:
+            async with self.bounded(what):
+                return await call(self.call_timeout, self.wait_for_ready)
+        except OUT_OF_TOUCH as exc:
+            if not self.fail_open:
+                raise
+            self.fell_open(exc)
+            return None
 
     def back(self) -> None:
         self.in_touch = True

@@ -134,10 +134,14 @@ class CacheTransport:
             )
         return reply
 
-    async def touch(self, mm_hashes: Sequence[str]) -> pb.TouchReply:
+    async def touch(
+        self, mm_hashes: Sequence[str], timeout: float | None = None, wait_for_ready: bool = True
+    ) -> pb.TouchReply:
         with translate_errors():
             reply: pb.TouchReply = await self._touch(
-                pb.TouchRequest(mm_hashes=mm_hashes), timeout=self._timeout, wait_for_ready=True
+                pb.TouchRequest(mm_hashes=mm_hashes),
+                timeout=timeout or self._timeout,
+                wait_for_ready=wait_for_ready,
             )
         return reply
 
@@ -148,30 +152,44 @@ class CacheTransport:
             )
         return reply
 
-    async def locate(self, mm_hashes: Sequence[str], check_l2: bool) -> pb.LocateReply:
+    async def locate(
+        self,
+        mm_hashes: Sequence[str],
+        check_l2: bool,
+        timeout: float | None = None,
+        wait_for_ready: bool = True,
+    ) -> pb.LocateReply:
         with translate_errors():
             reply: pb.LocateReply = await self._locate(
                 pb.LocateRequest(mm_hashes=mm_hashes, check_l2=check_l2),
-                timeout=self._timeout,
-                wait_for_ready=True,
+                timeout=timeout or self._timeout,
+                wait_for_ready=wait_for_ready,
             )
         return reply
 
-    async def release(self, mm_hashes: Sequence[str]) -> pb.ReleaseReply:
-        return await self.report(pb.ReleaseRequest(mm_hashes=mm_hashes))
+    async def release(
+        self, mm_hashes: Sequence[str], timeout: float | None = None, wait_for_ready: bool = True
+    ) -> pb.ReleaseReply:
+        return await self.report(pb.ReleaseRequest(mm_hashes=mm_hashes), timeout, wait_for_ready)
 
-    async def report(self, request: pb.ReleaseRequest) -> pb.ReleaseReply:
+    async def report(
+        self, request: pb.ReleaseRequest, timeout: float | None = None, wait_for_ready: bool = True
+    ) -> pb.ReleaseReply:
         """A Release: leases given back, and a co-located client's report."""
         with translate_errors():
             reply: pb.ReleaseReply = await self._release(
-                request, timeout=self._timeout, wait_for_ready=True
+                request, timeout=timeout or self._timeout, wait_for_ready=wait_for_ready
             )
         return reply
 
-    async def read_shm(self, request: pb.FetchRequest, wait: bool = True) -> bytes:
+    async def read_shm(
+        self, request: pb.FetchRequest, wait: bool = True, timeout: float | None = None
+    ) -> bytes:
         """A serialised FetchHeader whose items are all in the region (or none)."""
         with translate_errors():
-            reply: bytes = await self._read_shm(request, timeout=self._timeout, wait_for_ready=wait)
+            reply: bytes = await self._read_shm(
+                request, timeout=timeout or self._timeout, wait_for_ready=wait
+            )
         return reply
 
     async def shm_allocate(
@@ -318,10 +336,12 @@ class CacheTransport:
         return pb.UpdateReply.FromString(reply_bytes)
 
     async def fetch(
-        self, request: pb.FetchRequest, wait: bool = True
+        self, request: pb.FetchRequest, wait: bool = True, timeout: float | None = None
     ) -> AsyncGenerator[bytes, None]:
         """A serialised FetchHeader, then the chunk frames of a Fetch."""
-        call = self._fetch(request.SerializeToString(), timeout=self._timeout, wait_for_ready=wait)
+        call = self._fetch(
+            request.SerializeToString(), timeout=timeout or self._timeout, wait_for_ready=wait
+        )
         try:
             with translate_errors():
                 frames = aiter(call)

@@ -39,8 +39,6 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
-HELD = (Outcome.HIT, Outcome.REPLACED)
-
 
 def check_hashes(mm_hashes: Sequence[str]) -> None:
     check_count("mm_hashes", len(mm_hashes))
@@ -70,6 +68,7 @@ class Call:
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
+    processed: bool = False  # the caller processed the items: data sent, each a miss
 
 
 def update_call(
@@ -80,6 +79,7 @@ def update_call(
     want_metadata: bool,
     lease: Lease,
     resend: Sequence[bool] | None,
+    processed: bool = False,
 ) -> Call:
     """A get_and_update's call."""
     if metadata is not None and len(metadata) != len(items):
@@ -89,7 +89,9 @@ def update_call(
         )
     blobs = [b"" if m is None else m for m in metadata or [None] * len(items)]
     modalities = [modality] * len(mm_hashes)
-    return Call(items, mm_hashes, modalities, blobs, want_metadata, lease, resend)
+    return Call(
+        items, mm_hashes, modalities, blobs, want_metadata, lease, resend, processed=processed
+    )
 
 
 def lookup_call(
@@ -209,7 +211,8 @@ class Uploads:
         """One get_and_update (or lookup, or inject); with fail-open, the items
         handed back as misses when the server did not answer in time."""
         try:
-            return await self._update(call)
+            async with self._touch.bounded("get_and_update"):
+                return await self._update(call)
         except OUT_OF_TOUCH as exc:
             if not self._touch.fail_open:
                 raise
@@ -241,7 +244,9 @@ class Uploads:
             (e.modality if e is not None and e.modality else m) or ""
             for e, m in zip(encoded, call.modalities, strict=True)
         ]
-        send = self._mirror().plan(mm_hashes, [e is not None for e in encoded])
+        send = self._mirror().plan(
+            mm_hashes, [e is not None for e in encoded], processed=call.processed
+        )
         entries = [
             self._entry(
                 h, label, enc if s else None, blob, want_metadata=call.want_metadata, resend=r and s
@@ -254,7 +259,7 @@ class Uploads:
             entries, self._mirror().take_touches(), mode, wait_ms=wait_ms_of(call.wait_s)
         )
         outcomes = reply.outcomes
-        self._counted(sum(o in HELD for o in outcomes), len(outcomes))
+        self._counted(sum(o == Outcome.HIT for o in outcomes), len(outcomes))  # as the server
         held = await self._resend_drifted(call, encoded, labels, outcomes, mode)
         no_data = [
             mm_hashes[i]
@@ -357,7 +362,9 @@ class Uploads:
         # Best effort: a lease not given back ends by itself.
         if mm_hashes:
             try:
-                await self._rpc.release(mm_hashes)
+                await self._rpc.release(
+                    mm_hashes, self._touch.call_timeout, self._touch.wait_for_ready
+                )
             except MMCacheError as exc:
                 _LOGGER.debug("could not release %d leases: %s", len(mm_hashes), exc)
 
@@ -410,7 +417,7 @@ class Uploads:
                 batch.header,
                 batch.frames,
                 timeout=self._touch.call_timeout,
-                wait_for_ready=not self._touch.fail_open,
+                wait_for_ready=self._touch.wait_for_ready,
             )
             reply = read_reply(raw, len(entries))
             mirror.apply_reply(
@@ -425,6 +432,7 @@ class Uploads:
             )
             if region is not None and reply.instance_id == region.instance_id:
                 given = reply.spares
+            self._co.answered(reply.instance_id)  # a restart: its new region mapped
         finally:
             mirror.call_ended(call)
             if spares:  # the ask settled, whatever became of the batch

@@ -44,6 +44,7 @@ other nodes) Dynamo's own transfer is left in place.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.metadata
 import logging
 import sys
@@ -113,14 +114,17 @@ class _Leased:
         self.keys = keys
 
 
-async def _release(sync: Any, keys: list[str]) -> None:
-    """End a request's leases (best effort: they end by themselves)."""
-    if not keys:
-        return
-    try:
-        await asyncio.wrap_future(sync.submit(sync.client.release(keys)))
-    except Exception as exc:
-        _LOGGER.debug("mmcache: could not release %d leases: %s", len(keys), exc)
+def _release(sync: Any, keys: list[str]) -> None:
+    """End a request's leases in the background: never awaited on the response's
+    path (the release is bounded by the client's deadline, and a lease not
+    given back ends by itself)."""
+    if keys:
+        sync.submit(sync.client.release(keys)).add_done_callback(_released)
+
+
+def _released(done: concurrent.futures.Future[Any]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        _LOGGER.debug("mmcache: could not release leases: %s", done.exception())
 
 
 def _install_frontend() -> None:
@@ -198,7 +202,7 @@ def _sender_class() -> type:
             (whether the worker read them or processed the media instead)."""
             await self._inline.cleanup([i for i in items if not isinstance(i, _Leased)])
             keys = [key for i in items if isinstance(i, _Leased) for key in i.keys]
-            await _release(self._cache._sync, keys)
+            _release(self._cache._sync, keys)
 
     return MMCacheSender
 

@@ -26,7 +26,7 @@ class Outcome(enum.IntEnum):
     HIT = 1  # hash only, and the cache held it
     MISSING = 2  # hash only, and the cache did not hold it
     STORED = 3  # data sent and stored; the hash was not held before
-    REPLACED = 4  # data sent and stored over an entry under the same hash
+    REPLACED = 4  # data sent and stored over an entry under the same hash (counted a miss)
     UNCACHED = 5  # data sent but not storable: larger than the room beside the batch
 
 
@@ -239,8 +239,9 @@ class ByteLRU(Generic[V]):
 
         Every key of the batch is touched first, then the entries run in
         order. An entry with data is stored; if its key is held, the server
-        replaces it (`replace_present=True`: sent data wins) while the
-        mirror calls it a hit (it would not have sent the data). An insert
+        replaces it (`replace_present=True`: sent data wins; REPLACED, a
+        miss in the counts: its caller processed the item) while the mirror
+        calls it a hit (it would not have sent the data). An insert
         evicts only entries the batch does not refer to: an item that would
         need more room than that (bytes, or an entry slot under `max_items`)
         is UNCACHED, and an entry it was meant to replace is dropped rather

@@ -41,6 +41,7 @@ __all__ = [
     "PROBES",
     "STALE_S",
     "WORD",
+    "beat_fresh",
     "bucket_at",
     "data_start",
     "extent_span",
@@ -50,18 +51,21 @@ __all__ = [
     "probes",
 ]
 
-MAGIC = b"MMCSHM03"
+MAGIC = b"MMCSHM04"  # 04: the heartbeat word is a time, not a count
 PAGE = 4096
 HEADER_BYTES = PAGE
 # magic, region id (16 bytes), token (32 bytes), size, index offset, buckets
 HEADER = struct.Struct("<8s16s32sQQQ")
-# In the header page, past HEADER: a count the server advances every
-# BEAT_S while it serves. A client that sees it stand still for STALE_S
-# takes its server for gone (killed: it never blanked the magic) and stops
-# leasing and reading there with no call.
+# In the header page, past HEADER: the time (CLOCK_MONOTONIC, in ns: one
+# clock for every process of a host) of the server's last heartbeat, written
+# every BEAT_S while it serves. A client that finds it older than STALE_S
+# takes its server for gone (killed: it never blanked the magic; stopped) and
+# neither leases nor reads there with no call. A time, not a count: a count
+# that stopped looks like one that moved to a client that looked away.
 BEAT_AT = 128
 BEAT_S = 0.2
 STALE_S = 2.0
+_STALE_NS = int(STALE_S * 1e9)
 BUCKET = struct.Struct("<QQQQ")  # fingerprint, extent start, generation, spare
 # An extent's head: generation, payload bytes, key, spec and metadata bytes;
 # then padding, so payloads start cache-aligned.
@@ -72,6 +76,14 @@ PROBES = 8
 # One bucket per 32 KiB of region, twice over (items resident in the region
 # are mostly 1 MiB and up): a 256 MiB region has a 256 KiB index.
 _BYTES_PER_BUCKET = 16 << 10
+
+
+def beat_fresh(beat_ns: int, now_ns: int) -> bool:
+    """Whether a heartbeat written at `beat_ns` is recent at `now_ns` (both
+    time.monotonic_ns()). A beat ahead of the reader's clock by STALE_S or
+    more (a process in another time namespace) is not trusted either: such a
+    client stays on gRPC."""
+    return -_STALE_NS < now_ns - beat_ns < _STALE_NS
 
 
 def index_buckets(size: int) -> int:

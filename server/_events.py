@@ -214,7 +214,7 @@ class ItemEvents:
         client, _, start = frames
         try:  # a client that stops reading holds up the next replay this long at most
             await asyncio.wait_for(self._replay_to(replay, client, start), REPLAY_S)
-        except asyncio.TimeoutError:  # no end marker: the client knows it is incomplete
+        except TimeoutError:  # no end marker: the client knows it is incomplete
             _LOGGER.warning("item-event replay abandoned: not taken within %.0fs", REPLAY_S)
 
     async def _replay_to(self, replay: zmq.asyncio.Socket, client: bytes, start: bytes) -> None:

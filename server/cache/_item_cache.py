@@ -343,10 +343,13 @@ class ItemCache:
         return "" if item is None else item.modality
 
     def count(self, modality: str, outcome: Outcome, resend: bool) -> None:
+        """One entry's query. A hit is a hash sent alone and held: data sent
+        (STORED, REPLACED) was processed by its caller, a miss as vLLM counts
+        it, whatever another client uploaded meanwhile."""
         if resend:
             self.metrics.resends.labels(modality or "unknown").inc()
         else:
-            self.metrics.queried(modality, hit=outcome in (Outcome.HIT, Outcome.REPLACED))
+            self.metrics.queried(modality, hit=outcome == Outcome.HIT)
         if outcome == Outcome.UNCACHED:
             self.metrics.uncached.labels(modality or "unknown").inc()
 
@@ -367,15 +370,16 @@ class ItemCache:
         return self._rings_of(region).open(namespace)
 
     def drain_reports(self) -> int:
-        """Apply what co-located clients wrote in their report rings; how many reports."""
+        """Apply what co-located clients wrote in their report rings; how many
+        reports. The region's heartbeat too: a server that serves a call is alive."""
         region = self._region()
-        return 0 if region is None or self._rings is None else self._rings_of(region).drain()
+        if region is None:
+            return 0
+        region.beat()
+        return 0 if self._rings is None else self._rings_of(region).drain()
 
     def beat(self) -> None:
         """The region's heartbeat, and its rings read (the server's timer, every BEAT_S)."""
-        region = self._region()
-        if region is not None:
-            region.beat()
         self.drain_reports()
 
     def _report(

@@ -41,7 +41,7 @@ class L2Calls:
             raise L2Error("no time left for L2")
         try:
             return await asyncio.wait_for(self._gated(op, call), left)
-        except (L2Error, TimeoutError, asyncio.TimeoutError) as exc:
+        except (L2Error, TimeoutError) as exc:
             self._metrics.errors.labels(op).inc()
             raise L2Error(f"L2 {op}: {exc or 'timed out'}") from None
 

@@ -53,6 +53,7 @@ import logging
 import mmap
 import os
 import secrets
+import stat
 import time
 from bisect import insort
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -167,9 +168,10 @@ class Region:
         HEADER.pack_into(
             self._map, 0, MAGIC, self.id, self.token, size, HEADER_BYTES, self._buckets
         )
+        self._closed = False
+        self.beat()  # alive from the first look (Info announces it next)
         self._lease_s = lease_s
         self.clock = clock
-        self._closed = False
         self._data = data_start(self._buckets)
         # Free extents (start, length), by start; neighbours merge on free.
         self._free: list[tuple[int, int]] = [(self._data, size - self._data)]
@@ -372,10 +374,11 @@ class Region:
         return slot is not None and slot.expires != float("inf") and self.free(lease)
 
     def beat(self) -> None:
-        """Tell co-located clients this server still serves (mmcache._shm_layout.BEAT_AT)."""
+        """Tell co-located clients this server serves now: the time, on the
+        host's monotonic clock (mmcache._shm_layout.BEAT_AT; not `clock`,
+        which tests may replace, as clients read the real one)."""
         if not self._closed:
-            beats = WORD.unpack_from(self._map, BEAT_AT)[0]
-            WORD.pack_into(self._map, BEAT_AT, (beats + 1) & ((1 << 64) - 1))
+            WORD.pack_into(self._map, BEAT_AT, time.monotonic_ns())
 
     def matches(self, token: bytes) -> bool:
         """Whether a client's token is this region's (compared in constant time)."""
@@ -575,6 +578,21 @@ def _stale(directory: str) -> Iterator[str]:
     return unlocked(glob.glob(os.path.join(directory, f"{_PREFIX}*{_SUFFIX}")))
 
 
+def _bury(path: str) -> None:
+    """Remove a dead server's region, its magic blanked first: clients that
+    still map it (the file outlives no mapping) see it closed at once, as a
+    server that stopped cleanly leaves it, before its heartbeat is stale."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # OSError: alive after all
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_size >= HEADER_BYTES:
+            os.pwrite(fd, bytes(len(MAGIC)), 0)
+        os.unlink(path)
+    finally:
+        os.close(fd)
+
+
 def open_region(directory: str, size: int, *, lease_s: float, group: int | None = None) -> Region:
     """Create this server's region in `directory`; OSError when it cannot.
 
@@ -583,7 +601,7 @@ def open_region(directory: str, size: int, *, lease_s: float, group: int | None 
     """
     for path in _stale(directory):
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            _bury(path)
             _LOGGER.info("removed %s, the region of a server that is gone", path)
     name = f"{os.getpid()}-{secrets.token_hex(8)}"
     path = os.path.join(directory, f"{_PREFIX}{name}{_SUFFIX}")

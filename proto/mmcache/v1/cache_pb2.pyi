@@ -41,7 +41,7 @@ class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Outcome.Value
     OUTCOME_STORED: _Outcome.ValueType  # 3
     """data stored; the hash was not held before"""
     OUTCOME_REPLACED: _Outcome.ValueType  # 4
-    """data stored over an entry under the same hash (a hit)"""
+    """data stored over an entry under the same hash (counted a miss: its caller processed it)"""
     OUTCOME_UNCACHED: _Outcome.ValueType  # 5
     """not stored: larger than the room the batch leaves"""
 
@@ -59,7 +59,7 @@ OUTCOME_MISSING: Outcome.ValueType  # 2
 OUTCOME_STORED: Outcome.ValueType  # 3
 """data stored; the hash was not held before"""
 OUTCOME_REPLACED: Outcome.ValueType  # 4
-"""data stored over an entry under the same hash (a hit)"""
+"""data stored over an entry under the same hash (counted a miss: its caller processed it)"""
 OUTCOME_UNCACHED: Outcome.ValueType  # 5
 """not stored: larger than the room the batch leaves"""
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
