@@ -72,19 +72,24 @@ class _Key:
 
 class KeyBook:
     """Per key, this sidecar's side of the protocol. At most `most` keys are
-    kept (least recently touched out first; a HELD one so dropped is
-    unclaimed, as `evicted` says)."""
+    kept (least recently touched out first; a HELD one so dropped is no
+    longer tracked, so its claim ends: `on_dropped`)."""
 
     def __init__(
-        self, admission: Admission, window_s: float, most: int, clock: Callable[[], float]
+        self,
+        admission: Admission,
+        window_s: float,
+        most: int,
+        clock: Callable[[], float],
+        on_dropped: Callable[[str], None],
     ) -> None:
         self._admission = admission
         self._window_s = window_s
         self._most = most
         self._clock = clock
+        self._on_dropped = on_dropped
         self._keys: OrderedDict[str, _Key] = OrderedDict()
         self._claims = 0  # keys whose claim is not NONE
-        self.evicted: list[str] = []  # HELD keys dropped for room: to unclaim
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -119,7 +124,7 @@ class KeyBook:
     def stored(self, key: str, *, replaced: bool) -> Job:
         """A client's data for `key` was stored in L1 (`replaced`: over data held)."""
         state = self._touch(key)
-        due, state.write_by = state.write_by >= self._clock(), 0.0
+        due, state.write_by = 0.0 < state.write_by >= self._clock(), 0.0
         job = Job.URGENT if due else self._admission.on_store(replaced=replaced, known=state.known)
         if job == Job.HOLD:
             self._set(key, state, Claim.HELD)
@@ -190,7 +195,7 @@ class KeyBook:
                 if old.claim != Claim.NONE:
                     self._claims -= 1
                 if old.claim == Claim.HELD:
-                    self.evicted.append(old_key)
+                    self._on_dropped(old_key)
         else:
             self._keys.move_to_end(key)
         return state
