@@ -53,7 +53,7 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     settings = Settings.from_env()
     model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
     scope = scope_of(vllm_config, settings.namespace)
-    _said_active("multimodal processor cache", settings, scope)
+    _said_active("the multimodal processor cache is the sidecar", settings, scope)
     return MMCacheProcessorCache(process_client(settings), scope, model)
 
 
@@ -65,7 +65,7 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
 
     settings = Settings.from_env()
     scope = scope_of(vllm_config, settings.namespace)
-    _said_active("engine's multimodal reads", settings, scope)
+    _said_active("the engine reads its multimodal items from the sidecar", settings, scope)
     return MMCacheReceiverCache(process_client(settings), scope)
 
 
@@ -75,5 +75,5 @@ def _said_active(what: str, settings: Settings, scope: str) -> None:
     from vllm.logger import init_logger
 
     init_logger("vllm.mmcache").info(
-        "mmcache: the %s is the sidecar at %s, key scope %s", what, settings.target, scope
+        "mmcache: %s at %s, key scope %s", what, settings.target, scope
     )

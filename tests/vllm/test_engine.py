@@ -177,9 +177,9 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         # Each process said at start, once, that mmcache is its cache, where and
         # under which key scope: the two API servers and the engine.
         said = vllm_serve.log.read_text(errors="replace")
-        target = f"is the sidecar at {sidecar.target}, key scope "
-        assert said.count(f"mmcache: the multimodal processor cache {target}") == 2
-        assert said.count(f"mmcache: the engine's multimodal reads {target}") == 1
+        target = f"the sidecar at {sidecar.target}, key scope "
+        assert said.count(f"mmcache: the multimodal processor cache is {target}") == 2
+        assert said.count(f"mmcache: the engine reads its multimodal items from {target}") == 1
 
 
 def test_data_parallel_engines_read_through_what_either_engine_was_sent(
