@@ -90,7 +90,12 @@ def client_for(settings: Settings | None = None) -> SyncClient:
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: inert unless MMCACHE_TARGET is set."""
+    """The `vllm.general_plugins` entry point: the EC connector's name
+    registered with vLLM (it has settings of its own); the rest inert unless
+    MMCACHE_TARGET is set."""
+    from ._ec_name import register_ec_connector
+
+    register_ec_connector()
     settings = Settings.from_env()
     if not settings.target:
         return
