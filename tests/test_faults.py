@@ -16,7 +16,6 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from mmcache._errors import DeadlineExceededError, UnavailableError
@@ -151,20 +150,3 @@ async def test_an_unreachable_sidecar_costs_at_most_the_deadline() -> None:
     async with frontend(free_port()) as client:  # nothing listens there
         assert time.monotonic() - began < DEADLINE_S + MARGIN_S
         check_failed_open(await all_bounded(client))
-
-
-def test_dynamos_cleanup_does_not_wait_for_the_release(tmp_path: Path) -> None:
-    pytest.importorskip("pydantic")
-    from mmcache.client import dynamo
-    from mmcache.client.vllm._sync import SyncClient
-
-    with sidecar(tmp_path) as (proc, port):
-        sync = SyncClient(f"127.0.0.1:{port}", deadline_s=DEADLINE_S)
-        try:
-            os.kill(proc.pid, signal.SIGSTOP)
-            began = time.monotonic()
-            dynamo._release(sync, ["held"])  # on the response's path
-            assert time.monotonic() - began < 0.05
-        finally:
-            os.kill(proc.pid, signal.SIGCONT)
-            sync.close()
