@@ -356,9 +356,15 @@ def _l2_tier(
     if config is None:
         L2Metrics(registry)
         return None
+    from .cache._l2 import L2Backend
+    from .cache._l2_memory import is_memory_url, shared_memory_l2
     from .cache._l2_redis import RedisClusterL2
 
-    backend = RedisClusterL2(config.url, prefix=config.prefix, timeout_s=config.timeout_s)
+    backend: L2Backend
+    if is_memory_url(config.url):
+        backend = shared_memory_l2(config.url)
+    else:
+        backend = RedisClusterL2(config.url, prefix=config.prefix, timeout_s=config.timeout_s)
     # The tier's settings that are flags (L2Config's fields of the same names).
     flags = {f.name for f in fields(config)} & {f.name for f in fields(L2Settings)}
     settings = L2Settings(**{name: getattr(config, name) for name in flags})

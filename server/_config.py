@@ -103,7 +103,9 @@ class ShmConfig:
 class L2Config:
     """The L2 tier the fleet's sidecars share: a Redis Cluster (docs/l2.md)."""
 
-    url: str  # redis://[user:password@]host:port[,host:port...] (rediss:// for TLS)
+    # redis://[user:password@]host:port[,host:port...] (rediss:// for TLS); or
+    # memory://NAME, shared by the sidecars of one process (tests, trying it out)
+    url: str
     # The tier's own defaults (server/cache/_tier.py's L2Settings), written there once.
     prefix: str = DEFAULT_PREFIX  # of every key: fleets sharing one cluster each take their own
     admit: str = L2Settings.admit  # "second": on a second sighting; "first": every new item
@@ -114,10 +116,14 @@ class L2Config:
     queue_items: int = L2Settings.queue_items  # items waiting to be written, at most
 
     def __post_init__(self) -> None:
+        from .cache._l2_memory import is_memory_url, shared_memory_l2
         from .cache._l2_redis import parse_l2_url  # redis-py, loaded only for an L2
 
         try:
-            parse_l2_url(self.url)
+            if is_memory_url(self.url):
+                shared_memory_l2(self.url)
+            else:
+                parse_l2_url(self.url)
         except ValueError as exc:
             raise ConfigError(f"--l2 {_without_password(self.url)!r}: {exc}") from None
         if self.admit not in ("first", "second"):

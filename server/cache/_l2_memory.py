@@ -5,7 +5,10 @@ process: the data plane's tests without Redis, and a development setup
 where several `ItemCache`s stand for a fleet.
 
 Nothing is shared between processes. `fail` makes every operation raise
-L2Error until `heal`, as an unreachable store would.
+L2Error until `heal`, as an unreachable store would. `--l2 memory://NAME`
+gives every sidecar of one process that names NAME the same one
+(`shared_memory_l2`): the protocol's fleet tests run on it, and a fleet can
+be tried without Redis, in one process.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from dataclasses import dataclass
 
 from ._l2 import L2Error, L2Record, Poll, Sighting, Want
 
-__all__ = ["MemoryL2"]
+__all__ = ["MemoryL2", "is_memory_url", "shared_memory_l2"]
+
+MEMORY_SCHEME = "memory://"
 
 _WANTS_KEPT = 4096  # as the Redis backend trims a want list
 
@@ -201,3 +206,21 @@ class MemoryL2:
         found = self._records.pop(key, None)
         if found is not None:
             self._bytes -= found[0].nbytes
+
+
+_SHARED: dict[str, MemoryL2] = {}
+
+
+def is_memory_url(url: str) -> bool:
+    return url.startswith(MEMORY_SCHEME)
+
+
+def shared_memory_l2(url: str) -> MemoryL2:
+    """The process's in-memory L2 named by `url` (memory://NAME), made on first use."""
+    name = url.removeprefix(MEMORY_SCHEME)
+    if not name or "/" in name:
+        raise ValueError("memory:// takes a name, e.g. memory://fleet (sidecars in one process)")
+    found = _SHARED.get(name)
+    if found is None:
+        found = _SHARED[name] = MemoryL2()
+    return found
