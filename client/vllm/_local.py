@@ -1,0 +1,45 @@
+"""Each API process's own cache, kept as vLLM alone would keep it.
+
+vLLM alone keeps the items it processed in an LRU of `--mm-processor-cache-gb`
+bytes: in the engine (P1, its metadata mirrored in the API process) with one
+API server, in each API process (`MultiModalProcessorOnlyCache`) with more.
+Either way the same keys, sizes and order, so one API process's hits are
+those of a `MultiModalProcessorOnlyCache` fed that process's calls.
+
+The plugin replaces those caches, so it keeps that very class of vLLM's
+(`LocalCache`, same capacity) and makes on it every call vLLM alone would:
+`touch_sender_cache_item` and `get_and_update_item` for every item of every
+request, in vLLM's order, with the item's data (processed here, or read from
+the sidecar when the sidecar answered it: `MMCacheProcessorCache._fill`).
+Its keys are then, at every moment, those vLLM alone's would be, and every
+hit of vLLM alone is in it, whatever the sidecar did: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import cachetools
+from vllm.multimodal.cache import MultiModalProcessorOnlyCache
+
+__all__ = ["LocalCache"]
+
+
+class LocalCache(MultiModalProcessorOnlyCache):  # type: ignore[misc]
+    """vLLM's processor-only cache of `capacity_gb`, with a read that leaves its
+    order alone (`is_cached` must not reorder; the item is kept for the
+    request in case another request evicts it before vLLM takes it)."""
+
+    def __init__(self, capacity_gb: float) -> None:
+        # vLLM's class reads its capacity from a model config: the one field it reads.
+        multimodal = SimpleNamespace(mm_processor_cache_gb=capacity_gb)
+        super().__init__(SimpleNamespace(get_multimodal_config=lambda: multimodal))
+
+    def peek(self, mm_hash: str) -> tuple[Any, Any] | None:
+        """(item, prompt updates) if held, the LRU order unchanged."""
+        if mm_hash not in self._cache:
+            return None
+        # cachetools' base read: LRUCache's own __getitem__ would reorder.
+        entry = cachetools.Cache.__getitem__(self._cache, mm_hash)
+        return entry.item, entry.prompt_updates
