@@ -31,7 +31,7 @@ from bench.photos import jpeg
 from .conftest import Sidecar, free_port
 from .images import chat_messages
 from .serve import metrics, post_chat, serve_command, sidecar_metrics, wait_healthy
-from .tiny_model import build
+from .tiny_model import REAL_PIXELS, build
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -45,9 +45,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
 
 
-def offline(model: Path, kind: str = "image", **env: str) -> dict[str, object]:
+def offline(
+    model: Path, kind: str = "image", script: str = "tests.vllm.offline", **env: str
+) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.offline", str(model), kind],
+        [sys.executable, "-m", script, str(model), kind],
         cwd=ROOT,
         env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
         capture_output=True,
@@ -78,6 +80,29 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     # Leased and read in the sidecar's shared memory, with no call: the
     # plugin's clients report what that cost them (client/_resident.py).
     assert served["mmcache_shm_client_cpu_seconds_total"] > 0
+
+
+def test_a_small_image_first_then_large_repeats_hit_at_least_as_vllm_alone(
+    tmp_path_factory: pytest.TempPathFactory, sidecar: Sidecar
+) -> None:
+    """Issue 42's trace: a 64x64 probe, then 448x448 photos that come back
+    (Qwen2-VL's real pixel limits: 256 tokens each). The old admission fitted
+    its cost model on the small upload and refused the large ones; now every
+    repeat vLLM alone hits is a hit, and the answers are the same."""
+    real = build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl-real", REAL_PIXELS)
+    script = "tests.vllm.offline_trace"
+    alone = offline(real, script=script)
+    cached = offline(real, script=script, MMCACHE_TARGET=sidecar.target)
+    assert cached["tokens"] == alone["tokens"]
+    hits, alone_hits = (
+        r["metrics"]["vllm:mm_cache_hits"]  # type: ignore[index]
+        for r in (cached, alone)
+    )
+    assert alone_hits == 4  # the repeats of the three photos
+    assert hits >= alone_hits
+    assert cached["metrics"]["vllm:mm_cache_queries"] == 8  # type: ignore[index]
+    served = sidecar_metrics(sidecar.metrics_port)
+    assert served["mmcache_items"] == 4  # the probe and the three photos, all shared
 
 
 @dataclass
