@@ -254,19 +254,20 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 ask = self._lease_resident(request, mm_hashes, keys, ask)
             except MMCacheError as exc:  # a hash no server takes: the lookup says so
                 _LOGGER.debug("mmcache lease with no call failed: %s", exc)
-        # This process's own hits need no call (the resident ones went
-        # through the sidecar above: the engine reads those with no copy sent).
-        self._own_hits(request, mm_hashes, known)
-        ask = [i for i in ask if mm_hashes[i] not in request.local]
         if ask:
             self._look_up(request, mm_hashes, keys, ask)
+        # What the sidecar did not confirm (slow, full, down, never sent it)
+        # and this process's own cache holds is a hit all the same.
+        self._own_hits(request, mm_hashes, known)
         self._fill(request, mm_hashes, keys)
         request.asked = _stamp()
         return [h in request.confirmed or h in request.local for h in mm_hashes]
 
     def _own_hits(self, request: _Request, mm_hashes: list[str], known: list[bool]) -> None:
         """This process's cache's hits the sidecar did not confirm: kept for the
-        request; those the sidecar lacks are offered to it again."""
+        request (their data goes inline); those the sidecar lacks are offered
+        to it again. The sidecar's hits go first: the engine reads those with
+        no data sent, as vLLM alone's one-API-server hits send none."""
         for mm_hash, held in zip(mm_hashes, known, strict=True):
             if mm_hash in request.confirmed or mm_hash in request.local:
                 continue
@@ -310,7 +311,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         updates usable here are confirmed; a failure leaves them misses."""
         client = self._sync.client
         try:
-            wait_s = self._processing.wait_for(len(ask))
+            # Waiting for an upload in flight elsewhere saves a processing
+            # only for an item this process's own cache lacks.
+            own = self._own
+            wait_s = self._processing.wait_for(
+                sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
+            )
             found = self._sync.call(
                 client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
             )
