@@ -45,11 +45,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl")
 
 
-def offline(
-    model: Path, kind: str = "image", script: str = "tests.vllm.offline", **env: str
-) -> dict[str, object]:
+def offline(model: Path, kind: str = "image", **env: str) -> dict[str, object]:
     done = subprocess.run(
-        [sys.executable, "-m", script, str(model), kind],
+        [sys.executable, "-m", "tests.vllm.offline", str(model), kind],
         cwd=ROOT,
         env={**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env},
         capture_output=True,
@@ -90,9 +88,8 @@ def test_a_small_image_first_then_large_repeats_hit_at_least_as_vllm_alone(
     its cost model on the small upload and refused the large ones; now every
     repeat vLLM alone hits is a hit, and the answers are the same."""
     real = build(tmp_path_factory.mktemp("model") / "tiny-qwen2-vl-real", REAL_PIXELS)
-    script = "tests.vllm.offline_trace"
-    alone = offline(real, script=script)
-    cached = offline(real, script=script, MMCACHE_TARGET=sidecar.target)
+    alone = offline(real, "trace")
+    cached = offline(real, "trace", MMCACHE_TARGET=sidecar.target)
     assert cached["tokens"] == alone["tokens"]
     hits, alone_hits = (
         r["metrics"]["vllm:mm_cache_hits"]  # type: ignore[index]
