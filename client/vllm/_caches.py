@@ -274,7 +274,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             entry = self._own.peek(mm_hash)
             if entry is not None:
                 request.local[mm_hash] = entry
-                if not held and self._undescribed is None:
+                # Not in the sidecar, by its mirror or by its answer just now.
+                if (not held or mm_hash in request.looked_up) and self._undescribed is None:
                     request.unshared.add(mm_hash)
 
     def _fill(self, request: _Request, mm_hashes: list[str], keys: list[str]) -> None:

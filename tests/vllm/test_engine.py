@@ -148,6 +148,16 @@ def _start(
     )
 
 
+def copies(served: dict[str, float], images: int) -> float:
+    """Items the sidecar sent beyond the engine's reads of the hits, of
+    `images` equal-sized images uploaded once each: the API processes' copies
+    into their own caches. Every hit read once: the rest is whole items."""
+    received = served["mmcache_received_bytes_total"]
+    assert received > 0
+    extra = served["mmcache_sent_bytes_total"] - served["mmcache_hits_total"] * received / images
+    return extra / (received / images)
+
+
 def chat(port: int, color: str) -> int:
     body = {"model": "", "max_tokens": 8, "temperature": 0, "messages": chat_messages(color)}
     return post_chat(port, body, timeout=60)[0]
@@ -176,8 +186,10 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
         assert served["mmcache_feed_subscribers"] == 3  # two API processes and the engine
-        # Red and blue were uploaded once each; the engine read both hits.
-        assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
+        # Red and blue were uploaded once each; the engine read both hits; an
+        # API process that hit an image it never processed copied it once into
+        # its own cache (docs/vllm.md, "Never fewer hits"): at most one copy each.
+        assert copies(served, images=2) in (0, 1, 2)
         assert served["mmcache_leases"] == 0
         # A JPEG whose bytes break after a valid header is opened, not decoded
         # (client/vllm/_media.py), so the processor finds it: still 400.
@@ -217,6 +229,7 @@ def test_data_parallel_engines_read_through_what_either_engine_was_sent(
         assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (6, 3)
         served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (6, 3)
-        # Three images uploaded once each; the engines read the three hits.
-        assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
+        # Three images uploaded once each; the engines read the three hits;
+        # at most one copy of each into the API process that had not processed it.
+        assert copies(served, images=3) in (0, 1, 2, 3)
         assert served["mmcache_leases"] == 0
