@@ -55,7 +55,14 @@ class LocalCache(MultiModalProcessorOnlyCache):  # type: ignore[misc]
 
     def get_and_update_item(self, mm_item: Any, mm_hash: str) -> Any:
         with self._lock:
-            return super().get_and_update_item(mm_item, mm_hash)
+            try:
+                return super().get_and_update_item(mm_item, mm_hash)
+            except ValueError:
+                # vLLM 0.31's LRU raises for an item over the whole cache
+                # (later releases skip it): served uncached, as they serve it.
+                if mm_item is None:
+                    raise
+                return mm_item
 
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         with self._lock:
