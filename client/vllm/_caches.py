@@ -508,18 +508,22 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         _LOGGER.debug("mmcache uploads backed up or closed: items not shared")
 
     def _upload_done(self, future: Any, started: float, items: int) -> None:
-        failed = items if future.cancelled() or future.exception() is not None else 0
-        self._uploads.ended(failed=failed)
-        if failed:
-            self._metrics.not_uploaded.inc(failed)
+        """Counts what the upload left held (a sidecar that did not answer
+        fails open: nothing held, no error) and what it did not."""
+        if future.cancelled() or future.exception() is not None:
+            stored = 0
             if not future.cancelled():
                 _LOGGER.debug("mmcache upload failed: %s", future.exception())
-            return
-        # CPU, not wall time: in a busy API process the upload's thread
-        # waits for the GIL, which costs the process nothing.
-        cpu_seconds = max(0.0, self._sync.loop_cpu() - started)
-        self._metrics.uploaded.inc(items)
-        self._metrics.upload_cpu.inc(cpu_seconds)
+        else:
+            stored = sum(future.result().held)
+        self._uploads.ended(failed=items - stored)
+        self._metrics.not_uploaded.inc(items - stored)
+        if stored:
+            # CPU, not wall time: in a busy API process the upload's thread
+            # waits for the GIL, which costs the process nothing.
+            cpu_seconds = max(0.0, self._sync.loop_cpu() - started)
+            self._metrics.uploaded.inc(stored)
+            self._metrics.upload_cpu.inc(cpu_seconds)
 
     @override
     def invalidate(self, mm_hash: str) -> None:

@@ -361,6 +361,34 @@ def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], Sy
     assert p0.make_stats().hits == 2
 
 
+def test_an_image_not_shared_while_the_sidecar_was_down_is_shared_when_it_comes_back(
+    sidecar: Sidecar, clients: Callable[[], SyncClient]
+) -> None:
+    """A refused or failed upload is no verdict: the item stays in its
+    process's cache, and when it comes back (a hit there) it is offered again.
+    The count of items not shared is exact."""
+
+    def not_uploaded() -> float:
+        return REGISTRY.get_sample_value("mmcache_vllm_not_uploaded_items_total") or 0.0
+
+    p0 = MMCacheProcessorCache(clients(), SCOPE)
+    before = not_uploaded()
+    sidecar.stop()
+    request(p0, [("red", item(1))])  # processed; its upload fails
+    eventually(lambda: p0._uploads.in_flight == 0)
+    assert not_uploaded() == before + 1
+    sidecar.start()
+    client = p0._sync.client
+    eventually(lambda: client.following, timeout=10)
+    (out,) = request(p0, [("red", item(1))])
+    assert out[0] == item(1)  # its own cache's hit, its data inline
+    eventually(lambda: client.is_cached([p0.key("red")]) == [True])  # and now shared
+    other = MMCacheProcessorCache(clients(), SCOPE)
+    (shared,) = request(other, [("red", item(9))])
+    assert shared[0] is None  # a hit in a process that never processed it
+    assert not_uploaded() == before + 1
+
+
 def options(env: dict[str, str]) -> dict[str, Any]:
     """MMCacheClient's arguments, as the plugin reads them from `env`."""
     return Settings.from_env(env).client_options()
