@@ -198,8 +198,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # The mirror alone, with no call and no request begun: vLLM 0.33 asks
         # this on its output loop, of the hashes the engine found missing,
         # before it invalidates them (the processor asks is_cached).
-        if self._own.is_cached_item(mm_hash):
-            return True
+        # It asks to invalidate a hit the engine did not find in the sidecar:
+        # this process's own cache is not the engine's, and keeps its copy.
         return bool(self._sync.client.is_cached([self.key(mm_hash)], pending=True)[0])
 
     @override
