@@ -47,7 +47,7 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
 An item larger than the whole server is never uploaded (vLLM's
 `cache_if_fits`, said once); `close` (0.33, at shutdown) lets the uploads in
 flight end. Per-request state is thread-local: vLLM runs requests on a thread pool.
-Counters are vLLM's: one query per item, a hit per item sent without data.
+Counters are vLLM's: one query per item, a hit per item vLLM did not process.
 
 P1's cache, which reads what P0 shared: _receiver.py.
 """
