@@ -65,6 +65,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench.soak
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
+	.venv-vllm/bin/python -m bench.vllm_family --short
 	.venv-vllm/bin/python -m bench.models
 	scripts/dynamo-env.sh
 	.venv-dynamo/bin/python -m bench.dynamo

@@ -228,10 +228,13 @@ class Deployment:
         return metrics(f"http://127.0.0.1:{self.sidecar.metrics_port}/metrics")
 
     def chat(self, images: list[int], size: Size | None = None) -> float:
-        width, height = size or self.size
+        return self.chat_images([(seed, size or self.size) for seed in images])
+
+    def chat_images(self, images: list[tuple[int, Size]]) -> float:
+        """One request of the images (seed, size); its wall seconds."""
         content: list[dict[str, object]] = [
             {"type": "image_url", "image_url": {"url": _url(width, height, seed)}}
-            for seed in images
+            for seed, (width, height) in images
         ]
         content.append({"type": "text", "text": "What is in these images?"})
         body = {"model": "", "max_tokens": 4, "temperature": 0, "messages": [
@@ -258,15 +261,22 @@ def _url(width: int, height: int, seed: int) -> str:
 
 
 @contextmanager
-def deployment(model: Path, api_servers: int, with_mmcache: bool) -> Iterator[Deployment]:
+def deployment(
+    model: Path, api_servers: int, with_mmcache: bool, data_parallel: int = 1
+) -> Iterator[Deployment]:
+    """`vllm serve` (with `api_servers`, or vLLM's default with 0; with
+    `data_parallel` engines), alone or with the plugin and a fresh sidecar."""
     sidecar = None
     if with_mmcache:
         sidecar = Sidecar(capacity_gb=2, env={"MMCACHE_SHM_MB": "1024"})
         sidecar.start()
     port = free_port()
     env = {} if sidecar is None else {"MMCACHE_TARGET": sidecar.target}
+    options = [*ENGINE_OPTIONS, "--data-parallel-size", str(data_parallel)]
+    if api_servers:
+        options += ["--api-server-count", str(api_servers)]
     proc = subprocess.Popen(
-        serve_command(str(model), port, *ENGINE_OPTIONS, "--api-server-count", str(api_servers)),
+        serve_command(str(model), port, *options),
         cwd=ROOT,
         env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **env},
         stdout=subprocess.DEVNULL,
@@ -277,7 +287,7 @@ def deployment(model: Path, api_servers: int, with_mmcache: bool) -> Iterator[De
         served = Deployment(port, proc, sidecar)
         # Warm every API server's paths (the first request of a process pays
         # its imports), with images no trace sends.
-        for n in range(2 * api_servers):
+        for n in range(2 * max(api_servers, data_parallel)):
             served.chat([900_000_000 + n], (448, 448))
         yield served
     finally:

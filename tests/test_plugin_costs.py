@@ -1,10 +1,14 @@
-"""The vLLM plugin's P0 estimates (client/vllm/_costs.py), which need no
-vLLM: how long a lookup waits for an upload in flight elsewhere, and which
-uploads are worth their cost. Their use in a real P0: tests/vllm/test_caches.py."""
+"""The vLLM plugin's P0 measures and sharing rule (client/vllm/_costs.py),
+which need no vLLM: how long a lookup waits for an upload in flight
+elsewhere, and which items are uploaded (every one that can go). Their use
+in a real P0: tests/vllm/test_caches.py and tests/vllm/test_no_regression.py."""
 
 from __future__ import annotations
 
-from mmcache.client.vllm._costs import MOST_WAIT_S, Admission, ProcessingTime, UploadCost
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmcache.client.vllm._costs import MOST_WAIT_S, ProcessingTime, Uploads
 
 
 def test_a_lookup_waits_about_the_processing_it_would_save() -> None:
@@ -19,46 +23,60 @@ def test_a_lookup_waits_about_the_processing_it_would_save() -> None:
     assert abs(timing.wait_for(1) - 0.03) < 0.002
 
 
-def test_uploads_go_while_images_repeat_and_one_in_ten_when_they_do_not() -> None:
-    admission = Admission(explore=10)
-    assert admission.admit(6_440_000, 0.027)  # nothing measured yet: it goes
-    admission.uploaded(0.010, 6_440_000)  # 10 ms to upload, 27 ms to process
-    for _ in range(10):
-        admission.queried(hits=4, total=5)  # a chat's images come back
-    assert admission.reuse > 0.6
-    assert all(admission.admit(6_440_000, 0.027) for _ in range(20))
-    for _ in range(60):
-        admission.queried(hits=0, total=2)  # every image new
-    assert admission.reuse < 0.2
-    sent = sum(admission.admit(6_440_000, 0.027) for _ in range(100))
-    assert sent == 10  # exploring: the estimate follows the traffic back
-    # An upload dearer than processing does not pay even when images repeat.
-    for _ in range(60):
-        admission.queried(hits=5, total=5)
-    assert not any(admission.admit(6_440_000, 0.004) for _ in range(9))
+def test_every_item_goes_whatever_came_before() -> None:
+    uploads = Uploads(most_in_flight=8)
+    # A cold process shares: small items first, then large ones, all go.
+    assert uploads.start([18_840, 18_840], capacity=0) == [True, True]
+    uploads.ended()
+    for _ in range(50):
+        assert uploads.start([6_440_000, 12_660_000], capacity=1 << 30) == [True, True]
+        uploads.ended()
+    assert uploads.declined == 0
 
 
-def test_an_uploads_cost_is_a_fixed_part_and_a_part_per_byte() -> None:
-    cost = UploadCost()
-    assert cost.of(6_440_000) == 0.0  # nothing measured: uploads go
-    for _ in range(5):
-        cost.observe(0.0025, 1_200_000)  # a call's fixed cost dominates small items
-        cost.observe(0.0030, 6_440_000)
-    # Not 5.4x the small upload's cost, as a cost per byte would say.
-    assert 0.0028 < cost.of(6_440_000) < 0.0032
-    assert 0.0030 < cost.of(12_660_000) < 0.0040
-    for _ in range(40):  # only one size seen lately: proportional to it
-        cost.observe(0.004, 6_440_000)
-    assert abs(cost.of(6_440_000) - 0.004) < 0.0002
+def test_only_what_cannot_go_is_declined_and_counted_exactly() -> None:
+    uploads = Uploads(most_in_flight=2)
+    assert uploads.start([10, 2_000], capacity=1_000) == [True, False]  # larger than the server
+    assert uploads.start([10], capacity=1_000) == [True]
+    assert uploads.start([10, 20], capacity=1_000) == [False, False]  # two in flight already
+    assert uploads.declined == 3
+    uploads.ended(failed=1)  # a failed upload's items were not shared either
+    assert uploads.declined == 4
+    assert uploads.start([10], capacity=1_000) == [True]  # room again: it goes
+    uploads.ended()
+    uploads.ended()
+    uploads.close(deadline_s=0.1)
+    assert uploads.start([10], capacity=0) == [False]  # closed
+    assert uploads.declined == 5
 
 
-def test_a_cold_process_shares_its_first_images_and_stops_once_none_come_back() -> None:
-    admission = Admission()
-    admission.uploaded(0.003, 6_440_000)  # 3 ms to upload, 8 ms to process
-    for _ in range(20):
-        admission.queried(hits=0, total=1)  # new images so far...
-    assert admission.admit(6_440_000, 0.008)  # ...but the prior is that images come back
-    for _ in range(40):
-        admission.queried(hits=0, total=1)
-    assert admission.reuse < 0.2
-    assert not admission.admit(6_440_000, 0.008)
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(1, 20_000_000), min_size=1, max_size=6),
+            st.booleans(),  # the upload failed
+            st.booleans(),  # it ends before the next request
+        ),
+        max_size=60,
+    )
+)
+def test_no_outcome_ever_refuses_an_item_that_fits_with_room(
+    history: list[tuple[list[int], bool, bool]],
+) -> None:
+    """No decision feeds on its own outcome: whatever sizes, orders and
+    failures came before, an item that fits goes whenever an upload has room."""
+    uploads, capacity, open_ = Uploads(most_in_flight=3), 10_000_000, 0
+    declined = 0
+    for sizes, failed, ends in history:
+        room = open_ < 3
+        goes = uploads.start(sizes, capacity)
+        assert goes == [room and size <= capacity for size in sizes]
+        declined += goes.count(False)
+        if any(goes):
+            open_ += 1
+            if ends:
+                uploads.ended(failed=goes.count(True) if failed else 0)
+                declined += goes.count(True) if failed else 0
+                open_ -= 1
+        assert uploads.declined == declined

@@ -48,8 +48,9 @@ two models on one sidecar never share items (_keys.py).
 
 The modules: _factories (vLLM's cache factories, replaced), _caches (P0's cache),
 _receiver (P1's), _sync (a synchronous client, one per process and target),
-convert (public: vLLM's items to mmcache's and back), _costs and _metrics (what an
-upload is worth; the plugin's counters), _media (a hit skips the decode),
+convert (public: vLLM's items to mmcache's and back), _local (the cache vLLM
+alone would keep, in each API process), _costs and _metrics (the processor's
+time and the sharing rule; the plugin's counters), _media (a hit skips the decode),
 _naming (one model named alike wherever it is loaded from), _releases (the
 vLLM releases tested); the EC connector's: connector, _ec_scheduler,
 _ec_worker, _ec_metadata, _ec_metrics, _staging. _settings reads the settings

@@ -20,22 +20,34 @@ request, `is_cached(hashes)`; then, item by item, `get_and_update_item`; then
   Only confirmed hits with usable prompt updates are cached: vLLM skips the
   processor for them and sends no data, and the engine's read finds them.
   A server that does not answer in time confirms nothing (fail-open).
-- `get_and_update_item(None, h)`: a confirmed hit, (None, its updates).
-  With data: the item goes inline to the engine, as vLLM's miss does, and is
-  queued for upload, so other processes can hit it.
+- This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
+  same memory, told every call vLLM alone would make on its cache, with the
+  data. What it holds and the sidecar does not (a sidecar slow, full or
+  down) is a hit too, with no call: the item goes inline to the engine, as
+  vLLM's processor-only cache sends it. A hit the sidecar answered that this
+  cache lacks is read from the sidecar into it (`_fill`) before it counts;
+  if the read fails it is a miss, as it is for vLLM alone, whose cache lacks
+  it too. So every hit of vLLM alone is a hit here: docs/vllm.md.
+- `get_and_update_item(None, h)`: a confirmed hit: (None, its updates) when
+  the sidecar holds it (the engine reads it there), else (its data, its
+  updates) from this process's cache. With data: the item goes inline to
+  the engine, as vLLM's miss does, and is queued for upload, so other
+  processes can hit it; so is a hit of this process's cache that the
+  sidecar lacks.
 - `is_cached_item` (asked by vLLM 0.33 on its output loop before it
   `invalidate`s what the engine found missing): the mirror alone, no call.
 - `release_sender_touches`: the request's uploads leave in one call, in the
   background (the engine has the data already); touches reach the server with
-  the next call. Only uploads worth their cost go (client/vllm/_costs.py:
-  the chance of a repeat, from this process's hit ratio, times the processing
-  time saved, against the upload's time): with traffic of distinct images an
-  API process uploads one item in ten, not every one.
+  the next call. Every item goes (client/vllm/_costs.py, `Uploads`: an
+  upload costs a few percent of a processing), unless larger than the whole
+  server or with 8 uploads in flight; those are counted
+  (`mmcache_vllm_not_uploaded_items_total`), and offered again when they
+  come back.
 
 An item larger than the whole server is never uploaded (vLLM's
 `cache_if_fits`, said once); `close` (0.33, at shutdown) lets the uploads in
 flight end. Per-request state is thread-local: vLLM runs requests on a thread pool.
-Counters are vLLM's: one query per item, a hit per item sent without data.
+Counters are vLLM's: one query per item, a hit per item vLLM did not process.
 
 P1's cache, which reads what P0 shared: _receiver.py.
 """
@@ -65,11 +77,12 @@ from vllm.utils.cache import CacheInfo
 from mmcache._errors import MMCacheError
 from mmcache._spec import check_name
 
-from ._costs import Admission, ProcessingTime
+from ._costs import ProcessingTime, Uploads
 from ._keys import scoped_key
+from ._local import LocalCache
 from ._metrics import plugin_metrics
 from ._sync import SyncClient
-from .convert import decode_updates, encode_updates, from_vllm, undescribed
+from .convert import decode_updates, encode_updates, from_vllm, to_vllm, undescribed
 
 __all__ = ["MMCacheProcessorCache", "already_shared"]
 
@@ -81,6 +94,9 @@ LOCAL_UPDATES = 65536
 # Uploads in flight at once; past that a request's upload is skipped (its
 # data went inline anyway): memory stays bounded when the server is slow.
 MAX_UPLOADS_IN_FLIGHT = 8
+# vLLM's default --mm-processor-cache-gb: this process's own cache, where
+# no vLLM config says otherwise.
+VLLM_CACHE_GB = 4.0
 # vLLM 0.32 and later call release_sender_touches at each request's end;
 # 0.31 (NVIDIA Dynamo 1.6's) has no such method and never does.
 VLLM_RELEASES = hasattr(BaseMultiModalProcessorCache, "release_sender_touches")
@@ -114,6 +130,12 @@ class _Request:
     uploads: list[tuple[str, str, MultiModalKwargsItem, Any]] = field(default_factory=list)
     held_elsewhere: set[str] = field(default_factory=set)  # held, updates not usable here
     processed: int = 0  # items that came with data (misses)
+    # Hits of this process's own cache: hash -> (item, updates), taken when
+    # is_cached answered (another request may evict it before vLLM takes it).
+    local: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    unshared: set[str] = field(default_factory=set)  # local hits the sidecar lacks
+    # Sidecar hits this process's cache lacked: the data read for it.
+    filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
     # Modalities of misses the server has not counted yet: processed items
     # neither looked up nor uploaded (sent with the request's uploads).
     misses: list[str] = field(default_factory=list)
@@ -126,7 +148,9 @@ class _Request:
 
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
-    def __init__(self, sync: SyncClient, scope: str, model: str = "") -> None:
+    def __init__(
+        self, sync: SyncClient, scope: str, model: str = "", local_gb: float = VLLM_CACHE_GB
+    ) -> None:
         super().__init__()
         self._sync = sync
         self._scope = scope
@@ -135,17 +159,15 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._undescribed: str | None = None
         self._updates: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)  # an upload ended
-        self._closed = False
         self._local = threading.local()
-        self._uploads_in_flight = 0
+        self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
+        self._uploads = Uploads(most_in_flight=MAX_UPLOADS_IN_FLIGHT)
         self._hits = 0
         self._total = 0
         self._last = (0, 0)
         self._serving = False
         self._processing = ProcessingTime()
         self._metrics = plugin_metrics()
-        self._admission = Admission()
 
     def key(self, mm_hash: str) -> str:
         """The server's key for vLLM's hash: scoped to model and processor."""
@@ -176,6 +198,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # The mirror alone, with no call and no request begun: vLLM 0.33 asks
         # this on its output loop, of the hashes the engine found missing,
         # before it invalidates them (the processor asks is_cached).
+        # It asks to invalidate a hit the engine did not find in the sidecar:
+        # this process's own cache is not the engine's, and keeps its copy.
         return bool(self._sync.client.is_cached([self.key(mm_hash)], pending=True)[0])
 
     @override
@@ -191,11 +215,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def close(self) -> None:
         """vLLM 0.33's renderer stops: no upload starts, those in flight end
         (within the deadline); the process's client stays for its other users."""
-        deadline = time.monotonic() + self._sync.deadline_s
-        with self._settled:
-            self._closed = True
-            while self._uploads_in_flight and (left := deadline - time.monotonic()) > 0:
-                self._settled.wait(left)
+        self._uploads.close(self._sync.deadline_s)
 
     @override
     def is_cached(self, mm_hashes: list[str]) -> list[bool]:
@@ -219,7 +239,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         else:
             known = client.is_cached(keys, pending=True)
         candidates = [
-            i for i, held in enumerate(known) if held and mm_hashes[i] not in request.looked_up
+            i
+            for i, held in enumerate(known)
+            if held and mm_hashes[i] not in request.looked_up and mm_hashes[i] not in request.local
         ]
         ask = candidates
         if self._undescribed is not None:
@@ -234,8 +256,54 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 _LOGGER.debug("mmcache lease with no call failed: %s", exc)
         if ask:
             self._look_up(request, mm_hashes, keys, ask)
+        # What the sidecar did not confirm (slow, full, down, never sent it)
+        # and this process's own cache holds is a hit all the same.
+        self._own_hits(request, mm_hashes, known)
+        self._fill(request, mm_hashes, keys)
         request.asked = _stamp()
-        return [h in request.confirmed for h in mm_hashes]
+        return [h in request.confirmed or h in request.local for h in mm_hashes]
+
+    def _own_hits(self, request: _Request, mm_hashes: list[str], known: list[bool]) -> None:
+        """This process's cache's hits the sidecar did not confirm: kept for the
+        request (their data goes inline); those the sidecar lacks are offered
+        to it again. The sidecar's hits go first: the engine reads those with
+        no data sent, as vLLM alone's one-API-server hits send none."""
+        for mm_hash, held in zip(mm_hashes, known, strict=True):
+            if mm_hash in request.confirmed or mm_hash in request.local:
+                continue
+            entry = self._own.peek(mm_hash)
+            if entry is not None:
+                request.local[mm_hash] = entry
+                # Not in the sidecar, by its mirror or by its answer just now.
+                if (not held or mm_hash in request.looked_up) and self._undescribed is None:
+                    request.unshared.add(mm_hash)
+
+    def _fill(self, request: _Request, mm_hashes: list[str], keys: list[str]) -> None:
+        """The sidecar's hits this process's cache lacks are read into it, as
+        vLLM alone would have cached them on processing them here; their
+        leases stay for the engine. Where the read fails they are misses, as
+        they are for vLLM alone, whose cache lacks them too."""
+        own = self._own
+        need = [
+            i
+            for i, h in enumerate(mm_hashes)
+            if h in request.confirmed and h not in request.filled and not own.is_cached_item(h)
+        ]
+        if not need:
+            return
+        client, wanted = self._sync.client, [keys[i] for i in need]
+        try:
+            items = client.fetch_resident(wanted, release=False)
+            if items is None:
+                items = self._sync.call(client.fetch(wanted, release=False))
+        except MMCacheError as exc:
+            _LOGGER.debug("mmcache read into this process's cache failed: %s", exc)
+            for i in need:
+                del request.confirmed[mm_hashes[i]]
+            self._sync.submit(client.release(wanted))
+            return
+        for i, stored in zip(need, items, strict=True):
+            request.filled[mm_hashes[i]] = to_vllm(stored)
 
     def _look_up(
         self, request: _Request, mm_hashes: list[str], keys: list[str], ask: list[int]
@@ -244,7 +312,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         updates usable here are confirmed; a failure leaves them misses."""
         client = self._sync.client
         try:
-            wait_s = self._processing.wait_for(len(ask))
+            # Waiting for an upload in flight elsewhere saves a processing
+            # only for an item this process's own cache lacks.
+            own = self._own
+            wait_s = self._processing.wait_for(
+                sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
+            )
             found = self._sync.call(
                 client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
             )
@@ -299,12 +372,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         with self._lock:
             self._total += 1
         if mm_item is None:
-            updates = request.confirmed.get(mm_hash)
-            if updates is None:  # vLLM sends None only where is_cached said True
-                raise MultiModalCacheMissError([mm_hash])
+            hit = self._hit(request, mm_hash)
             with self._lock:
                 self._hits += 1
-            return None, updates
+            return hit
+        # vLLM alone's cache takes every item it is given: so does this process's.
+        self._own.get_and_update_item(mm_item, mm_hash)
         item, updates = mm_item
         if _ALREADY_SHARED.get():
             return mm_item
@@ -334,8 +407,31 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             self._send_uploads(request)  # vLLM 0.31 never says a request ended
         return mm_item
 
+    def _hit(self, request: _Request, mm_hash: str) -> tuple[Any, Any]:
+        """A hit is_cached confirmed, on this process's cache as vLLM alone's
+        would take it: the sidecar's (None: the engine reads it there), or this
+        process's own (its data inline; offered to a sidecar that lacks it)."""
+        updates = request.confirmed.get(mm_hash)
+        if updates is not None:
+            filled = request.filled.get(mm_hash)
+            if filled is not None or self._own.is_cached_item(mm_hash):
+                taken = None if filled is None else (filled, updates)
+                self._own.get_and_update_item(taken, mm_hash)
+            return None, updates
+        entry = request.local.get(mm_hash)
+        if entry is None:  # vLLM sends None only where is_cached said True
+            raise MultiModalCacheMissError([mm_hash])
+        # vLLM's own read (reordering); the entry taken at is_cached if evicted since.
+        item, updates = self._own.get_and_update_item(entry, mm_hash)
+        if mm_hash in request.unshared:
+            request.unshared.discard(mm_hash)
+            modality = next((u.modality for u in updates), None) or "unknown"
+            request.uploads.append((mm_hash, modality, item, updates))
+        return item, updates
+
     @override
     def touch_sender_cache_item(self, mm_hash: str) -> None:
+        self._own.touch_sender_cache_item(mm_hash)  # as vLLM alone's cache is touched
         self._sync.client.touch(self.key(mm_hash))
 
     @override
@@ -343,9 +439,6 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """The end of a request: its uploads leave, in one call, in the background."""
         request = self._request()
         self._local.request = None
-        if request.started:
-            hits = len(request.confirmed)
-            self._admission.queried(hits, hits + request.processed)
         self._send_uploads(request)
 
     def _send_uploads(self, request: _Request) -> None:
@@ -361,34 +454,16 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def _upload(self, request: _Request) -> None:
         if not request.uploads:
             return
-        if request.asked[0] and request.first_back[0] and not request.observed:
-            # vLLM runs the processor on a request's misses between the two,
-            # on this thread.
-            request.observed = True
-            (asked_s, asked_cpu), (back_s, back_cpu) = request.asked, request.first_back
-            seconds, cpu_seconds = back_s - asked_s, back_cpu - asked_cpu
-            self._processing.observe(seconds, cpu_seconds, len(request.uploads))
-            self._metrics.processed.inc(len(request.uploads))
-            self._metrics.processing_cpu.inc(max(0.0, cpu_seconds))
-        per_item = self._processing.cpu_per_item
-        sized = [(upload, _nbytes(upload[2])) for upload in request.uploads]
-        chosen = [
-            (upload, size)
-            for upload, size in sized
-            if self._fits(size) and (not request.started or self._admission.admit(size, per_item))
-        ]
-        admitted = [upload for upload, _ in chosen]
-        nbytes = sum(size for _, size in chosen)
+        self._observe(request)
         uploads, request.uploads = request.uploads, []
-        with self._lock:
-            stopped = self._closed or self._uploads_in_flight >= MAX_UPLOADS_IN_FLIGHT
-            if admitted and not stopped:
-                self._uploads_in_flight += 1
-        if admitted and stopped:
-            _LOGGER.debug("mmcache uploads backed up or closed: %d items not shared", len(admitted))
-            admitted = []
-        self._metrics.not_uploaded.inc(len(uploads) - len(admitted))
-        told = {upload[0] for upload in admitted} | request.looked_up
+        sizes = [_nbytes(upload[2]) for upload in uploads]
+        goes = self._uploads.start(sizes, self._sync.client.capacity_bytes)
+        admitted = [upload for upload, go in zip(uploads, goes, strict=True) if go]
+        if len(admitted) < len(uploads):
+            self._said_declined(max(sizes))
+            self._metrics.not_uploaded.inc(len(uploads) - len(admitted))
+        # Processed items (not own hits offered again) that no call told the server of.
+        told = {upload[0] for upload in admitted} | request.looked_up | request.unshared
         request.misses += [modality for h, modality, _, _ in uploads if h not in told]
         if not admitted:
             return
@@ -403,50 +478,66 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 lease=False,  # the engine has this data inline
             )
         )
-        future.add_done_callback(
-            lambda done: self._upload_done(done, started, nbytes, len(admitted))
-        )
+        future.add_done_callback(lambda done: self._upload_done(done, started, len(admitted)))
 
-    def _fits(self, nbytes: int) -> bool:
-        """False for an item larger than the whole server (it could never be a
-        hit): said once, as vLLM's own cache says it (`cache_if_fits`)."""
+    def _observe(self, request: _Request) -> None:
+        """The processor's time on the request's misses: vLLM runs it between
+        is_cached and the first processed item's return, on this thread."""
+        if request.asked[0] and request.first_back[0] and not request.observed:
+            request.observed = True
+            (asked_s, asked_cpu), (back_s, back_cpu) = request.asked, request.first_back
+            seconds, cpu_seconds = back_s - asked_s, back_cpu - asked_cpu
+            self._processing.observe(seconds, cpu_seconds, request.processed)
+            self._metrics.processed.inc(request.processed)
+            self._metrics.processing_cpu.inc(max(0.0, cpu_seconds))
+
+    def _said_declined(self, largest: int) -> None:
+        """Why items were not shared, once: larger than the whole server (it
+        could never hit them, as vLLM's own `cache_if_fits` says), or uploads
+        backed up (a slow or stopped sidecar: the items stay in this process's
+        cache, and are offered again when they come back)."""
         capacity = self._sync.client.capacity_bytes
-        if not capacity or nbytes <= capacity:
-            return True
-        init_logger("vllm.mmcache").warning_once(
-            "mmcache: an item of %.1f MiB is larger than the sidecar's whole cache "
-            "(%.1f MiB): such items are processed here and never shared; raise the "
-            "sidecar's --capacity-gb to share them",
-            nbytes / 2**20,
-            capacity / 2**20,
-        )
-        return False
+        if capacity and largest > capacity:
+            init_logger("vllm.mmcache").warning_once(
+                "mmcache: an item of %.1f MiB is larger than the sidecar's whole cache "
+                "(%.1f MiB): such items are processed here and never shared; raise the "
+                "sidecar's --capacity-gb to share them",
+                largest / 2**20,
+                capacity / 2**20,
+            )
+        _LOGGER.debug("mmcache uploads backed up or closed: items not shared")
 
-    def _upload_done(self, future: Any, started: float, nbytes: int, items: int) -> None:
-        with self._lock:
-            self._uploads_in_flight -= 1
-            self._settled.notify_all()
-        if future.cancelled():
-            return
-        if future.exception() is not None:
-            _LOGGER.debug("mmcache upload failed: %s", future.exception())
+    def _upload_done(self, future: Any, started: float, items: int) -> None:
+        """Counts what the upload left held (a sidecar that did not answer
+        fails open: nothing held, no error) and what it did not."""
+        if future.cancelled() or future.exception() is not None:
+            stored = 0
+            if not future.cancelled():
+                _LOGGER.debug("mmcache upload failed: %s", future.exception())
         else:
+            stored = sum(future.result().held)
+        self._uploads.ended(failed=items - stored)
+        self._metrics.not_uploaded.inc(items - stored)
+        if stored:
             # CPU, not wall time: in a busy API process the upload's thread
             # waits for the GIL, which costs the process nothing.
             cpu_seconds = max(0.0, self._sync.loop_cpu() - started)
-            self._admission.uploaded(cpu_seconds, nbytes)
-            self._metrics.uploaded.inc(items)
+            self._metrics.uploaded.inc(stored)
             self._metrics.upload_cpu.inc(cpu_seconds)
 
     @override
     def invalidate(self, mm_hash: str) -> None:
+        # The engine did not find what the sidecar confirmed: the mirror was
+        # stale. This process's own copy is good: the client's retry hits it.
         self._sync.client.forget([self.key(mm_hash)])
         with self._lock:
             self._updates.pop(mm_hash, None)
 
     @override
     def clear_cache(self) -> None:
-        # The server is shared by every frontend: only this process forgets.
+        # The server is shared by every frontend: only this process forgets,
+        # as vLLM alone's cache would.
+        self._own.clear_cache()
         with self._lock:
             self._updates.clear()
 

@@ -20,8 +20,9 @@ follow the model, the image sizes and the machine without settings:
 from __future__ import annotations
 
 import threading
+import time
 
-__all__ = ["Admission", "ProcessingTime", "UploadCost"]
+__all__ = ["ProcessingTime", "Uploads"]
 
 FIRST_GUESS_S = 0.05  # the processor's time per item before any was measured
 LEAST_WAIT_S = 0.002
@@ -58,73 +59,48 @@ class ProcessingTime:
             return min(MOST_WAIT_S, max(LEAST_WAIT_S, self._per_item * items))
 
 
-class Admission:
-    """Whether an upload is worth what it costs (see the module)."""
+class Uploads:
+    """The sharing rule (see the module): every processed item goes, unless it
+    is larger than the sidecar or the uploads in flight are at their bound.
+    Thread-safe; `declined` counts the items that did not go, exactly."""
 
-    def __init__(self, *, explore: int = 10, reuse: float = 0.5) -> None:
-        self._explore = explore
-        self._reuse = reuse  # the share of items that were cached, smoothed
-        self._cost = UploadCost()
-        self._refused = 0
+    def __init__(self, *, most_in_flight: int = 8) -> None:
+        self._most = most_in_flight
+        self._in_flight = 0
+        self._closed = False
+        self.declined = 0
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # an upload ended
 
     @property
-    def reuse(self) -> float:
-        return self._reuse
+    def in_flight(self) -> int:
+        return self._in_flight
 
-    def queried(self, hits: int, total: int) -> None:
-        """A request's items: `hits` of `total` were cached (about the last
-        50 items weigh in: a refused upload may cost every later request of
-        the image a processing, so the estimate turns slowly)."""
+    def start(self, sizes: list[int], capacity: int) -> list[bool]:
+        """Which of a request's items (of `sizes` bytes) go, in one upload:
+        those that fit a sidecar of `capacity` bytes (0: unknown, all fit),
+        none once closed or with `most_in_flight` uploads under way. If any
+        go, the caller must call `ended` when the upload ends."""
+        fits = [not capacity or size <= capacity for size in sizes]
         with self._lock:
-            for index in range(total):
-                self._reuse += 0.02 * (float(index < hits) - self._reuse)
+            if self._closed or self._in_flight >= self._most:
+                fits = [False] * len(sizes)
+            if any(fits):
+                self._in_flight += 1
+            self.declined += fits.count(False)
+        return fits
 
-    def uploaded(self, seconds: float, nbytes: int) -> None:
-        """An upload of `nbytes` took `seconds` of CPU."""
+    def ended(self, *, failed: int = 0) -> None:
+        """An upload ended; `failed` of its items were not stored."""
         with self._lock:
-            self._cost.observe(seconds, nbytes)
+            self._in_flight -= 1
+            self.declined += failed
+            self._settled.notify_all()
 
-    def admit(self, nbytes: int, processing_s: float) -> bool:
-        """Upload an item of `nbytes` whose processing took about `processing_s` of CPU?"""
-        with self._lock:
-            # Where a share r of items hits, each miss is asked for again
-            # r / (1 - r) times: the hits an upload may bring. And never an
-            # upload dearer than processing the item again.
-            repeats = min(1.0, self._reuse / max(1e-9, 1 - self._reuse))
-            if self._cost.of(nbytes) <= repeats * processing_s:
-                return True
-            self._refused += 1
-            return self._refused % self._explore == 0
-
-
-class UploadCost:
-    """An upload's CPU seconds as a fixed part (the calls) plus a part per byte
-    (the copy), fitted to recent uploads (a least-squares line, older uploads
-    weighing less): a 1 MB upload costs far more per byte than a 6 MB one."""
-
-    def __init__(self, *, keep: float = 0.9) -> None:
-        self._keep = keep
-        self._n = self._x = self._y = self._xx = self._xy = 0.0
-
-    def observe(self, seconds: float, nbytes: int) -> None:
-        if nbytes <= 0 or seconds < 0:
-            return
-        k, x = self._keep, float(nbytes)
-        self._n = k * self._n + 1
-        self._x = k * self._x + x
-        self._y = k * self._y + seconds
-        self._xx = k * self._xx + x * x
-        self._xy = k * self._xy + x * seconds
-
-    def of(self, nbytes: int) -> float:
-        """The expected CPU seconds of uploading `nbytes` (0 before any upload)."""
-        if not self._n:
-            return 0.0
-        mean_x, mean_y = self._x / self._n, self._y / self._n
-        spread = self._xx / self._n - mean_x * mean_x
-        if spread <= (0.05 * mean_x) ** 2:  # one size so far: proportional
-            return mean_y * nbytes / mean_x
-        per_byte = max(0.0, (self._xy / self._n - mean_x * mean_y) / spread)
-        fixed = max(0.0, mean_y - per_byte * mean_x)
-        return fixed + per_byte * nbytes
+    def close(self, deadline_s: float) -> None:
+        """No upload starts from now; wait up to `deadline_s` for those in flight."""
+        deadline = time.monotonic() + deadline_s
+        with self._settled:
+            self._closed = True
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._settled.wait(left)

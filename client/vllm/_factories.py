@@ -54,7 +54,9 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
     scope = scope_of(vllm_config, settings.namespace)
     _said_active("the multimodal processor cache is the sidecar", settings, scope)
-    return MMCacheProcessorCache(process_client(settings), scope, model)
+    # Beside the sidecar, the cache vLLM alone would keep, of the same memory (_local.py).
+    local_gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
+    return MMCacheProcessorCache(process_client(settings), scope, model, local_gb)
 
 
 def engine_receiver_cache_from_config(vllm_config: Any) -> Any:

@@ -6,7 +6,7 @@ once per process, on first use: a second client (the EC connector's) shares
 them. What they tell: how often the sidecar failed open, and what a hit
 saves against what an upload costs, in CPU seconds of the API processes
 (the processor's CPU on the items they processed; the CPU of the uploads
-they sent), which is what `Admission` weighs (client/vllm/_costs.py).
+they sent), and what was not shared (client/vllm/_costs.py, `Uploads`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def plugin_metrics() -> PluginMetrics:
                 ),
                 Counter(
                     "mmcache_vllm_not_uploaded_items",
-                    "Processed items not uploaded: not worth their upload, or uploads backed up.",
+                    "Items not shared: larger than the sidecar, uploads backed up, or failed.",
                     registry=REGISTRY,
                 ),
             )

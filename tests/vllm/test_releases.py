@@ -70,7 +70,7 @@ def test_close_lets_the_uploads_in_flight_end_and_starts_none(
     started = time.monotonic()
     p0.close()
     assert time.monotonic() - started < p0._sync.deadline_s + 0.5
-    assert p0._uploads_in_flight == 0
+    assert p0._uploads.in_flight == 0
     assert p0._sync.client.is_cached([p0.key("before")], pending=True) == [True]
     received = served(sidecar)["mmcache_received_bytes_total"]
     (out,) = request(p0, [("after", item(2))])

@@ -1,0 +1,232 @@
+"""A family of traces nobody tuned the plugin to: vLLM alone beside vLLM with mmcache.
+
+    .venv-vllm/bin/python -m bench.vllm_family [--short] [--seed N]
+        [--api-servers 1,2,4] [--data-parallel] [--repeats 3]
+
+Each trace is drawn from its seed and printed (its image sizes and every
+request's images) before it runs. The family crosses:
+
+- image sizes mixed: 64x64 icons, 448x448, 1024x1024 and 1920x1080, in
+  several mixes and orders (small first among them: the order that locked
+  the old upload admission out, issue 42);
+- popularity: Zipf (s = 1.1) and uniform over the pool;
+- an all-distinct phase (every image new) followed by repeats, whose
+  popularity is reversed (the later images become the popular ones);
+- multi-turn chats of 1-6 turns, each turn re-sending the chat's earlier
+  images (the last 4), four chats at a time.
+
+Per trace and configuration (`--api-server-count` 1, 2, 4; 2 engines with
+`--data-parallel-size 2`), vLLM alone and mmcache in turn, a fresh
+deployment each: vLLM's hits of its queries, processor runs (queries less
+hits) against the trace's unique images, requests/s, API and engine CPU ms
+per request (read from /proc: bench/vllm.py), and the plugin's uploads made
+and declined (`mmcache_vllm_uploaded_items_total`,
+`mmcache_vllm_not_uploaded_items_total`). With `--repeats` the median of
+the runs is printed. `--short` (in `make bench`): two traces, one and four
+API servers, one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.vllm import Deployment, deployment
+from tests.vllm.tiny_model import REAL_PIXELS, build
+
+Size = tuple[int, int]
+SIZES: dict[str, Size] = {
+    "64x64": (64, 64),
+    "448x448": (448, 448),
+    "1024x1024": (1024, 1024),
+    "1920x1080": (1920, 1080),
+}
+MOST_IMAGES = 4  # a prompt's images (the bench's --limit-mm-per-prompt)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a trace of the family is made of (its seed draws the rest)."""
+
+    name: str
+    mix: tuple[str, ...]  # the sizes drawn from, uniformly
+    # "probe-first": 4 requests of one 64x64 image each come first (a
+    # readiness probe's, one per API server), then the pool in any order;
+    # "large-first": the most popular images are the largest; "shuffled".
+    order: str
+    popularity: str  # "zipf" or "uniform"
+    distinct_first: bool  # an all-distinct phase before the repeats
+    pool: int = 8
+    chats: int = 8
+
+
+FAMILY = (
+    Shape("probe-then-1024-zipf", ("1024x1024",), "probe-first", "zipf", False),
+    Shape("probe-then-mixed-uniform", tuple(SIZES), "probe-first", "uniform", False),
+    Shape("mixed-shuffled-zipf", tuple(SIZES), "shuffled", "zipf", False),
+    Shape(
+        "large-first-uniform", ("64x64", "448x448", "1920x1080"), "large-first", "uniform", False
+    ),
+    Shape("distinct-then-repeat-zipf", tuple(SIZES), "probe-first", "zipf", True),
+    Shape("distinct-then-repeat-uniform", ("64x64", "1920x1080"), "shuffled", "uniform", True),
+)
+SHORT = ("probe-then-1024-zipf", "distinct-then-repeat-zipf")
+PROBES = 4
+
+Image = tuple[int, Size]  # (seed, size)
+
+
+@dataclass
+class Trace:
+    name: str
+    seed: int
+    chats: list[list[list[Image]]]  # per chat, per turn, the images sent
+
+    @property
+    def requests(self) -> int:
+        return sum(len(turns) for turns in self.chats)
+
+    @property
+    def unique(self) -> int:
+        return len({image for turns in self.chats for turn in turns for image in turn})
+
+    def describe(self) -> str:
+        sizes = {f"{s}": f"{w}x{h}" for turns in self.chats for t in turns for s, (w, h) in t}
+        chats = [[[seed for seed, _ in turn] for turn in turns] for turns in self.chats]
+        return f"trace {self.name} seed={self.seed} sizes={sizes} chats={chats}"
+
+
+def draw(shape: Shape, seed: int) -> Trace:
+    """A trace of `shape`, the same for the same seed."""
+    rng = random.Random(seed)
+    sizes = [SIZES[rng.choice(shape.mix)] for _ in range(shape.pool)]
+    if shape.order == "large-first":  # popularity ranks: the largest lead
+        sizes.sort(key=lambda s: s[0] * s[1], reverse=True)
+    base = seed * 1000  # image seeds: distinct per trace, so no deployment saw them
+    pool = [(base + n, size) for n, size in enumerate(sizes)]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(pool))]
+    if shape.popularity == "uniform":
+        weights = [1.0] * len(pool)
+    fresh = iter(range(base + 500, base + 1000))
+    chats = []
+    for chat in range(shape.chats):
+        distinct = shape.distinct_first and chat < shape.chats // 2
+        # After the distinct phase popularity turns: the last images lead.
+        ranked = pool[::-1] if shape.distinct_first else pool
+        images: list[Image] = []
+        turns = []
+        for _ in range(rng.randint(1, 6)):
+            if distinct:
+                image = (next(fresh), rng.choice(sizes))
+            else:
+                image = rng.choices(ranked, weights)[0]
+            if image not in images:
+                images.append(image)
+            turns.append(images[-MOST_IMAGES:])
+        chats.append(turns)
+    if shape.order == "probe-first":  # one small image a request, before the rest
+        chats[:0] = [[[(base + 990 + n, SIZES["64x64"])]] for n in range(PROBES)]
+    return Trace(shape.name, seed, chats)
+
+
+@dataclass
+class Run:
+    seconds: float
+    requests: int
+    queries: float
+    hits: float
+    api_ms: float  # CPU per request
+    engine_ms: float
+    uploaded: float
+    declined: float
+
+
+def run(served: Deployment, trace: Trace) -> Run:
+    before, seen = served.cpu(), served.vllm_metrics()
+    start = time.perf_counter()
+
+    def conversation(turns: list[list[Image]]) -> None:
+        for turn in turns:
+            served.chat_images(turn)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(conversation, trace.chats))
+    seconds = time.perf_counter() - start
+    time.sleep(0.5)
+    used, now = (served.cpu() - before).per(trace.requests), served.vllm_metrics()
+
+    def delta(name: str) -> float:
+        return now.get(name, 0.0) - seen.get(name, 0.0)
+
+    return Run(
+        seconds,
+        trace.requests,
+        delta("vllm:mm_cache_queries_total"),
+        delta("vllm:mm_cache_hits_total"),
+        used.api * 1e3,
+        used.engine * 1e3,
+        delta("mmcache_vllm_uploaded_items_total"),
+        delta("mmcache_vllm_not_uploaded_items_total"),
+    )
+
+
+def median(runs: list[Run]) -> Run:
+    return Run(*(statistics.median(getattr(r, f) for r in runs) for f in Run.__dataclass_fields__))
+
+
+def table(model: Path, traces: list[Trace], configs: list[tuple[str, int, int]], repeats: int):
+    print(
+        "| trace | config | hits: mmcache / vLLM alone (of queries) | processor runs: "
+        "mmcache / alone / unique images | requests/s: mmcache / alone | API CPU ms/req: "
+        "mmcache / alone | engine CPU ms/req: mmcache / alone | uploads made / declined |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for trace in traces:
+        for label, api_servers, dp in configs:
+            runs: dict[bool, list[Run]] = {False: [], True: []}
+            for _ in range(repeats):  # in turn: the machine's drift hits both alike
+                for with_mmcache in (False, True):
+                    with deployment(model, api_servers, with_mmcache, dp) as served:
+                        runs[with_mmcache].append(run(served, trace))
+            alone, cached = median(runs[False]), median(runs[True])
+            print(
+                f"| {trace.name} ({trace.seed}) | {label} "
+                f"| {cached.hits:.0f} / {alone.hits:.0f} ({cached.queries:.0f}) "
+                f"| {cached.queries - cached.hits:.0f} / {alone.queries - alone.hits:.0f} "
+                f"/ {trace.unique} "
+                f"| {cached.requests / cached.seconds:.2f} / {alone.requests / alone.seconds:.2f} "
+                f"| {cached.api_ms:.0f} / {alone.api_ms:.0f} "
+                f"| {cached.engine_ms:.0f} / {alone.engine_ms:.0f} "
+                f"| {cached.uploaded:.0f} / {cached.declined:.0f} |",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--short", action="store_true", help="two traces, 1 and 4 API servers")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--api-servers", default="1,2,4")
+    parser.add_argument("--data-parallel", action="store_true", help="also 2 engines (DP)")
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    shapes = [s for s in FAMILY if not args.short or s.name in SHORT]
+    traces = [draw(shape, args.seed + n) for n, shape in enumerate(shapes)]
+    counts = [1, 4] if args.short else [int(x) for x in args.api_servers.split(",")]
+    configs = [(f"{n} API", n, 1) for n in counts]
+    if args.data_parallel:
+        configs.append(("2 engines (DP)", 0, 2))
+    for trace in traces:
+        print(trace.describe())
+    with tempfile.TemporaryDirectory() as tmp:
+        table(build(Path(tmp) / "tiny-qwen2-vl", REAL_PIXELS), traces, configs, args.repeats)
+
+
+if __name__ == "__main__":
+    main()

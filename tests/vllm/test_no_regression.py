@@ -1,0 +1,221 @@
+"""Never fewer hits than vLLM alone: generated traces through the plugin's P0.
+
+Hypothesis draws traces (image sizes from a 64x64 icon's to a 1920x1080
+photo's, in any order, small first among them; repeat structures; 1-4 API
+processes; vLLM's `--mm-processor-cache-gb` from nothing to all the images)
+and drives real `MMCacheProcessorCache`s, one per API process, each with its
+own client, against ONE real sidecar, in vLLM's order of calls
+(processor.py: is_cached, the processor on the misses, a touch of every
+item, get_and_update_item). Beside them runs `VllmAlone`: each process's
+cache as vLLM alone keeps it, written here from vLLM's LRU semantics (bytes,
+least recently used out first, an item over the whole cache never kept). Per
+request, every item vLLM alone hits is a hit with the plugin; with the
+sidecar serving every process and holding every image, the processor runs at
+most 1.1x the unique images; with the sidecar small or stopped mid-trace,
+still never fewer hits than vLLM alone. No engine: the items are vLLM's real
+types, and the sidecar is a real server process.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+try:  # vLLM 0.32 and later: a package
+    from vllm.multimodal.cache.base import MultiModalCache, MultiModalProcessorCacheItem
+except ImportError:  # 0.31: a module
+    from vllm.multimodal.cache import (  # type: ignore[attr-defined,no-redef]
+        MultiModalCache,
+        MultiModalProcessorCacheItem,
+    )
+from vllm.multimodal.inputs import MultiModalKwargsItem
+
+from mmcache.client.vllm._caches import MMCacheProcessorCache
+from mmcache.client.vllm._sync import SyncClient
+
+from .conftest import Sidecar
+from .test_caches import eventually, item, updates
+
+# Values per image (float32): one per 64 pixels of a 64x64, 448x448,
+# 1024x1024 and 1920x1080 image, so that sizes keep their ratios (a
+# 1920x1080 is 500x an icon) and a trace runs in about a second.
+SIZES = {"64x64": 64, "448x448": 3_136, "1024x1024": 16_384, "1920x1080": 32_400}
+MOST_PROCESSES = 4
+
+
+class VllmAlone:
+    """One API process's cache in vLLM alone (vllm.utils.cache.LRUCache as
+    its processor caches use it): `capacity` bytes; `get` reorders; a touch
+    reorders a held key only; an item larger than the whole cache is not
+    kept; the least recently used go first until a new item fits."""
+
+    def __init__(self, capacity: float) -> None:
+        self.capacity = capacity
+        self.held: OrderedDict[str, int] = OrderedDict()
+
+    def request(self, images: list[tuple[str, int]]) -> set[str]:
+        """One request's items (hash, size): the hashes it hits."""
+        hits = {h for h, _ in images if h in self.held}
+        for h, _ in images:
+            if h in self.held:
+                self.held.move_to_end(h)
+        for h, size in images:
+            if h in self.held:
+                self.held.move_to_end(h)
+            elif size <= self.capacity:
+                while sum(self.held.values()) + size > self.capacity:
+                    self.held.popitem(last=False)
+                self.held[h] = size
+        return hits
+
+
+@dataclass
+class Trace:
+    sizes: list[str]  # per image, a key of SIZES
+    local_share: float  # vLLM's cache as a share of the images' total bytes
+    requests: list[tuple[int, list[int]]]  # (process, images)
+
+    def __str__(self) -> str:
+        return f"sizes={self.sizes} local_share={self.local_share:.2f} requests={self.requests}"
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> Trace:
+    sizes = draw(st.lists(st.sampled_from(sorted(SIZES)), min_size=1, max_size=8))
+    if draw(st.booleans()):  # small first: the order that locked the old admission out
+        sizes.sort(key=SIZES.__getitem__)
+    processes = draw(st.integers(1, MOST_PROCESSES))
+    images = st.lists(st.integers(0, len(sizes) - 1), min_size=1, max_size=3, unique=True)
+    requests = draw(st.lists(st.tuples(st.integers(0, processes - 1), images), max_size=24))
+    share = draw(st.sampled_from([0.0, 0.2, 0.5, 0.8, 1.2]))
+    return Trace(sizes, share, requests)
+
+
+def vllm_item(image: int, size: str) -> MultiModalKwargsItem:
+    return item(image, numel=SIZES[size])
+
+
+def item_bytes(data: MultiModalKwargsItem) -> int:
+    """The size vLLM's processor cache charges for an item (its own function)."""
+    return int(MultiModalCache.get_item_size(MultiModalProcessorCacheItem(data, updates())))
+
+
+@pytest.fixture(scope="module")
+def shared() -> Iterator[tuple[Sidecar, list[SyncClient]]]:
+    """One sidecar (256 MiB: every trace's images) and one client per API process."""
+    server = Sidecar()
+    server.start()
+    made = [SyncClient(server.target, deadline_s=1.0) for _ in range(MOST_PROCESSES)]
+    for sync in made:
+        sync.call(sync.client.wait_following())
+    try:
+        yield server, made
+    finally:
+        for sync in made:
+            sync.close()
+        server.stop()
+
+
+def run_trace(
+    trace: Trace, syncs: list[SyncClient], *, settle: bool, stop: int = -1, sidecar: Sidecar
+) -> tuple[int, int]:
+    """Drive `trace` through one P0 per process and through vLLM alone; assert
+    per request that vLLM alone's hits are hits. Returns the processor runs
+    (with mmcache, vLLM alone). `settle`: each upload reaches every process's
+    mirror before the next request. `stop`: the sidecar stops before request
+    number `stop`."""
+    scope = uuid.uuid4().hex  # a fresh key space per trace, on the one sidecar
+    data = [vllm_item(i, size) for i, size in enumerate(trace.sizes)]
+    total = sum(item_bytes(d) for d in data)
+    local_gb = trace.local_share * total / 2**30
+    p0s = [MMCacheProcessorCache(sync, scope, local_gb=local_gb) for sync in syncs]
+    alone = [VllmAlone(local_gb * 2**30) for _ in syncs]
+    runs = runs_alone = 0
+    for n, (process, images) in enumerate(trace.requests):
+        if n == stop:
+            sidecar.stop()
+        hashes = [f"img{i}" for i in images]
+        p0 = p0s[process]
+        cached = p0.is_cached(hashes)
+        for h in hashes:
+            p0.touch_sender_cache_item(h)
+        for h, i, hit in zip(hashes, images, cached, strict=True):
+            p0.get_and_update_item(None if hit else (data[i], updates()), h)
+        p0.release_sender_touches()
+        hits = {h for h, hit in zip(hashes, cached, strict=True) if hit}
+        expected = alone[process].request([(f"img{i}", item_bytes(data[i])) for i in images])
+        assert expected <= hits, f"request {n}: vLLM alone hit {expected - hits} too"
+        runs += len(hashes) - len(hits)
+        runs_alone += len(hashes) - len(expected)
+        if settle:
+            settled(p0, syncs, [p0.key(h) for h in hashes])
+    return runs, runs_alone
+
+
+def settled(p0: MMCacheProcessorCache, syncs: list[SyncClient], keys: list[str]) -> None:
+    """The request's uploads ended, and every process's mirror holds its items."""
+    eventually(lambda: p0._uploads.in_flight == 0)
+    for sync in syncs:
+        eventually(lambda sync=sync: all(sync.client.is_cached(keys)))  # type: ignore[misc]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(trace=traces())
+def test_one_sidecar_never_fewer_hits_and_each_image_processed_about_once(
+    shared: tuple[Sidecar, list[SyncClient]], trace: Trace
+) -> None:
+    server, syncs = shared
+    print(trace)
+    runs, runs_alone = run_trace(trace, syncs, settle=True, sidecar=server)
+    unique = len({i for _, images in trace.requests for i in images})
+    assert runs <= runs_alone
+    assert runs <= 1.1 * unique
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(trace=traces(), stop=st.integers(0, 24), capacity_mb=st.sampled_from([1, 256]))
+def test_a_full_or_stopped_sidecar_never_costs_a_hit_of_vllm_alone(
+    trace: Trace, stop: int, capacity_mb: int
+) -> None:
+    server = Sidecar(capacity_gb=capacity_mb / 1024)  # 1 MiB: evicting all the time
+    server.start()
+    syncs = [SyncClient(server.target, deadline_s=0.2) for _ in range(MOST_PROCESSES)]
+    try:
+        for sync in syncs:
+            sync.call(sync.client.wait_following())
+        print(trace, f"stop={stop} capacity_mb={capacity_mb}")
+        runs, runs_alone = run_trace(trace, syncs, settle=False, stop=stop, sidecar=server)
+        assert runs <= runs_alone
+    finally:
+        for sync in syncs:
+            sync.close()
+        server.stop()
+
+
+def test_small_images_first_then_large_repeats_are_hits_in_every_process(
+    shared: tuple[Sidecar, list[SyncClient]],
+) -> None:
+    """The issue's trace: each of 4 processes answers a small image first (a
+    readiness probe), then 1024x1024 images come back across processes: each
+    large image is processed once in all, its repeats are hits everywhere."""
+    server, syncs = shared
+    probe = [(p, [0]) for p in range(4)]
+    chats = [(n % 4, [1 + (n % 7)]) for n in range(40)]
+    trace = Trace(["64x64"] + ["1024x1024"] * 7, 0.5, probe + chats)
+    runs, runs_alone = run_trace(trace, syncs, settle=True, sidecar=server)
+    assert runs == 8  # the probe's image and the 7 large ones, once each
+    assert runs_alone > runs  # vLLM alone processes each image once per process
