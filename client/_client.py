@@ -437,7 +437,15 @@ class MMCacheClient(EncoderBooksAPI):
             await client.count_misses(["image"])  # processed, not worth uploading
         """
         if self._conn.connected and modalities:
-            self._co.reports.add_misses(modalities)
+            self._co.reports.add_queries(modalities, hits=False)
+
+    async def count_hits(self, modalities: Sequence[str]) -> None:
+        """Count queries answered here as hits on the server, one per modality
+        named: items the caller had at hand (its own cache) that it never
+        asked the server about, so the server's counts equal the caller's.
+        Sent with the next report; never raises."""
+        if self._conn.connected and modalities:
+            self._co.reports.add_queries(modalities, hits=True)
 
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped

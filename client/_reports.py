@@ -119,14 +119,18 @@ class Reports:
         self._done.clear()
         self._read_bytes = 0
 
-    def add_misses(self, modalities: Iterable[str]) -> None:
-        """Queries answered here as misses, one per modality named."""
+    def add_queries(self, modalities: Iterable[str], *, hits: bool) -> None:
+        """Queries answered here, one per modality named: misses, or `hits`."""
         counted = Counter(modalities)
         ring = self._ring
         fits = len(counted) <= MAX_MODALITIES_PER_REPORT
-        if ring is not None and fits and self._written(ring, pb.ReleaseRequest(misses=counted)):
+        report = pb.ReleaseRequest(hits=counted) if hits else pb.ReleaseRequest(misses=counted)
+        if ring is not None and fits and self._written(ring, report):
             return
-        self._misses = _folded(self._misses + counted)
+        if hits:
+            self._hits = _folded(self._hits + counted)
+        else:
+            self._misses = _folded(self._misses + counted)
         self._start()
 
     def ring(self, token: bytes) -> ClientRing | None:

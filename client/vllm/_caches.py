@@ -139,6 +139,11 @@ class _Request:
     # Modalities of misses the server has not counted yet: processed items
     # neither looked up nor uploaded (sent with the request's uploads).
     misses: list[str] = field(default_factory=list)
+    # Modalities of this process's own hits no call told the server of (the
+    # server counts them as vLLM does, from the next report), and the hashes
+    # of those offered to the sidecar again (re-sends there, not queries).
+    own_hits: list[str] = field(default_factory=list)
+    offered: set[str] = field(default_factory=set)
     merged: bool = False  # vLLM has taken its items (get_and_update_item)
     observed: bool = False  # its processing time was measured
     # (wall, this thread's CPU) when is_cached last answered (the processor
@@ -423,9 +428,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             raise MultiModalCacheMissError([mm_hash])
         # vLLM's own read (reordering); the entry taken at is_cached if evicted since.
         item, updates = self._own.get_and_update_item(entry, mm_hash)
+        modality = next((u.modality for u in updates), None) or "unknown"
+        if mm_hash not in request.looked_up:
+            request.own_hits.append(modality)
         if mm_hash in request.unshared:
             request.unshared.discard(mm_hash)
-            modality = next((u.modality for u in updates), None) or "unknown"
+            request.offered.add(mm_hash)
             request.uploads.append((mm_hash, modality, item, updates))
         return item, updates
 
@@ -450,6 +458,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             if request.misses:
                 self._sync.submit(self._sync.client.count_misses(request.misses))
                 request.misses = []
+            if request.own_hits:
+                self._sync.submit(self._sync.client.count_hits(request.own_hits))
+                request.own_hits = []
 
     def _upload(self, request: _Request) -> None:
         if not request.uploads:
@@ -463,7 +474,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             self._said_declined(max(sizes))
             self._metrics.not_uploaded.inc(len(uploads) - len(admitted))
         # Processed items (not own hits offered again) that no call told the server of.
-        told = {upload[0] for upload in admitted} | request.looked_up | request.unshared
+        told = {upload[0] for upload in admitted} | request.looked_up | request.offered
         request.misses += [modality for h, modality, _, _ in uploads if h not in told]
         if not admitted:
             return
@@ -474,8 +485,12 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
                 [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
                 [self.key(h) for h in hashes],
                 metadata=[encode_updates(u) for u in updates],
-                resend=[h in request.looked_up for h in hashes],
+                # Looked up, or a hit of this process's own: counted already.
+                resend=[h in request.looked_up or h in request.offered for h in hashes],
                 lease=False,  # the engine has this data inline
+                # Processed here: each a miss, as vLLM counts it, even where
+                # another process uploaded it meanwhile (its data goes anyway).
+                processed=True,
             )
         )
         future.add_done_callback(lambda done: self._upload_done(done, started, len(admitted)))
