@@ -112,6 +112,7 @@ def register() -> None:
         # Through vLLM's logger: its lines name the process.
         init_logger("vllm.mmcache").error("%s; it is off, vLLM runs with its own caches", why)
         return
+    from ._digests import record_digests
     from ._factories import install_factories
     from ._media import CONNECTOR_NAME, register_connector
     from ._naming import name_models_by_content
@@ -119,6 +120,8 @@ def register() -> None:
     install_factories()
     # One model's items are named alike wherever it is loaded from (_naming.py).
     name_models_by_content()
+    # Only what vLLM's hasher names is shared, never a client's uuid (_digests.py).
+    record_digests()
     # A hit skips the image's decode (_media.py), unless another connector was chosen.
     if register_connector():
         os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)

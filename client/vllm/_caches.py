@@ -60,7 +60,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,7 +154,12 @@ class _Request:
 
 class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     def __init__(
-        self, sync: SyncClient, scope: str, model: str = "", local_gb: float = VLLM_CACHE_GB
+        self,
+        sync: SyncClient,
+        scope: str,
+        model: str = "",
+        local_gb: float = VLLM_CACHE_GB,
+        shareable: Callable[[str], bool] = lambda mm_hash: True,
     ) -> None:
         super().__init__()
         self._sync = sync
@@ -166,6 +171,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._local = threading.local()
         self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
+        # Which hashes are the fleet's (the factory's: vLLM's own digests, _digests.py).
+        self._shareable = shareable
         self._uploads = Uploads(most_in_flight=MAX_UPLOADS_IN_FLIGHT)
         self._hits = 0
         self._total = 0
@@ -239,10 +246,14 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # vLLM may ask more than once per request: each hash is looked up once.
         # Behind a shared tier (L2) the mirror's "no" is not the fleet's: every
         # hash is asked about (the server reads the tier through), in the same call.
+        # Only items named by their content (vLLM's digest, not a client's uuid)
+        # are the fleet's: the others stay in this process's cache (_digests.py).
+        shared = [self._shareable(h) for h in mm_hashes]
         if client.shared_tier and client.following:  # (not while out of touch)
-            known = [True] * len(keys)
+            known = shared
         else:
-            known = client.is_cached(keys, pending=True)
+            held = client.is_cached(keys, pending=True)
+            known = [h and s for h, s in zip(held, shared, strict=True)]
         candidates = [
             i
             for i, held in enumerate(known)
@@ -402,6 +413,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         if self._undescribed is not None and request.started and mm_hash in request.held_elsewhere:
             request.misses.append(modality)  # asked of no server
             return mm_item  # the sidecar has it: its updates are now known here
+        if not self._shareable(mm_hash):  # a client's uuid: never the fleet's
+            request.misses.append(modality)
+            self._metrics.not_uploaded.inc()
+            return mm_item
         request.uploads.append((mm_hash, modality, item, updates))
         request.processed += 1
         if not request.started:

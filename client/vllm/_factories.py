@@ -49,14 +49,22 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     if not _caching_enabled(vllm_config):
         return None
     from ._caches import MMCacheProcessorCache
+    from ._digests import is_digest
 
     settings = Settings.from_env()
     model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
     scope = scope_of(vllm_config, settings.namespace)
     _said_active("the multimodal processor cache is the sidecar", settings, scope)
     # Beside the sidecar, the cache vLLM alone would keep, of the same memory (_local.py).
-    local_gb = vllm_config.model_config.get_multimodal_config().mm_processor_cache_gb
-    return MMCacheProcessorCache(process_client(settings), scope, model, local_gb)
+    multimodal = vllm_config.model_config.get_multimodal_config()
+    algorithm = str(getattr(multimodal, "mm_hasher_algorithm", "blake3"))
+    return MMCacheProcessorCache(
+        process_client(settings),
+        scope,
+        model,
+        multimodal.mm_processor_cache_gb,
+        shareable=lambda mm_hash: is_digest(mm_hash, algorithm),  # not a client's uuid
+    )
 
 
 def engine_receiver_cache_from_config(vllm_config: Any) -> Any:

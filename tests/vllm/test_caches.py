@@ -620,3 +620,33 @@ def test_behind_an_l2_tier_an_item_another_node_processed_is_a_hit() -> None:
         assert p1_b.get_and_update_features([feature("red", None)])[0].data == red
         (out,) = request(p0_b, [("blue", item(2))])
         assert out[0] is not None  # held nowhere: processed on B
+
+
+def test_only_vllms_own_digests_reach_the_sidecar_a_clients_uuid_stays_here(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """Issue 43: a request's multi_modal_uuids (NVIDIA Dynamo's worker gives
+    64-bit ones padded with zeros) name an item by the client's word: kept in
+    this process's own cache, a hit there, and never looked up in or uploaded
+    to the sidecar, where another image could share the uuid."""
+    from vllm.multimodal.hasher import MultiModalHasher
+
+    from mmcache.client.vllm._digests import is_digest, record_digests
+
+    record_digests()
+    record_digests()  # idempotent: the plugin loads more than once
+    digest = MultiModalHasher.hash_kwargs("blake3", model_id="m", image=torch.ones(3))
+    padded = digest[:16] + "0" * 48  # Dynamo's worker's uuid for it
+    assert is_digest(digest, "blake3") and not is_digest(padded, "blake3")
+    assert not is_digest("my-own-name", "blake3") and not is_digest(digest, "sha512")
+    p0 = MMCacheProcessorCache(clients(), SCOPE, shareable=lambda h: is_digest(h, "blake3"))
+    for _ in range(2):  # processed, then a hit of this process's own cache
+        request(p0, [(padded, item(1)), (digest, item(2))])
+    client = p0._sync.client
+    eventually(lambda: client.is_cached([p0.key(digest)]) == [True])
+    assert client.is_cached([p0.key(padded)]) == [False]
+    stats = p0.make_stats()
+    assert (stats.hits, stats.total) == (2, 4)  # vLLM's counts
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    eventually(lambda: metrics(url)["mmcache_queries_total"] == 4)  # the sidecar's equal them
+    assert metrics(url)["mmcache_hits_total"] == 2
