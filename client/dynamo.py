@@ -52,6 +52,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from mmcache._errors import CacheMissError
+
 __all__ = ["EXTRA_KEY", "TESTED_DYNAMO", "install"]
 
 _LOGGER = logging.getLogger(__name__)
@@ -257,20 +259,33 @@ def _receiver_class() -> type:
     settings = Settings.from_env()  # this worker's, read once: not per request
 
     class MMCacheReceiver(MmKwargsReceiver):  # type: ignore[misc]
-        """The items: held ones in one fetch from this worker's sidecar,
-        inline ones from their segments; in the request's order."""
+        """The items: held ones fetched (`fetch`, before Dynamo's receive path,
+        so that a miss falls back with one line and no traceback), inline ones
+        from their segments; in the request's order."""
 
         _nvtx_label = "mm_backend:mmcache_receiver_read"
 
+        def __init__(self, fetched: list[Any]) -> None:
+            self._fetched = fetched
+
+        @staticmethod
+        async def fetch(metadata: MMCacheTransferMetadata) -> list[Any]:
+            """The held items, in one fetch from this worker's sidecar; raises
+            (CacheMissError, unavailable, timed out) when it cannot give them all."""
+            keys = [item.key for item in metadata.items if item.key]
+            if not keys:
+                return []
+            sync = client_for(settings)
+            # No wait for a sidecar that is not there: the media are processed instead.
+            future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
+            fetched: list[Any] = await asyncio.wait_for(
+                asyncio.wrap_future(future), sync.deadline_s
+            )
+            return fetched
+
         async def _receive(self, metadata: Any) -> dict[str, Any]:
             assert isinstance(metadata, MMCacheTransferMetadata)
-            keys = [item.key for item in metadata.items if item.key]
-            fetched: list[Any] = []
-            if keys:
-                sync = client_for(settings)
-                # No wait for a sidecar that is not there: the media are processed instead.
-                future = sync.submit(sync.client.fetch(keys, release=False, wait=False))
-                fetched = await asyncio.wait_for(asyncio.wrap_future(future), sync.deadline_s)
+            fetched = self._fetched
             segments = [
                 MmKwargsShmItem(name=item.shm_name, size=item.shm_size)
                 for item in metadata.items
@@ -291,6 +306,15 @@ def _receiver_class() -> type:
     return MMCacheReceiver
 
 
+def _why(exc: BaseException) -> str:
+    """A worker-side miss's reason, for its one log line."""
+    if isinstance(exc, CacheMissError):
+        return f"this worker's sidecar lacks {len(exc.missing_hashes)} of the request's items"
+    if isinstance(exc, TimeoutError):
+        return "this worker's sidecar did not answer within the deadline (MMCACHE_DEADLINE_S)"
+    return f"the transfer could not be read ({type(exc).__name__}: {exc})"
+
+
 def _patch_worker(request_processor: Any, receiver: type) -> None:
     """Dynamo's worker receives mmcache's transfers through `receiver`."""
     from vllm.multimodal.inputs import MultiModalKwargsItem
@@ -308,13 +332,15 @@ def _patch_worker(request_processor: Any, receiver: type) -> None:
             return await original_receive(self, request)
         try:
             metadata = MMCacheTransferMetadata.model_validate(raw)
-            # Items the frontend uploaded or the sidecar gave: vLLM's cache
-            # here takes them (inject_into_mm_cache) without uploading them again.
-            with already_shared():
-                return await self._receive_mm_kwargs(extra_args, "mmcache", receiver(), metadata)
-        except Exception:
-            _LOGGER.warning("mmcache: the transfer failed; the media are processed", exc_info=True)
+            fetched = await receiver.fetch(metadata)  # type: ignore[attr-defined]
+        except Exception as exc:  # expected (an evicted item, a sidecar down): one line
+            log = _LOGGER.info if isinstance(exc, CacheMissError) else _LOGGER.warning
+            log("mmcache: %s; the media are processed here, as Dynamo alone does", _why(exc))
             return None
+        # Items the frontend uploaded or the sidecar gave: vLLM's cache
+        # here takes them (inject_into_mm_cache) without uploading them again.
+        with already_shared():
+            return await self._receive_mm_kwargs(extra_args, "mmcache", receiver(fetched), metadata)
 
     def decode_mm_kwargs_item(payload: Any) -> Any:
         # A fetched item is a vLLM item already: not encoded and decoded again.

@@ -291,7 +291,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             if entry is not None:
                 request.local[mm_hash] = entry
                 # Not in the sidecar, by its mirror or by its answer just now.
-                if (not held or mm_hash in request.looked_up) and self._undescribed is None:
+                if (
+                    (not held or mm_hash in request.looked_up)
+                    and self._undescribed is None
+                    and self._shareable(mm_hash)
+                ):
                     request.unshared.add(mm_hash)
 
     def _fill(self, request: _Request, mm_hashes: list[str], keys: list[str]) -> None:

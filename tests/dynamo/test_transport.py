@@ -102,6 +102,14 @@ def test_a_worker_side_miss_answers_with_the_image(model: Path, alone: list[Answ
         front = metrics(f"http://127.0.0.1:{front_sidecar.metrics_port}/metrics")
         assert front["mmcache_hits_total"] == 1  # the repeat went as a key
         assert front["mmcache_sent_bytes_total"] == 0  # and the worker never read it there
+        # The worker processed the images under Dynamo's 64-bit uuids: kept in
+        # its own process, never stored in its sidecar under a key of no scheme.
+        worker = metrics(f"http://127.0.0.1:{worker_sidecar.metrics_port}/metrics")
+        assert worker["mmcache_items"] == 0, dynamo.tail()
+        # The expected miss is one line, with its reason, and no traceback.
+        said = dynamo.logs[0].read_text(errors="replace")
+        assert said.count("this worker's sidecar lacks 1 of the request's items") == 1, said[-3000:]
+        assert "Traceback" not in said and "multimodal transfer failed" not in said
 
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")

@@ -639,6 +639,11 @@ def test_only_vllms_own_digests_reach_the_sidecar_a_clients_uuid_stays_here(
     padded = digest[:16] + "0" * 48  # Dynamo's worker's uuid for it
     assert is_digest(digest, "blake3") and not is_digest(padded, "blake3")
     assert not is_digest("my-own-name", "blake3") and not is_digest(digest, "sha512")
+    # A uuid hashed with processor settings (vLLM does so where some are set).
+    salted = MultiModalHasher.hash_kwargs(
+        "blake3", model_id="m", image="uuid-1", mm_processor_kwargs={"max_pixels": 9}
+    )
+    assert not is_digest(salted, "blake3")
     p0 = MMCacheProcessorCache(clients(), SCOPE, shareable=lambda h: is_digest(h, "blake3"))
     for _ in range(2):  # processed, then a hit of this process's own cache
         request(p0, [(padded, item(1)), (digest, item(2))])
