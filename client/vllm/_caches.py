@@ -288,7 +288,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             if mm_hash in request.confirmed or mm_hash in request.local:
                 continue
             entry = self._own.peek(mm_hash)
-            if entry is not None:
+            # An injected item (inject_into_mm_cache gives none) has no prompt
+            # updates to apply: a processor's hit on it would fail the request,
+            # as it would in vLLM alone, so it is processed again instead.
+            if entry is not None and entry[1]:
                 request.local[mm_hash] = entry
                 # Not in the sidecar, by its mirror or by its answer just now.
                 if (
