@@ -6,13 +6,11 @@ repeat is a hit in the sidecar."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
+from tests.shell import run_block
 from tests.vllm.conftest import free_port
 from tests.vllm.tiny_model import REAL_PIXELS, build
 
@@ -32,23 +30,9 @@ def test_the_dynamo_quick_start_works_as_written(tmp_path: Path) -> None:
     script = re.sub(r"\b(50053|9472|8001)\b", lambda m: str(ports[m[1]]), quick_start())
     script = script.replace("Qwen/Qwen2-VL-2B-Instruct", str(model))
     script = script.replace("/tmp/dynamo-quickstart", str(tmp_path / "discovery"))
-    log = tmp_path / "quickstart.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            ["bash", "-c", f"set -e\n{script}"],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the script's children go with it
-            env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
-        )
-    try:
-        proc.wait(600)
-        said = log.read_text(errors="replace")
-        assert proc.returncode == 0, said[-4000:]
-        assert said.count('"choices"') == 2, said[-4000:]
-        assert "1 hits of 2 queries" in said, said[-4000:]
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the servers it left running
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+    code, said = run_block(
+        script, tmp_path / "quickstart.log", {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    )
+    assert code == 0, said[-4000:]
+    assert said.count('"choices"') == 2, said[-4000:]
+    assert "1 hits of 2 queries" in said, said[-4000:]

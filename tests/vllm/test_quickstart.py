@@ -6,16 +6,14 @@ image sent twice with curl is a hit the second time."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ..shell import run_block
 from .conftest import free_port
 from .tiny_model import REAL_PIXELS, build
 
@@ -42,24 +40,10 @@ def test_the_cpu_quick_start_works_as_written(tmp_path: Path) -> None:
     ports = {"50052": free_port(), "9471": free_port(), "8000": free_port()}
     script = re.sub(r"\b(50052|9471|8000)\b", lambda m: str(ports[m[1]]), quick_start())
     script = script.replace("Qwen/Qwen2-VL-2B-Instruct", str(model))
-    log = tmp_path / "quickstart.log"
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            ["bash", "-c", f"set -e\n{script}"],
-            cwd=ROOT,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # the script's children go with it
-            env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
-        )
-    try:
-        proc.wait(600)
-        said = log.read_text(errors="replace")
-        assert proc.returncode == 0, said[-4000:]
-        assert said.count('"choices"') == 2, said[-4000:]
-        assert "1 hits of 2 queries" in said, said[-4000:]
-        assert said.count("mmcache: the multimodal processor cache is the sidecar at") == 2
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the servers it left running
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+    code, said = run_block(
+        script, tmp_path / "quickstart.log", {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
+    )
+    assert code == 0, said[-4000:]
+    assert said.count('"choices"') == 2, said[-4000:]
+    assert "1 hits of 2 queries" in said, said[-4000:]
+    assert said.count("mmcache: the multimodal processor cache is the sidecar at") == 2
