@@ -61,6 +61,8 @@ bench: $(VENV)/.test
 	$(PY) -m bench.fleet
 	scripts/install-system-deps.sh
 	$(PY) -m bench.nodes
+	$(PY) -m bench.l2_reads
+	$(PY) -m bench.faults
 	$(PY) -m bench.feed
 	$(PY) -m bench.soak
 	scripts/vllm-env.sh
