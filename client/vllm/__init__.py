@@ -118,6 +118,10 @@ def register() -> None:
     from ._naming import name_models_by_content
 
     install_factories()
+    if settings.metrics_port:  # a process with no /metrics of its own
+        from ._metrics import serve_metrics
+
+        serve_metrics(settings.metrics_port)
     # One model's items are named alike wherever it is loaded from (_naming.py).
     name_models_by_content()
     # Only what vLLM's hasher names is shared, never a client's uuid (_digests.py).

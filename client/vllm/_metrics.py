@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PluginMetrics", "plugin_metrics"]
+__all__ = ["PluginMetrics", "plugin_metrics", "serve_metrics"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,27 @@ def plugin_metrics() -> PluginMetrics:
                 ),
             )
         return _made
+
+
+def serve_metrics(port: int) -> bool:
+    """prometheus_client's registry (the plugin's counters) on `port`, from
+    this process: for one that serves no /metrics of its own (NVIDIA Dynamo's
+    frontend and workers; `vllm serve` has its own). False, with a WARNING,
+    when the port is taken (another process of the deployment serves it)."""
+    import logging
+
+    from prometheus_client import start_http_server
+
+    plugin_metrics()  # the counters exist before the first scrape
+    try:
+        start_http_server(port)
+    except OSError as exc:
+        logging.getLogger(__name__).warning(
+            "mmcache: the plugin's counters are not served on port %d "
+            "(MMCACHE_VLLM_METRICS_PORT): %s; another process of this deployment may "
+            "serve them there",
+            port,
+            exc,
+        )
+        return False
+    return True

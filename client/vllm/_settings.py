@@ -38,6 +38,9 @@ class Settings:
     tls_server_name: str | None = None  # MMCACHE_TLS_SERVER_NAME
     shm: bool = True  # MMCACHE_SHM: 0 keeps items off the sidecar's shared memory
     untested: bool = False  # MMCACHE_VLLM_UNTESTED=1: run on an untested vLLM release
+    # MMCACHE_VLLM_METRICS_PORT: the plugin's counters served from this process
+    # (one with no /metrics of its own: Dynamo's frontend); 0: off
+    metrics_port: int = 0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -55,6 +58,7 @@ class Settings:
             tls_server_name=env.get("MMCACHE_TLS_SERVER_NAME") or None,
             shm=env.get("MMCACHE_SHM", "on").strip().lower() not in _OFF,
             untested=env.get(UNTESTED_ENV, "") == "1",
+            metrics_port=_port("MMCACHE_VLLM_METRICS_PORT", env.get("MMCACHE_VLLM_METRICS_PORT")),
         )
 
     def client_options(self) -> dict[str, Any]:
@@ -120,3 +124,12 @@ def _seconds(name: str, value: Any) -> float:
     if not seconds > 0:  # a call that may take no time fails open every time
         raise ValueError(f"{name} is a number of seconds more than 0, not {value!r}")
     return seconds
+
+
+def _port(name: str, value: str | None) -> int:
+    """A port from the environment, 0 when unset; ValueError naming `name`."""
+    if not value:
+        return 0
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise ValueError(f"{name} must be a port number (1-65535), e.g. 9480; got {value!r}")
+    return int(value)

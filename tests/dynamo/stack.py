@@ -121,10 +121,11 @@ class Stack:
         )
         self._wait(proc, self.logs[-1], "Registered endpoint", 300)
 
-    def frontend(self, mmcache: str | None) -> Frontend:
-        """A frontend with vLLM's processor; returns once it serves the model."""
+    def frontend(self, mmcache: str | None, **more: str) -> Frontend:
+        """A frontend with vLLM's processor (and `more` in its environment);
+        returns once it serves the model."""
         port = free_port()
-        env = {} if mmcache is None else {"MMCACHE_TARGET": mmcache}
+        env = {**more} if mmcache is None else {"MMCACHE_TARGET": mmcache, **more}
         proc = self._start(
             "frontend",
             [

@@ -112,6 +112,26 @@ def test_a_worker_side_miss_answers_with_the_image(model: Path, alone: list[Answ
         assert "Traceback" not in said and "multimodal transfer failed" not in said
 
 
+def test_a_frontend_whose_sidecar_is_unreachable_keeps_dynamo_alones_hits(
+    model: Path, alone: list[Answer]
+) -> None:
+    """Issue 43: with its sidecar's address answering nothing, the frontend's
+    processor cache is still vLLM's own (client/vllm/_local.py): red, red,
+    blue process two images, as Dynamo alone's cache does, and the answers
+    are Dynamo alone's."""
+    counters = free_port()
+    with stack(model) as dynamo:
+        dynamo.worker(None)
+        frontend = dynamo.frontend(
+            f"127.0.0.1:{free_port()}", MMCACHE_VLLM_METRICS_PORT=str(counters)
+        )  # nothing listens at the sidecar's address
+        answers = [frontend.chat(color) for color in COLORS]
+        assert same(answers, alone), dynamo.tail()
+        served = metrics(f"http://127.0.0.1:{counters}/metrics")
+        assert served["mmcache_vllm_processed_items_total"] == 2, served  # red once, blue once
+        assert served["mmcache_vllm_fail_opens_total"] >= 1  # it did try the sidecar
+
+
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
 def test_two_nodes_of_frontends_and_workers_process_each_image_once(
     model: Path, alone: list[Answer]
