@@ -40,6 +40,7 @@ from mmcache.client.vllm._caches import MMCacheProcessorCache
 from mmcache.client.vllm._sync import SyncClient
 
 from .conftest import Sidecar
+from .serve import metrics
 from .test_caches import eventually, item, updates
 
 # Values per image (float32): one per 64 pixels of a 64x64, 448x448,
@@ -124,10 +125,11 @@ def shared() -> Iterator[tuple[Sidecar, list[SyncClient]]]:
 
 def run_trace(
     trace: Trace, syncs: list[SyncClient], *, settle: bool, stop: int = -1, sidecar: Sidecar
-) -> tuple[int, int]:
+) -> tuple[int, int, tuple[int, int]]:
     """Drive `trace` through one P0 per process and through vLLM alone; assert
     per request that vLLM alone's hits are hits. Returns the processor runs
-    (with mmcache, vLLM alone). `settle`: each upload reaches every process's
+    (with mmcache, vLLM alone) and vLLM's counts with mmcache (queries, hits,
+    over every process). `settle`: each upload reaches every process's
     mirror before the next request. `stop`: the sidecar stops before request
     number `stop`."""
     scope = uuid.uuid4().hex  # a fresh key space per trace, on the one sidecar
@@ -155,7 +157,14 @@ def run_trace(
         runs_alone += len(hashes) - len(expected)
         if settle:
             settled(p0, syncs, [p0.key(h) for h in hashes])
-    return runs, runs_alone
+    stats = [p0.make_stats() for p0 in p0s]
+    return runs, runs_alone, (sum(s.total for s in stats), sum(s.hits for s in stats))
+
+
+def sidecar_counts(sidecar: Sidecar) -> tuple[float, float]:
+    """The sidecar's queries and hits so far (mmcache_queries_total, mmcache_hits_total)."""
+    served = metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")
+    return served["mmcache_queries_total"], served["mmcache_hits_total"]
 
 
 def settled(p0: MMCacheProcessorCache, syncs: list[SyncClient], keys: list[str]) -> None:
@@ -176,10 +185,15 @@ def test_one_sidecar_never_fewer_hits_and_each_image_processed_about_once(
 ) -> None:
     server, syncs = shared
     print(trace)
-    runs, runs_alone = run_trace(trace, syncs, settle=True, sidecar=server)
+    before = sidecar_counts(server)
+    runs, runs_alone, (queries, hits) = run_trace(trace, syncs, settle=True, sidecar=server)
     unique = len({i for _, images in trace.requests for i in images})
     assert runs <= runs_alone
     assert runs <= 1.1 * unique
+    # Exact counts: the sidecar's queries and hits in the trace are vLLM's
+    # (its own-cache hits and the misses no call told it of arrive by report).
+    expected = (before[0] + queries, before[1] + hits)
+    eventually(lambda: sidecar_counts(server) == expected, timeout=10)
 
 
 @settings(
@@ -198,7 +212,7 @@ def test_a_full_or_stopped_sidecar_never_costs_a_hit_of_vllm_alone(
         for sync in syncs:
             sync.call(sync.client.wait_following())
         print(trace, f"stop={stop} capacity_mb={capacity_mb}")
-        runs, runs_alone = run_trace(trace, syncs, settle=False, stop=stop, sidecar=server)
+        runs, runs_alone, _ = run_trace(trace, syncs, settle=False, stop=stop, sidecar=server)
         assert runs <= runs_alone
     finally:
         for sync in syncs:
@@ -216,6 +230,6 @@ def test_small_images_first_then_large_repeats_are_hits_in_every_process(
     probe = [(p, [0]) for p in range(4)]
     chats = [(n % 4, [1 + (n % 7)]) for n in range(40)]
     trace = Trace(["64x64"] + ["1024x1024"] * 7, 0.5, probe + chats)
-    runs, runs_alone = run_trace(trace, syncs, settle=True, sidecar=server)
+    runs, runs_alone, _ = run_trace(trace, syncs, settle=True, sidecar=server)
     assert runs == 8  # the probe's image and the 7 large ones, once each
     assert runs_alone > runs  # vLLM alone processes each image once per process
