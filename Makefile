@@ -3,7 +3,7 @@
 #   make test    installs the test tools into .venv, the Debian programs the
 #                tests run when missing (scripts/install-system-deps.sh: kubectl,
 #                docker-compose, prometheus, redis-server, podman, mmdebstrap,
-#                podman-compose and CNI's dnsname plugin), the vLLM test
+#                podman-compose, CNI's dnsname plugin, curl), the vLLM test
 #                environments (.venv-vllm, .venv-vllm-0.31, .venv-vllm-0.33) and
 #                NVIDIA Dynamo's (.venv-dynamo), and runs every check CI runs
 # Other targets: lint, typecheck, unit, test-vllm, test-dynamo, bench, clean.

@@ -10,6 +10,7 @@
 #   podman, mmdebstrap             podman 4.3, mmdebstrap 1.3       the image, built and run
 #   podman-compose (+ dnsname)     podman-compose 1.0.3             the local stack on podman
 #                                  (and CNI's dnsname plugin: services find each other by name)
+#   curl                           curl 7.88                        the quick starts' requests
 #
 # A kubectl that is already on PATH (e.g. the Google Cloud SDK's `kubectl` package,
 # v1.32 with kustomize v5) is kept: the manifests render with either. The offline
@@ -32,6 +33,7 @@ declare -A package_for=(
     [podman]="podman uidmap slirp4netns fuse-overlayfs"
     [mmdebstrap]=mmdebstrap
     [podman-compose]="podman-compose golang-github-containernetworking-plugin-dnsname"
+    [curl]=curl
 )
 
 have() {
@@ -45,7 +47,7 @@ have() {
 }
 
 missing=()
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose curl; do
     if ! have "$program"; then
         package=${package_for[$program]}
         if [[ " ${missing[*]-} " != *" $package "* ]]; then
@@ -56,7 +58,7 @@ for program in kubectl docker-compose prometheus promtool redis-server redis-cli
 done
 
 if ((${#missing[@]} == 0)); then
-    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis, podman, mmdebstrap, podman-compose all present"
+    echo "install-system-deps: kubectl, docker-compose, prometheus, promtool, redis, podman, mmdebstrap, podman-compose, curl all present"
     exit 0
 fi
 
@@ -83,7 +85,7 @@ export DEBIAN_FRONTEND=noninteractive
     -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
     "${missing[@]}"
 
-for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose; do
+for program in kubectl docker-compose prometheus promtool redis-server redis-cli podman mmdebstrap podman-compose curl; do
     if ! have "$program"; then
         echo "install-system-deps: $program still missing after installing ${missing[*]}" >&2
         exit 1
