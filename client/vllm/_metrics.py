@@ -11,11 +11,14 @@ they sent), and what was not shared (client/vllm/_costs.py, `Uploads`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PluginMetrics", "plugin_metrics", "serve_metrics"]
+
+_LOGGER = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,15 +81,13 @@ def serve_metrics(port: int) -> bool:
     this process: for one that serves no /metrics of its own (NVIDIA Dynamo's
     frontend and workers; `vllm serve` has its own). False, with a WARNING,
     when the port is taken (another process of the deployment serves it)."""
-    import logging
-
     from prometheus_client import start_http_server
 
     plugin_metrics()  # the counters exist before the first scrape
     try:
         start_http_server(port)
     except OSError as exc:
-        logging.getLogger(__name__).warning(
+        _LOGGER.warning(
             "mmcache: the plugin's counters are not served on port %d "
             "(MMCACHE_VLLM_METRICS_PORT): %s; another process of this deployment may "
             "serve them there",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,7 +209,8 @@ class MemoryL2:
             self._bytes -= found[0].nbytes
 
 
-_SHARED: dict[str, MemoryL2] = {}
+# Held by the tiers that use them: one no sidecar uses any more is freed.
+_SHARED: weakref.WeakValueDictionary[str, MemoryL2] = weakref.WeakValueDictionary()
 
 
 def is_memory_url(url: str) -> bool:
