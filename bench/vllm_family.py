@@ -17,13 +17,15 @@ request's images) before it runs. The family crosses:
 
 Per trace and configuration (`--api-server-count` 1, 2, 4; 2 engines with
 `--data-parallel-size 2`), vLLM alone and mmcache in turn, a fresh
-deployment each: vLLM's hits of its queries, processor runs (queries less
+deployment each round that serves the traces one after the other (`--fresh`:
+a deployment per trace): vLLM's hits of its queries, processor runs (queries less
 hits) against the trace's unique images, requests/s, API and engine CPU ms
 per request (read from /proc: bench/vllm.py), and the plugin's uploads made
 and declined (`mmcache_vllm_uploaded_items_total`,
 `mmcache_vllm_not_uploaded_items_total`). With `--repeats` the median of
-the runs is printed. `--short` (in `make bench`): two traces, one and four
-API servers, one run.
+the runs is printed; after the table, the family's median and worst trace
+for each measure. `--short` (in `make bench`): two traces, one and four API
+servers, one run.
 """
 
 from __future__ import annotations
@@ -180,32 +182,99 @@ def median(runs: list[Run]) -> Run:
     return Run(*(statistics.median(getattr(r, f) for r in runs) for f in Run.__dataclass_fields__))
 
 
-def table(model: Path, traces: list[Trace], configs: list[tuple[str, int, int]], repeats: int):
+def row(trace: Trace, label: str, alone: Run, cached: Run) -> str:
+    return (
+        f"| {trace.name} ({trace.seed}) | {label} "
+        f"| {cached.hits:.0f} / {alone.hits:.0f} ({cached.queries:.0f}) "
+        f"| {cached.queries - cached.hits:.0f} / {alone.queries - alone.hits:.0f} "
+        f"/ {trace.unique} "
+        f"| {cached.requests / cached.seconds:.2f} / {alone.requests / alone.seconds:.2f} "
+        f"| {cached.api_ms:.0f} / {alone.api_ms:.0f} "
+        f"| {cached.engine_ms:.0f} / {alone.engine_ms:.0f} "
+        f"| {cached.uploaded:.0f} / {cached.declined:.0f} |"
+    )
+
+
+@dataclass
+class Ratios:
+    """mmcache against vLLM alone on one trace and configuration (medians)."""
+
+    trace: str
+    config: str
+    hits: float  # mmcache's hits less vLLM alone's (never negative is the rule)
+    runs_per_unique: float  # mmcache's processor runs per unique image
+    throughput: float  # requests/s, mmcache / alone
+    api_cpu: float  # API CPU per request, mmcache / alone
+    engine_cpu: float
+
+
+def ratios(trace: Trace, label: str, alone: Run, cached: Run) -> Ratios:
+    return Ratios(
+        trace.name,
+        label,
+        cached.hits - alone.hits,
+        (cached.queries - cached.hits) / max(1, trace.unique),
+        (cached.requests / cached.seconds) / (alone.requests / alone.seconds),
+        cached.api_ms / max(alone.api_ms, 1e-9),
+        cached.engine_ms / max(alone.engine_ms, 1e-9),
+    )
+
+
+def summary(found: list[Ratios]) -> None:
+    """The family's medians and its worst trace, per measure (README's headline)."""
+    print("\n| measure (mmcache against vLLM alone) | family median | worst | worst trace |")
+    print("|---|---|---|---|")
+    measures = (
+        ("hits, mmcache less alone", "hits", min),
+        ("processor runs per unique image", "runs_per_unique", max),
+        ("requests/s ratio", "throughput", min),
+        ("API CPU per request ratio", "api_cpu", max),
+        ("engine CPU per request ratio", "engine_cpu", max),
+    )
+    for title, field, pick in measures:
+        values = [getattr(r, field) for r in found]
+        worst = pick(found, key=lambda r: getattr(r, field))
+        print(
+            f"| {title} | {statistics.median(values):.2f} | {getattr(worst, field):.2f} "
+            f"| {worst.trace}, {worst.config} |"
+        )
+
+
+def table(
+    model: Path,
+    traces: list[Trace],
+    configs: list[tuple[str, int, int]],
+    repeats: int,
+    fresh: bool,
+) -> list[Ratios]:
+    """Per configuration, `repeats` rounds of vLLM alone then mmcache (in turn:
+    the machine's drift hits both alike). A round's deployment serves the
+    traces one after the other (their images are distinct, so a trace finds
+    only the earlier traces' items taking room), or, with `fresh`, each
+    trace gets a deployment of its own."""
     print(
         "| trace | config | hits: mmcache / vLLM alone (of queries) | processor runs: "
         "mmcache / alone / unique images | requests/s: mmcache / alone | API CPU ms/req: "
         "mmcache / alone | engine CPU ms/req: mmcache / alone | uploads made / declined |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for trace in traces:
-        for label, api_servers, dp in configs:
-            runs: dict[bool, list[Run]] = {False: [], True: []}
-            for _ in range(repeats):  # in turn: the machine's drift hits both alike
-                for with_mmcache in (False, True):
+    found = []
+    for label, api_servers, dp in configs:
+        runs: dict[tuple[str, bool], list[Run]] = {}
+        for _ in range(repeats):
+            for with_mmcache in (False, True):
+                groups = [[t] for t in traces] if fresh else [traces]
+                for group in groups:
                     with deployment(model, api_servers, with_mmcache, dp) as served:
-                        runs[with_mmcache].append(run(served, trace))
-            alone, cached = median(runs[False]), median(runs[True])
-            print(
-                f"| {trace.name} ({trace.seed}) | {label} "
-                f"| {cached.hits:.0f} / {alone.hits:.0f} ({cached.queries:.0f}) "
-                f"| {cached.queries - cached.hits:.0f} / {alone.queries - alone.hits:.0f} "
-                f"/ {trace.unique} "
-                f"| {cached.requests / cached.seconds:.2f} / {alone.requests / alone.seconds:.2f} "
-                f"| {cached.api_ms:.0f} / {alone.api_ms:.0f} "
-                f"| {cached.engine_ms:.0f} / {alone.engine_ms:.0f} "
-                f"| {cached.uploaded:.0f} / {cached.declined:.0f} |",
-                flush=True,
-            )
+                        for trace in group:
+                            runs.setdefault((trace.name, with_mmcache), []).append(
+                                run(served, trace)
+                            )
+        for trace in traces:
+            alone, cached = median(runs[trace.name, False]), median(runs[trace.name, True])
+            print(row(trace, label, alone, cached), flush=True)
+            found.append(ratios(trace, label, alone, cached))
+    return found
 
 
 def main() -> None:
@@ -215,6 +284,7 @@ def main() -> None:
     parser.add_argument("--api-servers", default="1,2,4")
     parser.add_argument("--data-parallel", action="store_true", help="also 2 engines (DP)")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--fresh", action="store_true", help="a deployment per trace")
     args = parser.parse_args()
     shapes = [s for s in FAMILY if not args.short or s.name in SHORT]
     traces = [draw(shape, args.seed + n) for n, shape in enumerate(shapes)]
@@ -225,7 +295,8 @@ def main() -> None:
     for trace in traces:
         print(trace.describe())
     with tempfile.TemporaryDirectory() as tmp:
-        table(build(Path(tmp) / "tiny-qwen2-vl", REAL_PIXELS), traces, configs, args.repeats)
+        model = build(Path(tmp) / "tiny-qwen2-vl", REAL_PIXELS)
+        summary(table(model, traces, configs, args.repeats, args.fresh))
 
 
 if __name__ == "__main__":
