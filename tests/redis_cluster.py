@@ -18,11 +18,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RedisCluster", "free_port", "redis_available", "redis_cluster"]
+import pytest
+
+__all__ = ["RedisCluster", "free_port", "needs_redis", "redis_available", "redis_cluster"]
 
 
 def redis_available() -> bool:
     return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
+
+
+# The mark of a test that runs redis-server: skipped where it is not installed.
+needs_redis = pytest.mark.skipif(
+    not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
+)
 
 
 def free_port() -> int:

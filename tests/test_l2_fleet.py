@@ -1,10 +1,11 @@
 """The L2 tier's fleet protocol between real sidecars (gRPC, their own
 stores) on an L2 in this process's memory (`memory://`, the backend that
 tests/test_l2_contract.py holds to Redis's semantics): a cold image processed
-once, admission on a second sighting, single flight and its waits, claims
-that end, holders asked, a stopped sidecar's claims taken over. What needs a
-real Redis Cluster (its records, masters that die or hang, eviction there) is
-tests/test_l2.py."""
+once (by two sidecars, and by four at once), admission on a second sighting,
+single flight and its waits, claims that end, holders asked, a stopped
+sidecar's claims taken over, records no sidecar wrote. What needs a real
+Redis Cluster (masters that die or hang, eviction there, its wire) is
+tests/test_l2.py, tests/test_l2_heal.py and tests/test_resp_reads.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ from typing import TypeAlias
 
 import pytest
 
-from mmcache.server import EventsConfig
+from mmcache.client import MMCacheClient
+from mmcache.server import EventsConfig, MMCacheServer
+from mmcache.server.cache._l2 import L2Record
+from mmcache.server.cache._l2_memory import shared_memory_l2
 
 from .conftest import MIB, connected, eventually
 from .items import image_item
-from .test_l2 import sidecars, value
+from .l2_sidecars import sidecars, value
 
 Fleet: TypeAlias = SimpleNamespace
 
@@ -283,3 +287,61 @@ async def test_hundreds_of_items_in_one_lookup_all_come_from_l2(fleet: Fleet) ->
         found = await cb.lookup(hashes, lease=False)
         assert all(found.held)
         assert value(b, "mmcache_l2_errors_total", op="read") == 0
+
+
+async def test_a_record_no_sidecar_wrote_is_a_miss(fleet: Fleet) -> None:
+    async with sidecars(fleet, 1) as [(a, ca)]:
+        forged = L2Record(b"not a manifest", (b"junk",))
+        await shared_memory_l2(fleet.url).write("forged", forged, ttl_s=0)
+        assert (await ca.lookup(["forged"])).held == [False]
+        assert value(a, "mmcache_l2_errors_total", op="read") >= 1
+        assert "forged" not in a.store
+
+
+# -- four nodes at once --
+
+NODES = 4
+
+
+def total(servers: list[MMCacheServer], name: str, **labels: str) -> float:
+    return sum(value(server, name, **labels) for server in servers)
+
+
+async def frontend(port: int, mm_hash: str, seed: int) -> int:
+    """A frontend's request with one image: 1 when it had to run the processor."""
+    async with MMCacheClient(f"127.0.0.1:{port}") as client:
+        found = await client.lookup([mm_hash], modality="image")
+        if found.held[0]:
+            (got,) = await client.fetch([mm_hash])  # its engine's read
+            assert got == image_item(seed)
+            return 0
+        await asyncio.sleep(0.05)  # the processor
+        await client.get_and_update([image_item(seed)], [mm_hash], resend=[True])
+        (got,) = await client.fetch([mm_hash])
+        assert got == image_item(seed)
+        return 1
+
+
+async def test_a_cold_image_asked_for_by_four_nodes_at_once_is_processed_once(
+    fleet: Fleet,
+) -> None:
+    async with sidecars(fleet, NODES, wait_s=3.0) as pairs:
+        servers = [server for server, _ in pairs]
+        runs = await asyncio.gather(*(frontend(s.port, "cold-everywhere", 1) for s in servers))
+        assert sum(runs) == 1
+        assert total(servers, "mmcache_l2_hits_total") == NODES - 1
+        # Those that asked before it reached L2 waited for it; a later one read it.
+        arrived = total(servers, "mmcache_l2_flight_waits_total", result="arrived")
+        assert 1 <= arrived <= NODES - 1
+        assert total(servers, "mmcache_l2_flight_waits_total", result="timeout") == 0
+
+
+async def test_an_image_seen_twice_on_one_node_is_read_by_the_others(fleet: Fleet) -> None:
+    async with sidecars(fleet, NODES, wait_s=3.0) as pairs:
+        servers = [server for server, _ in pairs]
+        first, *others = [server.port for server in servers]
+        assert await frontend(first, "multi-turn", 2) == 1  # turn 1: processed
+        assert await frontend(first, "multi-turn", 2) == 0  # turn 2: a hit, and admitted to L2
+        await eventually(lambda: total(servers, "mmcache_l2_writes_total", result="written") >= 1)
+        runs = await asyncio.gather(*(frontend(port, "multi-turn", 2) for port in others))
+        assert sum(runs) == 0

@@ -1,4 +1,6 @@
-"""The L2 tier heals as it failed in a fleet: four `mmcache serve` sidecars
+"""L2's state, as `mmcache serve` processes show it: a wrong --l2 (a Redis
+without cluster mode, nothing at the address) is an ERROR at start with the
+fix, and L1 serves; and the tier heals as it failed in a fleet: four sidecars
 under traffic and an idle fifth on one Redis Cluster, a master SIGKILLed and
 started again (empty) with the traffic running; then every sidecar, the idle
 one included, reads and writes L2 again on every master within 15 s of the
@@ -20,12 +22,8 @@ from mmcache.client import MMCacheClient
 
 from .conftest import connected, parse_samples, sample, scrape_text
 from .items import image_item
-from .redis_cluster import RedisCluster, redis_available, redis_cluster
+from .redis_cluster import RedisCluster, needs_redis, redis_cluster
 from .test_process import MMCACHE, free_port, wait_serving
-
-pytestmark = pytest.mark.skipif(
-    not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
-)
 
 SIDECARS = 5  # four with traffic, the last idle
 HEAL_S = 15.0
@@ -123,9 +121,18 @@ def l2_holds(cluster: RedisCluster, key: str) -> bool:
     return False
 
 
-async def test_every_sidecar_reads_and_writes_l2_within_15s_of_a_master_restart(
-    tmp_path: Path,
+@needs_redis
+async def test_a_wrong_l2_is_an_error_and_every_sidecar_heals_within_15s_of_a_master_restart(
+    tmp_path: Path, plain_redis: int
 ) -> None:
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    with sidecars(f"redis://127.0.0.1:{plain_redis}", 1, wrong) as (sidecar,):
+        await served_from_l1(sidecar)
+        log = sidecar.log.read_text()
+        assert "ERROR" in log and "cluster support disabled" in log, log
+        assert "cluster-enabled yes" in log, log  # the fix
+
     with redis_cluster() as cluster, sidecars(cluster.url, SIDECARS, tmp_path) as fleet:
         ports = [(s.port, s.metrics_port) for s in fleet]
         assert [s.gauge("mmcache_l2_up") for s in fleet] == [1.0] * SIDECARS
@@ -214,26 +221,20 @@ def plain_redis(tmp_path: Path) -> Iterator[int]:
         plain.wait(timeout=10)
 
 
-async def test_a_redis_without_cluster_mode_is_an_error_at_start_and_l1_serves(
-    tmp_path: Path, plain_redis: int
-) -> None:
-    with sidecars(f"redis://127.0.0.1:{plain_redis}", 1, tmp_path) as (sidecar,):
-        await served_from_l1(sidecar)
-        log = sidecar.log.read_text()
-        assert "ERROR" in log and "cluster support disabled" in log, log
-        assert "cluster-enabled yes" in log, log  # the fix
-
-
 async def test_an_unreachable_l2_is_an_error_at_start_and_l1_serves(tmp_path: Path) -> None:
+    """No redis-server: nothing answers at the address (a cluster that is down)."""
     with sidecars(f"redis://127.0.0.1:{free_port()}", 1, tmp_path) as (sidecar,):
         await served_from_l1(sidecar)
         log = sidecar.log.read_text()
         assert "ERROR" in log and "is unusable" in log and "Connect" in log, log
+        errors = parse_samples(scrape_text(sidecar.metrics_port))
+        assert (sample(errors, "mmcache_l2_errors_total", op="read") or 0) >= 1
 
 
 async def served_from_l1(sidecar: Sidecar) -> None:
     async with connected(sidecar, follow=False) as client:
         assert (await client.lookup(["x"])).held == [False]
         await client.get_and_update([image_item(7)], ["x"])
+        assert (await client.lookup(["x"])).held == [True]
         assert (await client.fetch(["x"])) == [image_item(7)]
     assert sidecar.gauge("mmcache_l2_up") == 0.0

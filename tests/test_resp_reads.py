@@ -1,11 +1,13 @@
 """The L2 tier's big reads (server/cache/_resp_reads.py): replies parsed as they
-arrive, each bulk string received into its own buffer, on real Redis."""
+arrive, each bulk string received into its own buffer: against a real Redis
+Cluster (one test, its cases on one cluster), and the parser alone."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,19 +21,28 @@ from mmcache.server.cache._l2_redis import RedisClusterL2, redis_key
 from mmcache.server.cache._resp_reads import BulkReader, Reply, _Replies, encode_command
 
 from .proxy import Proxy
-from .redis_cluster import RedisCluster, redis_available, redis_cluster
-
-pytestmark = pytest.mark.skipif(
-    not redis_available(), reason="redis-server is missing: scripts/install-system-deps.sh"
-)
+from .redis_cluster import RedisCluster, needs_redis, redis_cluster
 
 MIB = 1024 * 1024
+PASSWORD = "s3cret"
 
 
-@pytest.fixture(scope="module")
-def cluster() -> RedisCluster:
-    with redis_cluster() as running:
-        yield running  # type: ignore[misc]
+@needs_redis
+def test_the_reader_on_a_real_cluster_behind_a_password() -> None:
+    """One cluster (requirepass: every connection logs in as redis-py's do),
+    each case on its own keys; the last one kills and restarts a master."""
+    with redis_cluster(password=PASSWORD) as cluster:
+        for case in (
+            _a_hash_with_big_and_small_fields_reads_as_redis_py_reads_it,
+            _many_commands_at_once_each_get_their_own_reply,
+            _a_burst_of_commands_opens_no_more_connections_than_the_most,
+            _a_waiter_that_gives_up_leaves_the_connection_in_step,
+            _error_replies_are_redis_pys_exceptions_and_the_connection_stays,
+            _an_l2_behind_a_password_reads_and_writes_and_a_wrong_one_fails_clearly,
+        ):
+            asyncio.run(case(cluster))
+        _a_reply_released_after_its_reader_gave_up_never_reaches_another(cluster)
+        asyncio.run(_a_lost_connection_fails_its_waiters_and_the_next_command_reconnects(cluster))
 
 
 def _master_of(cluster: RedisCluster, name: str) -> int:
@@ -48,16 +59,25 @@ def _master_of(cluster: RedisCluster, name: str) -> int:
     raise AssertionError(f"no master serves slot {slot}")
 
 
-async def test_a_hash_with_big_and_small_fields_reads_as_redis_py_reads_it(
+def _reader(port: int, **options: Any) -> BulkReader:
+    return BulkReader("127.0.0.1", port, password=PASSWORD, **options)
+
+
+def _plain(port: int) -> Redis:
+    """redis-py's own client of one master."""
+    return Redis(port=port, password=PASSWORD)
+
+
+async def _a_hash_with_big_and_small_fields_reads_as_redis_py_reads_it(
     cluster: RedisCluster,
 ) -> None:
     name = "{t}big"
     port = _master_of(cluster, name)
     fields = {b"m": b"manifest", b"c0": os.urandom(3 * MIB + 7), b"c1": b"", b"c2": os.urandom(99)}
-    async with Redis(port=port) as plain:
+    async with _plain(port) as plain:
         await plain.delete(name)
         await plain.hset(name, mapping=fields)  # type: ignore[arg-type]
-        reader = BulkReader("127.0.0.1", port)
+        reader = _reader(port)
         try:
             reply = await reader.command(b"HGETALL", name)
             assert isinstance(reply, list)
@@ -71,14 +91,14 @@ async def test_a_hash_with_big_and_small_fields_reads_as_redis_py_reads_it(
             await reader.close()
 
 
-async def test_many_commands_at_once_each_get_their_own_reply(cluster: RedisCluster) -> None:
+async def _many_commands_at_once_each_get_their_own_reply(cluster: RedisCluster) -> None:
     """Pipelined on a few connections, big and small replies interleaved: each
     waiter takes its own, in order."""
     port = _master_of(cluster, "{p}0")
     values = {f"{{p}}{i}": os.urandom((i % 3) * MIB + i) for i in range(30)}
-    async with Redis(port=port) as plain:
+    async with _plain(port) as plain:
         await plain.mset(values)  # type: ignore[arg-type]
-        reader = BulkReader("127.0.0.1", port, connections=2)
+        reader = _reader(port, connections=2)
         try:
             replies = await asyncio.gather(*(reader.command("GET", key) for key in values))
             assert replies == list(values.values())
@@ -86,11 +106,11 @@ async def test_many_commands_at_once_each_get_their_own_reply(cluster: RedisClus
             await reader.close()
 
 
-async def test_a_burst_of_commands_opens_no_more_connections_than_the_most(
+async def _a_burst_of_commands_opens_no_more_connections_than_the_most(
     cluster: RedisCluster,
 ) -> None:
     port = cluster.ports[0]
-    reader = BulkReader("127.0.0.1", port, connections=2)
+    reader = _reader(port, connections=2)
     try:
         replies = await asyncio.gather(*(reader.command("PING") for _ in range(20)))
         assert replies == [b"PONG"] * 20
@@ -99,15 +119,15 @@ async def test_a_burst_of_commands_opens_no_more_connections_than_the_most(
         await reader.close()
 
 
-async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: RedisCluster) -> None:
+async def _a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: RedisCluster) -> None:
     """The command is on the wire (connected first) when its caller gives up:
     its 16 MiB reply is read and dropped, and the next waiter gets its own."""
     port = _master_of(cluster, "{g}big")
     big = os.urandom(16 * MIB)
-    async with Redis(port=port) as plain:
+    async with _plain(port) as plain:
         await plain.set("{g}big", big)
         await plain.set("{g}small", b"small")
-        reader = BulkReader("127.0.0.1", port, connections=1)
+        reader = _reader(port, connections=1)
         try:
             assert await reader.command("PING") == b"PONG"
             with pytest.raises(asyncio.TimeoutError):
@@ -123,52 +143,58 @@ async def test_a_waiter_that_gives_up_leaves_the_connection_in_step(cluster: Red
 _SIZES = st.sampled_from([0, 5, 40_000, 70_000, MIB + 3, 3 * MIB])
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    late=st.lists(_SIZES, min_size=1, max_size=3),
-    asked=_SIZES,
-    moment=st.sampled_from(["before", "during", "after"]),
-    cut=st.integers(1, 3 * MIB),
-    steps=st.integers(1, 4),
-)
-def test_a_reply_released_after_its_reader_gave_up_never_reaches_another(
-    cluster: RedisCluster, late: list[int], asked: int, moment: str, cut: int, steps: int
+def _a_reply_released_after_its_reader_gave_up_never_reaches_another(
+    cluster: RedisCluster,
 ) -> None:
     """Replies held past their readers' deadline (a master stalling), then
     released before, during (cut inside them) or after the next command is
     sent: the next reader gets its own value, or an error; never another's."""
     port = _master_of(cluster, "{h}0")
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        late=st.lists(_SIZES, min_size=1, max_size=3),
+        asked=_SIZES,
+        moment=st.sampled_from(["before", "during", "after"]),
+        cut=st.integers(1, 3 * MIB),
+        steps=st.integers(1, 4),
+    )
+    def released(late: list[int], asked: int, moment: str, cut: int, steps: int) -> None:
+        asyncio.run(_released(port, late, asked, moment, cut, steps))
+
+    released()
+
+
+async def _released(
+    port: int, late: list[int], asked: int, moment: str, cut: int, steps: int
+) -> None:
     values = [os.urandom(size) for size in late]
     wanted = os.urandom(asked)
-
-    async def trial() -> None:
-        async with Redis(port=port) as plain:
-            await plain.mset({f"{{h}}{i}": v for i, v in enumerate([*values, wanted])})
-        async with Proxy(port) as proxy:
-            reader = BulkReader("127.0.0.1", proxy.port, connections=1)
-            try:
-                assert await reader.command("PING") == b"PONG"
-                proxy.stall()
-                for i in range(len(values)):
-                    with pytest.raises(asyncio.TimeoutError):
-                        await asyncio.wait_for(reader.command("GET", f"{{h}}{i}"), 0.05)
-                await _until(lambda: proxy.held_bytes >= sum(len(v) for v in values))
-                if moment == "before":
-                    proxy.release()
-                elif moment == "during":
-                    proxy.release(min(cut, max(0, proxy.held_bytes - 1)))
-                read = asyncio.ensure_future(reader.command("GET", f"{{h}}{len(values)}"))
-                await asyncio.sleep(0.01)  # sent, its reply behind the late ones
-                for _ in range(steps - 1):
-                    proxy.release(cut // steps + 1)
-                    await asyncio.sleep(0)
+    async with _plain(port) as plain:
+        await plain.mset({f"{{h}}{i}": v for i, v in enumerate([*values, wanted])})
+    async with Proxy(port) as proxy:
+        reader = _reader(proxy.port, connections=1)
+        try:
+            assert await reader.command("PING") == b"PONG"
+            proxy.stall()
+            for i in range(len(values)):
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(reader.command("GET", f"{{h}}{i}"), 0.05)
+            await _until(lambda: proxy.held_bytes >= sum(len(v) for v in values))
+            if moment == "before":
                 proxy.release()
-                assert await asyncio.wait_for(read, 10) == wanted
-                assert await reader.command("GET", "{h}0") == values[0]
-            finally:
-                await reader.close()
-
-    asyncio.run(trial())
+            elif moment == "during":
+                proxy.release(min(cut, max(0, proxy.held_bytes - 1)))
+            read = asyncio.ensure_future(reader.command("GET", f"{{h}}{len(values)}"))
+            await asyncio.sleep(0.01)  # sent, its reply behind the late ones
+            for _ in range(steps - 1):
+                proxy.release(cut // steps + 1)
+                await asyncio.sleep(0)
+            proxy.release()
+            assert await asyncio.wait_for(read, 10) == wanted
+            assert await reader.command("GET", "{h}0") == values[0]
+        finally:
+            await reader.close()
 
 
 async def _until(done: Callable[[], bool], within_s: float = 10.0) -> None:
@@ -179,16 +205,16 @@ async def _until(done: Callable[[], bool], within_s: float = 10.0) -> None:
     raise AssertionError("not reached in time")
 
 
-async def test_error_replies_are_redis_pys_exceptions_and_the_connection_stays(
+async def _error_replies_are_redis_pys_exceptions_and_the_connection_stays(
     cluster: RedisCluster,
 ) -> None:
     name = "{e}string"
     port = _master_of(cluster, name)
     other = next(p for p in cluster.ports if p != port)
-    async with Redis(port=port) as plain:
+    async with _plain(port) as plain:
         await plain.set(name, b"not a hash")
-    reader = BulkReader("127.0.0.1", port)
-    elsewhere = BulkReader("127.0.0.1", other)
+    reader = _reader(port)
+    elsewhere = _reader(other)
     try:
         with pytest.raises(ResponseError, match="WRONGTYPE"):
             await reader.command("HGETALL", name)
@@ -201,40 +227,42 @@ async def test_error_replies_are_redis_pys_exceptions_and_the_connection_stays(
         await elsewhere.close()
 
 
-async def test_a_lost_connection_fails_its_waiters_and_the_next_command_reconnects() -> None:
-    with redis_cluster() as own:
-        port = own.ports[0]
-        reader = BulkReader("127.0.0.1", port, connect_timeout_s=0.5)
+async def _an_l2_behind_a_password_reads_and_writes_and_a_wrong_one_fails_clearly(
+    cluster: RedisCluster,
+) -> None:
+    """The reads' own connections log in as redis-py's do (AUTH), or fail clearly."""
+    l2 = RedisClusterL2(cluster.url, timeout_s=2.0)
+    record = L2Record(b"manifest", (os.urandom(2 * MIB), b"tail"))
+    try:
+        await l2.write("k", record, ttl_s=60)
+        assert await l2.read("k") == record
+    finally:
+        await l2.close()
+    name = redis_key("mmcache:", "k")
+    port = _master_of(cluster, name)
+    for password, error in ((None, "NOAUTH"), ("wrong", "WRONGPASS|invalid password")):
+        reader = BulkReader("127.0.0.1", port, password=password)
         try:
-            assert await reader.command("PING") == b"PONG"
-            own.kill(port)
-            with pytest.raises(RedisConnectionError):
-                await reader.command("PING")
-            own.restart(port)
-            assert await reader.command("PING") == b"PONG"
+            with pytest.raises(ResponseError, match=error):
+                await reader.command("HGETALL", name)
         finally:
             await reader.close()
 
 
-async def test_an_l2_behind_a_password_reads_and_writes() -> None:
-    """The reads' own connections log in as redis-py's do (AUTH), or fail clearly."""
-    with redis_cluster(password="s3cret") as locked:
-        l2 = RedisClusterL2(locked.url, timeout_s=2.0)
-        record = L2Record(b"manifest", (os.urandom(2 * MIB), b"tail"))
-        try:
-            await l2.write("k", record, ttl_s=60)
-            assert await l2.read("k") == record
-        finally:
-            await l2.close()
-        name = redis_key("mmcache:", "k")
-        port = _master_of(locked, name)
-        for password, error in ((None, "NOAUTH"), ("wrong", "WRONGPASS|invalid password")):
-            reader = BulkReader("127.0.0.1", port, password=password)
-            try:
-                with pytest.raises(ResponseError, match=error):
-                    await reader.command("HGETALL", name)
-            finally:
-                await reader.close()
+async def _a_lost_connection_fails_its_waiters_and_the_next_command_reconnects(
+    cluster: RedisCluster,
+) -> None:
+    port = cluster.ports[0]
+    reader = _reader(port, connect_timeout_s=0.5)
+    try:
+        assert await reader.command("PING") == b"PONG"
+        cluster.kill(port)
+        with pytest.raises(RedisConnectionError):
+            await reader.command("PING")
+        cluster.restart(port)
+        assert await reader.command("PING") == b"PONG"
+    finally:
+        await reader.close()
 
 
 # -- the parser alone, on replies cut at every place ------------------------------

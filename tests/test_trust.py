@@ -105,6 +105,14 @@ def test_each_part_checks_itself_naming_its_flag(part: Callable[[], object], mes
         part()
 
 
+def test_a_bad_l2_url_is_refused_with_the_fix_and_never_echoes_its_password() -> None:
+    with pytest.raises(ConfigError, match="host:port"):
+        L2Config("redis://nohost")
+    with pytest.raises(ConfigError, match="redis://") as caught:
+        L2Config("http://user:secret@h:1")
+    assert "secret" not in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
