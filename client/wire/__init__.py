@@ -1,5 +1,5 @@
 """The client's wire: the only part of the client that speaks gRPC and the
-generated messages (`mmcache.v1`), and needs no torch.
+generated messages (proto/), and needs no torch.
 
 The rest of the client, and the ops CLI (`mmcache stats`), call the services
 through it in the client's own values (`_types`): a channel (`connect`, with

@@ -120,10 +120,10 @@ class CacheTransport:
         if self._sessions is not None:
             await self._sessions.close()
 
-    async def info(self, timeout: float | None = None) -> ServerInfo:
+    async def info(self, timeout: float | None = None, wait_for_ready: bool = True) -> ServerInfo:
         with translate_errors():
             reply: pb.InfoReply = await self._info(
-                pb.InfoRequest(), timeout=timeout or self._timeout, wait_for_ready=True
+                pb.InfoRequest(), timeout=timeout or self._timeout, wait_for_ready=wait_for_ready
             )
         return info_of(reply)
 
@@ -139,10 +139,10 @@ class CacheTransport:
             )
         return reply.touched
 
-    async def clear(self) -> Cleared:
+    async def clear(self, wait_for_ready: bool = True) -> Cleared:
         with translate_errors():
             reply: pb.ClearReply = await self._clear(
-                pb.ClearRequest(), timeout=self._timeout, wait_for_ready=True
+                pb.ClearRequest(), timeout=self._timeout, wait_for_ready=wait_for_ready
             )
         return cleared_of(reply)
 
