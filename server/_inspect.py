@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import grpc
+
 from mmcache._errors import InternalError, MMCacheError
 from mmcache._frames import chunk_payload_offset
 from mmcache.client.wire import CacheTransport, ServerInfo, Spec, Tls, connect, parse_fetched
@@ -44,9 +46,14 @@ class Connection:
             ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, server_name=self.tls_server_name
         )
 
+    def channel(self) -> grpc.aio.Channel:
+        """A channel with the TLS settings alone (no token: `mmcache health`)."""
+        return connect(self.target, tls=self.tls())
+
     @contextlib.asynccontextmanager
     async def calls(self) -> AsyncIterator[CacheTransport]:
-        """The server's calls, on a channel open while the block runs."""
+        """The server's calls, with the token and namespace, on a channel open
+        while the block runs."""
         channel = connect(self.target, tls=self.tls(), token=self.token, namespace=self.namespace)
         async with channel:
             yield CacheTransport(channel, self.timeout)
