@@ -30,8 +30,8 @@ from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedFie
 
 if TYPE_CHECKING:  # imported on first use (below): the wire layer needs no torch
     from ._client import FailOpen, Location, MMCacheClient, Tls
-    from ._resident import ResidentLeases
     from ._stats import CacheInfo
+    from .colocated import ResidentLeases
     from .wire._encoder import (
         AllocateOp,
         BatchResult,
@@ -59,7 +59,7 @@ _LAZY = {
     "Location": "._client",
     "MMCacheClient": "._client",
     "Tls": ".wire",
-    "ResidentLeases": "._resident",
+    "ResidentLeases": ".colocated",
     "CacheInfo": "._stats",
     **dict.fromkeys(
         (

@@ -15,15 +15,12 @@ from mmcache._frames import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTE
 from mmcache._items import Item
 
 from ._batch import Lease
-from ._colocated import CoLocated
 from ._connection import Connection
 from ._feed import FeedFollower
 from ._legacy import translate
 from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reads import Reads
-from ._resident import ResidentLeases
-from ._shm import ClientRegion, ClientRing
 from ._stats import CacheInfo, HitCounts
 from ._touch import FailOpen, Touch
 from ._uploads import (
@@ -34,6 +31,7 @@ from ._uploads import (
     lookup_call,
     update_call,
 )
+from .colocated import ClientRegion, ClientRing, CoLocated, ResidentLeases
 from .wire import MAX_SESSIONS, CacheTransport, ServerInfo, Tls
 from .wire._encoder import EncoderBooksAPI
 

@@ -4,14 +4,17 @@ out of the shared-memory region, or viewed in place."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._items import Item
 
 from ._codec import ItemDecoder, view_item
 from ._pool import BufferPool
-from ._shm import ClientRegion
 from .wire import Fetched, Slot, parse_fetched
+
+if TYPE_CHECKING:  # (the region's reads use this module)
+    from .colocated import ClientRegion
 
 __all__ = ["ShmRace", "decode_items", "no_frames", "read_fetch"]
 

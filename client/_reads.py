@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from mmcache._errors import CacheMissError, FailedPreconditionError
 from mmcache._items import Item
 
-from ._colocated import CoLocated
 from ._fetched import ShmRace, decode_items
 from ._pool import BufferPool
 from ._touch import Touch
+from .colocated import CoLocated
 from .wire import CacheTransport, Slot, parse_fetched
 
 __all__ = ["Reads"]

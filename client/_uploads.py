@@ -19,10 +19,9 @@ from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
 
 from ._batch import Entry, Lease, Reply, build_batch, check_lease, read_reply
 from ._codec import EncodedItem, encode_item
-from ._colocated import CoLocated
 from ._mirror import Mirror
-from ._slots import Size
 from ._touch import OUT_OF_TOUCH, Touch
+from .colocated import CoLocated, Size
 from .wire import CacheTransport, Slot
 
 __all__ = [

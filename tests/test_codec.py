@@ -25,7 +25,7 @@ from mmcache.client._codec import (
     iter_chunk_frames,
     num_chunks,
 )
-from mmcache.client._plans import decode_from_region
+from mmcache.client.colocated._plans import decode_from_region
 from mmcache.client.wire import Spec
 from mmcache.v1 import cache_pb2 as pb
 

@@ -18,8 +18,7 @@ from mmcache._equal import nested_equal
 from mmcache._frames import header_frame
 from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
-from mmcache.client._shm import attach
-from mmcache.client._slots import SPARE_BYTES
+from mmcache.client.colocated import SPARE_BYTES, attach
 from mmcache.client.wire import RegionInfo, Slot, Spec
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.v1 import cache_pb2 as pb
@@ -305,7 +304,7 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
 async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mmcache.client import _shm
+    from mmcache.client.colocated import _shm
 
     async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 6)}

@@ -15,15 +15,15 @@ from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache._items import Item
 from mmcache._spec import store_key
 
-from ._batch import Entry
-from ._fetched import decode_items, no_frames
-from ._pool import BufferPool
+from .._batch import Entry
+from .._fetched import decode_items, no_frames
+from .._pool import BufferPool
+from .._touch import Touch
+from ..wire import CacheTransport, ServerInfo, Slot, parse_fetched
 from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, attach
 from ._slots import Size, WriteSlots, size_of
-from ._touch import Touch
-from .wire import CacheTransport, ServerInfo, Slot, parse_fetched
 
 __all__ = ["SHM_MIN_BYTES", "CoLocated"]
 

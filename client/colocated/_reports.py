@@ -19,7 +19,7 @@ ring cannot take (full, retired, too large) goes by call as before.
 
 Reports come from the client's event loop, and (`post`) from its callers'
 own threads: the hits and reads it made there with no call
-(client/_resident.py). A ring write takes the ring's lock; what the ring
+(colocated/_resident.py). A ring write takes the ring's lock; what the ring
 cannot take is handed to the loop.
 """
 
@@ -35,8 +35,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from mmcache._errors import MMCacheError
 from mmcache._spec import MAX_HASHES_PER_CALL, MAX_MODALITIES_PER_REPORT
 
+from ..wire import Report, report_bytes
 from ._shm import ClientRing
-from .wire import Report, report_bytes
 
 __all__ = ["Reports"]
 

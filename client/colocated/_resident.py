@@ -37,11 +37,11 @@ from mmcache._items import Item
 from mmcache._rings import fence
 from mmcache._spec import store_key
 
+from .._pool import BufferPool
+from ..wire import Report, report_bytes
 from ._plans import modality_of
-from ._pool import BufferPool
 from ._reports import Reports
 from ._shm import ClientRegion
-from .wire import Report, report_bytes
 
 __all__ = ["ResidentHits", "ResidentLeases"]
 

@@ -19,9 +19,9 @@ import torch
 from mmcache._errors import MMCacheError
 from mmcache._items import Field, FieldElem, Item, MMItem
 
-from ._codec import _DTYPES, checked_leaves, leaf_buffer, shaped
-from ._pool import BufferPool
-from .wire import Spec, parse_spec
+from .._codec import _DTYPES, checked_leaves, leaf_buffer, shaped
+from .._pool import BufferPool
+from ..wire import Spec, parse_spec
 
 __all__ = ["decode_from_region", "modality_of"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from ..wire import Slot
 from ._shm import ClientRegion
-from .wire import Slot
 
 __all__ = ["SPARE_BYTES", "Size", "WriteSlots"]
 

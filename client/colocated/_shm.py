@@ -48,10 +48,10 @@ from mmcache._shm_layout import (
     probes,
 )
 
-from ._codec import EncodedItem, ItemDecoder, copy_payload
+from .._codec import EncodedItem, ItemDecoder, copy_payload
+from .._pool import BufferPool
+from ..wire import RegionInfo, Slot
 from ._plans import decode_from_region
-from ._pool import BufferPool
-from .wire import RegionInfo, Slot
 
 __all__ = ["ClientRegion", "ClientRing", "Extent", "attach"]
 
