@@ -28,61 +28,39 @@ from mmcache._errors import (
 )
 from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
 
-if TYPE_CHECKING:  # imported on first use (below): the wire layer needs no torch
-    from ._client import FailOpen, Location, MMCacheClient, Tls
-    from ._stats import CacheInfo
-    from .colocated import ResidentLeases
-    from .wire._encoder import (
-        AllocateOp,
-        BatchResult,
-        CanAllocateOp,
-        CheckAndUpdateCacheOp,
-        EncoderBatch,
-        EncoderBatchError,
-        EncoderBudget,
-        EncoderBudgetInputs,
-        EncoderCache,
-        EncoderCacheStats,
-        EncoderOp,
-        FreeEncoderInputOp,
-        FreeOp,
-        GetCachedMmHashesOp,
-        GetFreedMmHashesOp,
-        OpResult,
-        ResetOp,
-    )
+from ._stats import CacheInfo
+from .wire import Tls
+from .wire._encoder import (
+    AllocateOp,
+    BatchResult,
+    CanAllocateOp,
+    CheckAndUpdateCacheOp,
+    EncoderBatch,
+    EncoderBatchError,
+    EncoderBudget,
+    EncoderBudgetInputs,
+    EncoderCache,
+    EncoderCacheStats,
+    EncoderOp,
+    FreeEncoderInputOp,
+    FreeOp,
+    GetCachedMmHashesOp,
+    GetFreedMmHashesOp,
+    OpResult,
+    ResetOp,
+)
 
-# Each name's module: importing `mmcache.client.wire` (the ops CLI) runs this
-# file, and must not load torch, which the client's own parts do.
+if TYPE_CHECKING:
+    from ._client import FailOpen, Location, MMCacheClient
+    from .colocated import ResidentLeases
+
+# The names whose modules load torch, imported on first use: importing the
+# wire layer (`mmcache.client.wire`, as the ops CLI does) runs this file.
 _LAZY = {
     "FailOpen": "._client",
     "Location": "._client",
     "MMCacheClient": "._client",
-    "Tls": ".wire",
     "ResidentLeases": ".colocated",
-    "CacheInfo": "._stats",
-    **dict.fromkeys(
-        (
-            "AllocateOp",
-            "BatchResult",
-            "CanAllocateOp",
-            "CheckAndUpdateCacheOp",
-            "EncoderBatch",
-            "EncoderBatchError",
-            "EncoderBudget",
-            "EncoderBudgetInputs",
-            "EncoderCache",
-            "EncoderCacheStats",
-            "EncoderOp",
-            "FreeEncoderInputOp",
-            "FreeOp",
-            "GetCachedMmHashesOp",
-            "GetFreedMmHashesOp",
-            "OpResult",
-            "ResetOp",
-        ),
-        ".wire._encoder",
-    ),
 }
 
 

@@ -11,57 +11,23 @@ gRPC's errors as mmcache's typed ones.
         info = await CacheTransport(channel, timeout=5.0).info()
 """
 
+from . import _types
 from ._channel import CHANNEL_OPTIONS, Tls, connect, metadata_interceptors, open_channel
 from ._messages import parse_fetched, report_bytes, update_header
 from ._sessions import MAX_SESSIONS
 from ._spec import Leaf, Spec, TensorLeaf, describe, parse_spec
 from ._status import broken_write, error_from_rpc, error_from_status, translate_errors
 from ._transport import CacheTransport
-from ._types import (
-    Allocated,
-    Change,
-    Cleared,
-    FeedChanges,
-    FeedMessage,
-    FeedSnapshot,
-    Fetched,
-    FetchedItem,
-    Lease,
-    Located,
-    RegionInfo,
-    Reply,
-    Report,
-    ServerInfo,
-    Slot,
-    Tier,
-    UpdateEntry,
-)
+from ._types import *  # noqa: F403 (the client's values: every name in _types.__all__)
 
 __all__ = [
     "CHANNEL_OPTIONS",
     "MAX_SESSIONS",
-    "Allocated",
     "CacheTransport",
-    "Change",
-    "Cleared",
-    "FeedChanges",
-    "FeedMessage",
-    "FeedSnapshot",
-    "Fetched",
-    "FetchedItem",
     "Leaf",
-    "Lease",
-    "Located",
-    "RegionInfo",
-    "Reply",
-    "Report",
-    "ServerInfo",
-    "Slot",
     "Spec",
     "TensorLeaf",
-    "Tier",
     "Tls",
-    "UpdateEntry",
     "broken_write",
     "connect",
     "describe",
@@ -74,4 +40,5 @@ __all__ = [
     "report_bytes",
     "translate_errors",
     "update_header",
+    *_types.__all__,
 ]

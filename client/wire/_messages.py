@@ -3,6 +3,7 @@ the one place where the client writes or reads them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
@@ -66,26 +67,15 @@ def _slot_message(slot: Slot) -> pb.ShmSlot:
     return pb.ShmSlot(offset=slot.offset, length=slot.length, lease=slot.lease, hold=slot.hold)
 
 
+# ServerInfo's fields and Report's (but one each) are the messages' own, by name.
+_INFO = tuple(f.name for f in dataclasses.fields(ServerInfo) if f.name != "region")
+_REPORT = tuple(f.name for f in dataclasses.fields(Report) if f.name != "shm_leases")
+
+
 def info_of(reply: pb.InfoReply) -> ServerInfo:
     shm = reply.shm
-    return ServerInfo(
-        instance_id=reply.instance_id,
-        capacity_bytes=reply.capacity_bytes,
-        max_items=reply.max_items,
-        version=reply.version,
-        max_chunk_bytes=reply.max_chunk_bytes,
-        items=reply.items,
-        used_bytes=reply.used_bytes,
-        region=RegionInfo(shm.path, shm.size_bytes, shm.region_id)
-        if reply.HasField("shm")
-        else None,
-        shared_tier=reply.shared_tier,
-        leases=reply.leases,
-        queries=reply.queries,
-        hits=reply.hits,
-        namespaces=reply.namespaces,
-        l2_up=reply.l2_up,
-    )
+    region = RegionInfo(shm.path, shm.size_bytes, shm.region_id) if reply.HasField("shm") else None
+    return ServerInfo(**{name: getattr(reply, name) for name in _INFO}, region=region)
 
 
 def cleared_of(reply: pb.ClearReply) -> Cleared:
@@ -139,16 +129,8 @@ def parse_fetched(raw: bytes) -> Fetched:
 
 
 def report_message(report: Report) -> pb.ReleaseRequest:
-    return pb.ReleaseRequest(
-        mm_hashes=report.mm_hashes,
-        shm_token=report.shm_token,
-        shm_read_bytes=report.shm_read_bytes,
-        shm_done=report.shm_done,
-        misses=report.misses,
-        shm_leases=[pb.ShmLease(mm_hash=h, generation=g) for h, g in report.shm_leases],
-        hits=report.hits,
-        client_cpu_ns=report.client_cpu_ns,
-    )
+    leases = [pb.ShmLease(mm_hash=h, generation=g) for h, g in report.shm_leases]
+    return pb.ReleaseRequest(**{name: getattr(report, name) for name in _REPORT}, shm_leases=leases)
 
 
 def report_bytes(report: Report) -> bytes:

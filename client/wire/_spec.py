@@ -244,31 +244,28 @@ def _encode_field(key: str, field: object, elem: pb.FieldElem) -> None:
                 "give a list of slices (or tuples of slices)"
             )
         for entry in field.slices:
-            _encode_slice_entry(key, entry, elem.flat.slices.add())
+            out = elem.flat.slices.add()
+            if isinstance(entry, slice):
+                out.slice.SetInParent()  # so that slice(None), all unset, is still a slice
+                _encode_slice(key, entry, out.slice)
+            elif isinstance(entry, Sequence) and not isinstance(entry, str | bytes):
+                out.tuple.SetInParent()
+                for part in entry:
+                    if not isinstance(part, slice):
+                        raise InvalidArgumentError(
+                            f"field {key!r}: a FlatField slice tuple holds a "
+                            f"{type(part).__name__}, not a slice"
+                        )
+                    _encode_slice(key, part, out.tuple.slices.add())
+            else:
+                raise InvalidArgumentError(
+                    f"field {key!r}: FlatField.slices holds a {type(entry).__name__}; "
+                    "each entry is a slice or a tuple of slices"
+                )
     else:
         raise InvalidArgumentError(
             f"field {key!r} has field kind {type(field).__name__}; "
             "expected BatchedField, FlatField or SharedField"
-        )
-
-
-def _encode_slice_entry(key: str, entry: object, out: pb.SliceEntry) -> None:
-    if isinstance(entry, slice):
-        out.slice.SetInParent()  # so that slice(None), all unset, is still a slice
-        _encode_slice(key, entry, out.slice)
-    elif isinstance(entry, Sequence) and not isinstance(entry, str | bytes):
-        out.tuple.SetInParent()
-        for part in entry:
-            if not isinstance(part, slice):
-                raise InvalidArgumentError(
-                    f"field {key!r}: a FlatField slice tuple holds a "
-                    f"{type(part).__name__}, not a slice"
-                )
-            _encode_slice(key, part, out.tuple.slices.add())
-    else:
-        raise InvalidArgumentError(
-            f"field {key!r}: FlatField.slices holds a {type(entry).__name__}; "
-            "each entry is a slice or a tuple of slices"
         )
 
 

@@ -53,11 +53,12 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class RegionInfo:
-    """The shared-memory region a server announces."""
+    """The shared-memory region a server announces: its file, and the id its
+    header carries (another server's file, or a stale one, has another)."""
 
     path: str
     size_bytes: int
-    region_id: bytes
+    region_id: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
