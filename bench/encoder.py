@@ -32,7 +32,7 @@ from mmcache._encoder import (
     OpResult,
 )
 from mmcache.client import MMCacheClient
-from mmcache.client._encoder import EncoderCache
+from mmcache.client.wire._encoder import EncoderCache
 
 CACHE = 8192  # encoder tokens, as vLLM's default for many vision models
 COMPUTE = 8192  # per step

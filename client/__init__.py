@@ -8,6 +8,9 @@
 Errors are mmcache's typed errors (re-exported here), never raw gRPC ones.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mmcache._errors import (
     AbortedError,
     AlreadyExistsError,
@@ -25,8 +28,9 @@ from mmcache._errors import (
 )
 from mmcache._items import BatchedField, FieldElem, FlatField, MMItem, SharedField
 
-from ._client import FailOpen, Location, MMCacheClient, Tls
-from ._encoder import (
+from ._stats import CacheInfo
+from .wire import Tls
+from .wire._encoder import (
     AllocateOp,
     BatchResult,
     CanAllocateOp,
@@ -45,8 +49,33 @@ from ._encoder import (
     OpResult,
     ResetOp,
 )
-from ._resident import ResidentLeases
-from ._stats import CacheInfo
+
+if TYPE_CHECKING:
+    from ._client import FailOpen, Location, MMCacheClient
+    from .colocated import ResidentLeases
+
+# The names whose modules load torch, imported on first use: importing the
+# wire layer (`mmcache.client.wire`, as the ops CLI does) runs this file.
+_LAZY = {
+    "FailOpen": "._client",
+    "Location": "._client",
+    "MMCacheClient": "._client",
+    "ResidentLeases": ".colocated",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once: later lookups find it here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "AbortedError",

@@ -1,41 +1,31 @@
-"""GetAndUpdate's messages on the client: a batch's header and frames, its reply.
+"""A GetAndUpdate batch on the client: its header and frames, its reply checked.
 
-The client decides what each entry carries (`Entry`); this module alone
-turns that into the wire's `UpdateRequest` and chunk frames, and the
-server's `UpdateReply` back into a checked `Reply`.
+The client decides what each entry carries (`Entry`); this module turns that
+into the entries as they travel (the wire layer writes the header) and the
+items' chunk frames, and checks the server's `Reply` against the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_MESSAGE_BYTES
-from mmcache._lru import Outcome
 from mmcache._spec import check_count
-from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import EncodedItem, iter_chunk_frames, num_chunks
+from .wire import Lease, Reply, Slot, UpdateEntry, update_header
 
-__all__ = ["Batch", "Entry", "Lease", "Reply", "build_batch", "lease_mode", "read_reply"]
+__all__ = ["Batch", "Entry", "Lease", "Reply", "build_batch", "check_lease", "read_reply"]
 
 # A header must fit one message, with room for the frame's own prefix.
 MAX_HEADER_BYTES = MAX_MESSAGE_BYTES - 1024
 
-# What a call leases: True (every item held or stored), "hits" (only those
-# returned as None, which the engine must read), or False.
-Lease = bool | Literal["hits"]
 
-
-def lease_mode(lease: Lease) -> pb.LeaseMode.ValueType:
-    if lease == "hits":
-        return pb.LEASE_HITS
-    if lease is True:
-        return pb.LEASE_HELD
-    if lease is False:
-        return pb.LEASE_NONE
+def check_lease(lease: Lease) -> Lease:
+    if lease is True or lease is False or lease == "hits":
+        return lease
     raise InvalidArgumentError(f"lease must be True, False or 'hits', got {lease!r}")
 
 
@@ -63,28 +53,13 @@ class Batch:
             yield from iter_chunk_frames(encoded, self.chunk_bytes)
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """What the server did with a batch, true as of `seq`."""
-
-    instance_id: str
-    capacity: int
-    max_items: int
-    seq: int
-    outcomes: list[Outcome]
-    sizes: list[int]
-    evicted: list[str]
-    metadata: list[bytes] | None  # per entry, when any entry asked
-    spares: list[pb.ShmSlot]  # write slots asked for with the batch (all or none)
-
-
 def build_batch(
     entries: Sequence[Entry],
     touches: Sequence[str],
     *,
-    lease: pb.LeaseMode.ValueType,
+    lease: Lease,
     chunk_bytes: int,
-    shm: tuple[bytes, Mapping[int, pb.ShmSlot]] = (b"", {}),
+    shm: tuple[bytes, Mapping[int, Slot]] = (b"", {}),
     spares: Sequence[tuple[int, int]] = (),
     wait_ms: int = 0,
 ) -> Batch:
@@ -98,36 +73,31 @@ def build_batch(
     """
     check_count("entries", len(entries))
     token, slots = shm
-    request = pb.UpdateRequest(
-        touches=touches,
-        lease=lease,
-        shm_token=token if slots or spares else b"",
-        shm_spare_lengths=[length for length, _ in spares],
-        shm_spare_trailers=[trailer for _, trailer in spares],
-        wait_ms=wait_ms,
-    )
     sending: list[EncodedItem] = []
+    wire: list[UpdateEntry] = []
     for index, entry in enumerate(entries):
-        wire = request.entries.add(
-            mm_hash=entry.mm_hash,
-            modality=entry.modality,
-            resend=entry.resend,
-            want_metadata=entry.want_metadata,
+        data, slot, chunks = entry.data, None, 0
+        if data is not None and not entry.withheld:
+            slot = slots.get(index)
+            if slot is None:
+                chunks = num_chunks(data, chunk_bytes)
+                sending.append(data)
+        wire.append(
+            UpdateEntry(
+                entry.mm_hash,
+                entry.modality,
+                None if data is None else data.spec,
+                entry.withheld,
+                entry.metadata,
+                entry.want_metadata,
+                entry.resend,
+                slot,
+                chunks,
+            )
         )
-        if entry.data is None:
-            continue
-        wire.item.CopyFrom(entry.data.spec)
-        if entry.withheld:
-            wire.withheld = True
-            continue
-        wire.metadata = entry.metadata
-        slot = slots.get(index)
-        if slot is not None:
-            wire.shm.CopyFrom(slot)
-            continue
-        wire.num_chunks = num_chunks(entry.data, chunk_bytes)
-        sending.append(entry.data)
-    header = request.SerializeToString()
+    header = update_header(
+        wire, touches, lease=lease, shm_token=token, spares=spares, wait_ms=wait_ms
+    )
     if len(header) > MAX_HEADER_BYTES:
         raise InvalidArgumentError(
             f"this batch's header is {len(header)} bytes (its specs and metadata); one call's "
@@ -136,23 +106,12 @@ def build_batch(
     return Batch(header, tuple(sending), chunk_bytes)
 
 
-def read_reply(reply: pb.UpdateReply, entries: int) -> Reply:
+def read_reply(reply: Reply, entries: int) -> Reply:
     """The reply to a batch of `entries` entries, checked for shape."""
     if len(reply.outcomes) != entries or len(reply.sizes) != entries:
         raise InvalidArgumentError(
             f"the server answered {len(reply.outcomes)} outcomes for {entries} entries"
         )
-    metadata = list(reply.metadata) if reply.metadata else None
-    if metadata is not None and len(metadata) != entries:
+    if reply.metadata is not None and len(reply.metadata) != entries:
         raise InvalidArgumentError("the server's reply carries metadata for other entries")
-    return Reply(
-        instance_id=reply.instance_id,
-        capacity=reply.capacity_bytes,
-        max_items=reply.max_items,
-        seq=reply.seq,
-        outcomes=[Outcome(o) for o in reply.outcomes],
-        sizes=list(reply.sizes),
-        evicted=list(reply.evicted),
-        metadata=metadata,
-        spares=list(reply.shm_spares),
-    )
+    return reply

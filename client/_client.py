@@ -13,24 +13,16 @@ import grpc
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from mmcache._items import Item
-from mmcache.v1 import cache_pb2 as pb
 
 from ._batch import Lease
-from ._colocated import CoLocated
 from ._connection import Connection
-from ._encoder import EncoderBooksAPI
 from ._feed import FeedFollower
 from ._legacy import translate
 from ._mirror import Mirror
 from ._pool import BufferPool
 from ._reads import Reads
-from ._resident import ResidentLeases
-from ._security import Tls
-from ._sessions import MAX_SESSIONS
-from ._shm import ClientRegion, ClientRing
 from ._stats import CacheInfo, HitCounts
 from ._touch import FailOpen, Touch
-from ._transport import CacheTransport
 from ._uploads import (
     UpdateResult,
     Uploads,
@@ -39,6 +31,9 @@ from ._uploads import (
     lookup_call,
     update_call,
 )
+from .colocated import ClientRegion, ClientRing, CoLocated, ResidentLeases
+from .wire import MAX_SESSIONS, CacheTransport, ServerInfo, Tls
+from .wire._encoder import EncoderBooksAPI
 
 __all__ = ["FailOpen", "Location", "MMCacheClient", "Tls", "UpdateResult"]
 
@@ -54,9 +49,6 @@ class Location(NamedTuple):
 
     tier: str | None  # "l1": this sidecar holds it; "l2": only the L2 tier; None: neither
     size: int  # bytes charged for it here (0 unless tier == "l1")
-
-
-_TIERS = {pb.TIER_L1: "l1", pb.TIER_L2: "l2"}
 
 
 class MMCacheClient(EncoderBooksAPI):
@@ -412,9 +404,7 @@ class MMCacheClient(EncoderBooksAPI):
         )
         if reply is None:  # failed open: nowhere known, routed as without a cache
             return [Location(None, 0)] * len(mm_hashes)
-        return [
-            Location(_TIERS.get(t), size) for t, size in zip(reply.tiers, reply.sizes, strict=True)
-        ]
+        return [Location(t, size) for t, size in zip(reply.tiers, reply.sizes, strict=True)]
 
     async def refresh(self, mm_hashes: Sequence[str]) -> int:
         """Mark held items recently used on the server, now, in one call: `fetch`
@@ -425,9 +415,7 @@ class MMCacheClient(EncoderBooksAPI):
         reply = await self._touch.answer(
             "refresh", lambda timeout, wait: self.transport.touch(mm_hashes, timeout, wait)
         )
-        if reply is None:
-            return 0
-        return int(reply.touched)
+        return 0 if reply is None else reply
 
     async def count_misses(self, modalities: Sequence[str]) -> None:
         """Count queries answered here as misses on the server, one per modality
@@ -455,9 +443,7 @@ class MMCacheClient(EncoderBooksAPI):
         reply = await self._touch.answer(
             "release", lambda timeout, wait: self.transport.release(mm_hashes, timeout, wait)
         )
-        if reply is None:
-            return 0
-        return int(reply.released)
+        return 0 if reply is None else reply
 
     # -- internals ---------------------------------------------------------
 
@@ -487,7 +473,7 @@ class MMCacheClient(EncoderBooksAPI):
         then a hash the mirror lacks may still be a hit, if asked about."""
         return self._shared_tier
 
-    def _attach(self, info: pb.InfoReply) -> None:
+    def _attach(self, info: ServerInfo) -> None:
         self._shared_tier = info.shared_tier
         self._co.attach(info)
 

@@ -9,50 +9,38 @@ takes nothing else), and out of the frames into a fresh tensor on decode.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, SupportsIndex
 
 import torch
 
-from mmcache._dtypes import ITEMSIZE, nbytes_of
+from mmcache._dtypes import ITEMSIZE
 from mmcache._errors import InvalidArgumentError, ResourceExhaustedError
 from mmcache._frames import chunk_payload_offset, chunk_prefix
-from mmcache._items import (
-    BatchedField,
-    Field,
-    FieldElem,
-    FlatField,
-    Item,
-    MMItem,
-    NestedData,
-    SharedField,
-)
+from mmcache._items import Item
 from mmcache._memory import advise_hugepages, prefault_in_background
-from mmcache._spec import MAX_DEPTH, SpecSize, check_name, item_size
-from mmcache.v1 import cache_pb2 as pb
+from mmcache._spec import SpecSize
 
 from ._pool import MIN_POOLED_BYTES, BufferPool
+from .wire import Spec, TensorLeaf, describe
 
 __all__ = [
     "EncodedItem",
     "ItemDecoder",
+    "checked_leaves",
     "copy_payload",
     "decode_item",
     "encode_item",
     "iter_chunk_frames",
     "leaf_buffer",
     "num_chunks",
+    "shaped",
     "view_item",
 ]
 
 # Fetched tensors from this size up have their pages faulted in on a helper
 # thread while their frames arrive (smaller ones mostly reuse freed memory).
 _PREFAULT_BYTES = 32 << 20
-
-_INT64_MIN = -(1 << 63)
-_INT64_MAX = (1 << 63) - 1
 
 
 def _torch_dtypes() -> dict[str, torch.dtype]:
@@ -74,8 +62,8 @@ class EncodedItem:
         frames = iter_chunk_frames(enc, DEFAULT_CHUNK_BYTES)
     """
 
-    spec: pb.ItemSpec
-    size: SpecSize  # item_size(spec): what both sides charge
+    spec: Spec
+    size: SpecSize  # spec.size: what both sides charge
     modality: str  # the item's own, else the caller's, else ""
     tensors: tuple[torch.Tensor, ...]  # contiguous CPU leaves, in payload order
 
@@ -92,39 +80,17 @@ def encode_item(item: Item, *, modality: str | None = None) -> EncodedItem:
         enc = encode_item({"pixel_values": torch.rand(3, 224, 224)}, modality="image")
         enc.size.charged  # bytes the cache will charge for it
     """
-    if not isinstance(item, Mapping):
-        raise InvalidArgumentError(
-            f"an item is a mapping of key -> data or an MMItem, not {type(item).__name__}"
-        )
-    as_item = isinstance(item, MMItem) or (
-        bool(item) and all(isinstance(v, FieldElem) for v in item.values())
-    )
-    spec = pb.ItemSpec(form=pb.ItemSpec.FORM_ITEM if as_item else pb.ItemSpec.FORM_MAPPING)
     tensors: list[torch.Tensor] = []
-    modalities: set[str] = set()
-    for key, value in item.items():
-        if not isinstance(key, str):
-            raise InvalidArgumentError(f"item keys must be str, got {type(key).__name__} {key!r}")
-        check_name("item key", key)
-        elem = spec.fields.add(key=key)
-        data: object = value
-        if as_item:
-            if not isinstance(value, FieldElem):
-                raise InvalidArgumentError(
-                    f"field {key!r} of an MMItem must be a FieldElem, got {type(value).__name__}"
-                )
-            if value.key != key:
-                raise InvalidArgumentError(f"field {key!r} holds a FieldElem keyed {value.key!r}")
-            if not isinstance(value.modality, str):
-                raise InvalidArgumentError(f"the modality of field {key!r} must be a str")
-            elem.modality = value.modality
-            modalities.add(value.modality)
-            _encode_field(key, value.field, elem)
-            data = value.data
-        _encode_node(key, data, elem.data, tensors, 0)
-    size = item_size(spec)
-    common = modalities.pop() if len(modalities) == 1 else ""
-    return EncodedItem(spec, size, common or modality or "", tuple(tensors))
+
+    def leaf(key: str, data: object) -> tuple[str, Sequence[int]] | None:
+        if not isinstance(data, torch.Tensor):
+            return None
+        tensor = _leaf(key, data)
+        tensors.append(tensor)
+        return str(tensor.dtype).removeprefix("torch."), tensor.shape
+
+    spec, common = describe(item, leaf)
+    return EncodedItem(spec, spec.size, common or modality or "", tuple(tensors))
 
 
 def num_chunks(encoded: EncodedItem, chunk_bytes: int) -> int:
@@ -174,7 +140,7 @@ def copy_payload(encoded: EncodedItem, into: memoryview) -> None:
         pos += len(view)
 
 
-def decode_item(spec: pb.ItemSpec, frames: Sequence[bytes]) -> Item:
+def decode_item(spec: Spec, frames: Sequence[bytes]) -> Item:
     """Rebuild an item from its spec and chunk frames, in the form it was stored.
 
     Returns an `MMItem` for FORM_ITEM and a plain dict for FORM_MAPPING. Each
@@ -217,20 +183,21 @@ class ItemDecoder:
 
     __slots__ = ("_buffers", "_leaf", "_pos", "_received", "_spec", "_total")
 
-    def __init__(self, spec: pb.ItemSpec, pool: BufferPool | None = None) -> None:
+    def __init__(self, spec: Spec, pool: BufferPool | None = None) -> None:
         self._spec = spec
-        self._total = item_size(spec).payload
+        self._total = spec.size.payload
         self._buffers: list[tuple[torch.Tensor, memoryview]] = []
         large: list[tuple[int, int]] = []
-        for elem, tensor_spec, n in _leaves(spec):
+        for tensor_leaf in checked_leaves(spec):
+            n = tensor_leaf.nbytes
             # Allocated as bytes and viewed as the dtype at the end: the
             # same fresh storage, and no "experimental" warning for complex32.
             try:
                 raw, fresh = leaf_buffer(n, pool)
             except (RuntimeError, MemoryError):
                 raise ResourceExhaustedError(
-                    f"cannot allocate {n} bytes for a {tensor_spec.dtype} tensor of "
-                    f"field {elem.key!r}"
+                    f"cannot allocate {n} bytes for a {tensor_leaf.dtype} tensor of "
+                    f"field {tensor_leaf.key!r}"
                 ) from None
             if fresh and n >= _PREFAULT_BYTES:
                 large.append((raw.data_ptr(), n))
@@ -272,56 +239,48 @@ class ItemDecoder:
                 f"the item's tensors need {self._total} bytes but its chunk frames "
                 f"carry {self._received}"
             )
-        return _assemble(self._spec, iter(raw for raw, _ in self._buffers))
+        return self._spec.assemble(iter(raw for raw, _ in self._buffers), shaped)
 
 
-def view_item(spec: pb.ItemSpec, payload: memoryview) -> Item:
+def view_item(spec: Spec, payload: memoryview) -> Item:
     """The item with its tensors as views of `payload`: no copy, valid only while
     `payload`'s memory is (a shared-memory slot under its lease).
 
         item = view_item(fetched.item, slot_view)
     """
-    size = item_size(spec)
+    size = spec.size
     if len(payload) != size.payload:
         raise InvalidArgumentError(
             f"the item's tensors need {size.payload} bytes, the view holds {len(payload)}"
         )
     leaves: list[torch.Tensor] = []
     pos = 0
-    for _, _, n in _leaves(spec):
+    for tensor_leaf in checked_leaves(spec):
+        n = tensor_leaf.nbytes
         if n:
             leaves.append(torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=pos))
         else:
             leaves.append(torch.empty(0, dtype=torch.uint8))
         pos += n
-    return _assemble(spec, iter(leaves))
+    return spec.assemble(iter(leaves), shaped)
 
 
-def _leaves(spec: pb.ItemSpec) -> Iterator[tuple[pb.FieldElem, pb.TensorSpec, int]]:
-    """Each tensor leaf of `spec` in payload order, with its field and its bytes;
-    InvalidArgumentError for a dtype this torch lacks."""
-    for elem in spec.fields:
-        for tensor_spec in _tensor_specs(elem.data):
-            n = nbytes_of(tensor_spec.dtype, tensor_spec.shape)
-            if tensor_spec.dtype not in _DTYPES:
-                raise InvalidArgumentError(
-                    f"this torch ({torch.__version__}) has no dtype {tensor_spec.dtype}"
-                )
-            yield elem, tensor_spec, n
+def checked_leaves(spec: Spec) -> tuple[TensorLeaf, ...]:
+    """Each tensor leaf of `spec` in payload order; InvalidArgumentError for a
+    spec that is not valid, or a dtype this torch lacks."""
+    spec.size  # noqa: B018 (checks the spec)
+    leaves = spec.leaves()
+    for tensor_leaf in leaves:
+        if tensor_leaf.dtype not in _DTYPES:
+            raise InvalidArgumentError(
+                f"this torch ({torch.__version__}) has no dtype {tensor_leaf.dtype}"
+            )
+    return leaves
 
 
-def _assemble(spec: pb.ItemSpec, leaves: Iterator[torch.Tensor]) -> Item:
-    """The item in the form it was stored, from its filled leaves in payload order."""
-    if spec.form == pb.ItemSpec.FORM_ITEM:
-        return MMItem(
-            {
-                elem.key: FieldElem(
-                    elem.modality, elem.key, _build(elem.data, leaves), _decode_field(elem)
-                )
-                for elem in spec.fields
-            }
-        )
-    return {elem.key: _build(elem.data, leaves) for elem in spec.fields}
+def shaped(raw: torch.Tensor, tensor_leaf: TensorLeaf) -> torch.Tensor:
+    """A filled leaf's bytes as its tensor."""
+    return raw.view(_DTYPES[tensor_leaf.dtype]).reshape(tensor_leaf.shape)
 
 
 # -- encoding ---------------------------------------------------------------
@@ -330,35 +289,6 @@ def _assemble(spec: pb.ItemSpec, leaves: Iterator[torch.Tensor]) -> Item:
 def _check_chunk_bytes(chunk_bytes: int) -> None:
     if chunk_bytes < 1:
         raise InvalidArgumentError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
-
-
-def _encode_node(
-    key: str, data: object, node: pb.Node, tensors: list[torch.Tensor], depth: int
-) -> None:
-    # bool before int: True is an int to isinstance.
-    if isinstance(data, torch.Tensor):
-        tensor = _leaf(key, data)
-        node.tensor.dtype = str(tensor.dtype).removeprefix("torch.")
-        node.tensor.shape.extend(tensor.shape)
-        tensors.append(tensor)
-    elif isinstance(data, bool):
-        node.bool_value = data
-    elif isinstance(data, int):
-        node.int_value = _int64(key, data, "an int")
-    elif isinstance(data, float):
-        node.float_value = data
-    elif isinstance(data, list | tuple):
-        if depth >= MAX_DEPTH:
-            raise InvalidArgumentError(f"field {key!r} nests deeper than {MAX_DEPTH} levels")
-        container = node.list if isinstance(data, list) else node.tuple
-        container.SetInParent()  # so that an empty list or tuple is still one
-        for child in data:
-            _encode_node(key, child, container.items.add(), tensors, depth + 1)
-    else:
-        raise InvalidArgumentError(
-            f"field {key!r} holds a {type(data).__module__}.{type(data).__qualname__}; "
-            "item data must be tensors, ints, floats, bools, or lists/tuples of them"
-        )
 
 
 def _leaf(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -390,121 +320,3 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     # or 1 (t[::2] of a 1-element t), which reshape keeps and .view refuses.
     view: memoryview = tensor.as_strided((tensor.numel(),), (1,)).view(torch.uint8).numpy().data
     return view
-
-
-def _int64(key: str, value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise InvalidArgumentError(
-            f"field {key!r}: {what} must be an int, got {type(value).__name__}"
-        )
-    number = operator.index(value)
-    if not _INT64_MIN <= number <= _INT64_MAX:
-        raise InvalidArgumentError(
-            f"field {key!r}: {what} {number} does not fit in int64 "
-            f"[{_INT64_MIN}, {_INT64_MAX}]; store it as a tensor or a float"
-        )
-    return number
-
-
-def _encode_field(key: str, field: object, elem: pb.FieldElem) -> None:
-    elem.keep_on_cpu = bool(getattr(field, "keep_on_cpu", False))
-    if isinstance(field, BatchedField):
-        elem.batched.SetInParent()
-    elif isinstance(field, SharedField):
-        elem.shared.batch_size = _int64(key, field.batch_size, "SharedField.batch_size")
-    elif isinstance(field, FlatField):
-        elem.flat.dim = _int64(key, field.dim, "FlatField.dim")
-        if not isinstance(field.slices, Sequence) or isinstance(field.slices, str | bytes):
-            raise InvalidArgumentError(
-                f"field {key!r}: FlatField.slices is a {type(field.slices).__name__}; "
-                "give a list of slices (or tuples of slices)"
-            )
-        for entry in field.slices:
-            out = elem.flat.slices.add()
-            if isinstance(entry, slice):
-                out.slice.SetInParent()  # so that slice(None), all unset, is still a slice
-                _encode_slice(key, entry, out.slice)
-            elif isinstance(entry, Sequence) and not isinstance(entry, str | bytes):
-                out.tuple.SetInParent()
-                for part in entry:
-                    if not isinstance(part, slice):
-                        raise InvalidArgumentError(
-                            f"field {key!r}: a FlatField slice tuple holds a "
-                            f"{type(part).__name__}, not a slice"
-                        )
-                    _encode_slice(key, part, out.tuple.slices.add())
-            else:
-                raise InvalidArgumentError(
-                    f"field {key!r}: FlatField.slices holds a {type(entry).__name__}; "
-                    "each entry is a slice or a tuple of slices"
-                )
-    else:
-        raise InvalidArgumentError(
-            f"field {key!r} has field kind {type(field).__name__}; "
-            "expected BatchedField, FlatField or SharedField"
-        )
-
-
-def _encode_slice(key: str, s: slice, out: pb.Slice) -> None:
-    # Unset optional members stand for None.
-    if s.start is not None:
-        out.start = _int64(key, s.start, "a slice start")
-    if s.stop is not None:
-        out.stop = _int64(key, s.stop, "a slice stop")
-    if s.step is not None:
-        out.step = _int64(key, s.step, "a slice step")
-
-
-# -- decoding ---------------------------------------------------------------
-
-
-def _tensor_specs(node: pb.Node) -> Iterator[pb.TensorSpec]:
-    """The tensor leaves under `node`, in payload order (depth first)."""
-    kind = node.WhichOneof("kind")
-    if kind == "tensor":
-        yield node.tensor
-    elif kind in ("list", "tuple"):
-        for child in node.list.items if kind == "list" else node.tuple.items:
-            yield from _tensor_specs(child)
-
-
-def _build(node: pb.Node, leaves: Iterator[torch.Tensor]) -> NestedData:
-    """The data under `node`, taking filled tensor buffers in payload order."""
-    kind = node.WhichOneof("kind")
-    if kind == "tensor":
-        return next(leaves).view(_DTYPES[node.tensor.dtype]).reshape(tuple(node.tensor.shape))
-    if kind == "int_value":
-        return int(node.int_value)
-    if kind == "float_value":
-        return float(node.float_value)
-    if kind == "bool_value":
-        return bool(node.bool_value)
-    if kind == "list":
-        return [_build(child, leaves) for child in node.list.items]
-    # item_size has checked that every node has a kind.
-    return tuple(_build(child, leaves) for child in node.tuple.items)
-
-
-def _decode_field(elem: pb.FieldElem) -> Field:
-    kind = elem.WhichOneof("field")
-    keep_on_cpu = elem.keep_on_cpu
-    if kind == "shared":
-        return SharedField(batch_size=elem.shared.batch_size, keep_on_cpu=keep_on_cpu)
-    if kind == "flat":
-        slices: list[Any] = [
-            _decode_slice(entry.slice)
-            if entry.WhichOneof("kind") == "slice"
-            else tuple(_decode_slice(s) for s in entry.tuple.slices)
-            for entry in elem.flat.slices
-        ]
-        return FlatField(slices=slices, dim=elem.flat.dim, keep_on_cpu=keep_on_cpu)
-    # item_size has checked that a FORM_ITEM field has a kind.
-    return BatchedField(keep_on_cpu=keep_on_cpu)
-
-
-def _decode_slice(s: pb.Slice) -> slice:
-    return slice(
-        s.start if s.HasField("start") else None,
-        s.stop if s.HasField("stop") else None,
-        s.step if s.HasField("step") else None,
-    )

@@ -11,13 +11,18 @@ from typing import Any
 import grpc
 
 from mmcache._errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from mmcache.v1 import cache_pb2 as pb
 
 from ._feed import FeedFollower
 from ._mirror import Mirror
-from ._security import Tls, metadata_interceptors, open_channel
 from ._touch import OUT_OF_TOUCH, Touch
-from ._transport import CHANNEL_OPTIONS, CacheTransport
+from .wire import (
+    CHANNEL_OPTIONS,
+    CacheTransport,
+    ServerInfo,
+    Tls,
+    metadata_interceptors,
+    open_channel,
+)
 
 __all__ = ["Connection"]
 
@@ -29,7 +34,7 @@ class Connection:
         self,
         target: str,
         touch: Touch,
-        on_info: Callable[[pb.InfoReply], None],
+        on_info: Callable[[ServerInfo], None],
         on_instance: Callable[[str], None],
         *,
         timeout: float,

@@ -16,9 +16,9 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from mmcache._errors import MMCacheError
-from mmcache.v1 import cache_pb2 as pb
 
 from ._mirror import Mirror
+from .wire import FeedMessage
 
 __all__ = ["FeedFollower"]
 
@@ -33,7 +33,7 @@ class FeedFollower:
 
     def __init__(
         self,
-        subscribe: Callable[[], AsyncIterator[pb.FeedMessage]],
+        subscribe: Callable[[], AsyncIterator[FeedMessage]],
         mirror: Callable[[], Mirror],
         on_live: Callable[[], None],
         on_instance: Callable[[str], None] = lambda _: None,
@@ -78,9 +78,8 @@ class FeedFollower:
         try:
             async for message in stream:
                 mirror = self._mirror()
-                body = message.WhichOneof("body")
-                if body == "snapshot":
-                    part = message.snapshot
+                part = message.snapshot
+                if part is not None:
                     hashes.extend(part.mm_hashes)
                     sizes.extend(part.sizes)
                     pending.extend(part.pending)
@@ -99,7 +98,7 @@ class FeedFollower:
                     head = None
                     self._on_instance(message.instance_id)
                     yield
-                elif body == "changes":
+                elif message.changes is not None:
                     if not mirror.apply_changes(message.instance_id, message.seq, message.changes):
                         _LOGGER.info("mirror feed skipped a change: subscribing again")
                         return

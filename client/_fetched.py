@@ -4,18 +4,19 @@ out of the shared-memory region, or viewed in place."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-
-from google.protobuf.message import DecodeError
+from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._items import Item
-from mmcache.v1 import cache_pb2 as pb
 
 from ._codec import ItemDecoder, view_item
 from ._pool import BufferPool
-from ._shm import ClientRegion
+from .wire import Fetched, Slot, parse_fetched
 
-__all__ = ["ShmRace", "decode_items", "no_frames", "parse_fetch_header", "read_fetch"]
+if TYPE_CHECKING:  # (the region's reads use this module)
+    from .colocated import ClientRegion
+
+__all__ = ["ShmRace", "decode_items", "no_frames", "read_fetch"]
 
 
 class ShmRace(Exception):
@@ -28,28 +29,21 @@ async def no_frames() -> AsyncIterator[bytes]:
     yield
 
 
-def parse_fetch_header(raw: bytes) -> pb.FetchHeader:
-    try:
-        return pb.FetchHeader.FromString(raw)
-    except DecodeError as exc:
-        raise InvalidArgumentError(f"the Fetch reply's header does not parse: {exc}") from None
-
-
 async def read_fetch(
     frames: AsyncIterator[bytes], expected: int, pool: BufferPool | None = None
 ) -> list[Item]:
     """The items of a Fetch reply."""
     # The transport gives the header's bytes first, wherever they travelled.
-    return await decode_items(parse_fetch_header(await anext(frames)), frames, expected, pool)
+    return await decode_items(parse_fetched(await anext(frames)), frames, expected, pool)
 
 
 async def decode_items(
-    header: pb.FetchHeader,
+    header: Fetched,
     frames: AsyncIterator[bytes],
     expected: int,
     pool: BufferPool | None = None,
     region: ClientRegion | None = None,
-    views: list[pb.ShmSlot] | None = None,
+    views: list[Slot] | None = None,
 ) -> list[Item]:
     """The items a reply's header names. Items in the region are copied out of
     `region`; or, given `views`, viewed in place, their extents added to `views`
@@ -59,19 +53,20 @@ async def decode_items(
     items: list[Item] = []
     for fetched in header.items:
         # Each frame is copied into the item's tensors as it arrives and dropped.
-        if fetched.HasField("shm") and views is not None and region is not None:
+        slot = fetched.slot
+        if slot is not None and views is not None and region is not None:
             try:
-                items.append(view_item(fetched.item, region.view(fetched.shm)))
+                items.append(view_item(fetched.spec, region.view(slot)))
             except ValueError as exc:
                 raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
-            views.append(fetched.shm)
+            views.append(slot)
             continue
-        decoder = ItemDecoder(fetched.item, pool)
-        if fetched.HasField("shm"):
+        decoder = ItemDecoder(fetched.spec, pool)
+        if slot is not None:
             if region is None:
                 raise InvalidArgumentError("the Fetch reply names a slot this client cannot map")
             try:
-                copied = region.read(fetched.shm, decoder)
+                copied = region.read(slot, decoder)
             except ValueError as exc:
                 raise InvalidArgumentError(f"the Fetch reply's slot: {exc}") from None
             if not copied:

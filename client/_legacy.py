@@ -15,8 +15,8 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._security import Tls
 from ._touch import FailOpen
+from .wire import Tls
 
 __all__ = ["translate"]
 

@@ -29,7 +29,8 @@ from collections.abc import Iterable, Sequence
 
 from mmcache._lru import ByteLRU, Outcome
 from mmcache._spec import MAX_HASHES_PER_CALL
-from mmcache.v1 import cache_pb2 as pb
+
+from .wire import Change, FeedChanges
 
 __all__ = ["Mirror"]
 
@@ -215,7 +216,7 @@ class Mirror:
         self._seen = max(self._seen, seq)
         self.following = True
 
-    def apply_changes(self, instance_id: str, last_seq: int, changes: pb.FeedChanges) -> bool:
+    def apply_changes(self, instance_id: str, last_seq: int, changes: FeedChanges) -> bool:
         """Changes last_seq-n+1 .. last_seq, in order. False on a gap (resubscribe)."""
         if instance_id != self.instance_id or not self.following:
             return False
@@ -228,14 +229,14 @@ class Mirror:
             seq = first + offset
             if seq <= self.feed_seq:
                 continue  # already in the snapshot
-            if kind == pb.CHANGE_STORED:
+            if kind == Change.STORED:
                 self._present(mm_hash, size, seq)
-            elif kind == pb.CHANGE_REMOVED:
+            elif kind == Change.REMOVED:
                 self._absent(mm_hash, seq)
-            elif kind == pb.CHANGE_PENDING:
+            elif kind == Change.PENDING:
                 if max(self._lru.peek(mm_hash) or -1, self._gone.get(mm_hash, -1)) < seq:
                     self._pending[mm_hash] = seq
-            elif kind == pb.CHANGE_SETTLED:
+            elif kind == Change.SETTLED:
                 self._pending.pop(mm_hash, None)
         self.feed_seq = max(self.feed_seq, last_seq)
         self._seen = max(self._seen, last_seq)

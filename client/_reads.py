@@ -10,13 +10,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from mmcache._errors import CacheMissError, FailedPreconditionError
 from mmcache._items import Item
-from mmcache.v1 import cache_pb2 as pb
 
-from ._colocated import CoLocated
-from ._fetched import ShmRace, decode_items, parse_fetch_header
+from ._fetched import ShmRace, decode_items
 from ._pool import BufferPool
 from ._touch import Touch
-from ._transport import CacheTransport
+from .colocated import CoLocated
+from .wire import CacheTransport, Slot, parse_fetched
 
 __all__ = ["Reads"]
 
@@ -66,7 +65,7 @@ class Reads:
     @contextlib.asynccontextmanager
     async def view(self, mm_hashes: Sequence[str], release: bool) -> AsyncIterator[list[Item]]:
         region = self._co.region
-        slots: list[pb.ShmSlot] = []
+        slots: list[Slot] = []
         items = None
         async with self._touch.bounded("view"):  # its calls together, not the block
             if region is not None:
@@ -111,10 +110,9 @@ class Reads:
 
     async def _fetch(self, mm_hashes: Sequence[str], release: bool, wait: bool) -> list[Item]:
         """The items as the chunk frames of a Fetch."""
-        request = pb.FetchRequest(mm_hashes=mm_hashes, release=release)
-        frames = self._rpc().fetch(request, wait, self._touch.call_timeout)
+        frames = self._rpc().fetch(mm_hashes, release, wait, self._touch.call_timeout)
         try:
-            header = parse_fetch_header(await anext(frames))
+            header = parse_fetched(await anext(frames))
             self._co.answered(header.instance_id)  # a restart: its new region mapped
             return await decode_items(header, frames, len(mm_hashes), self._pool)
         finally:

@@ -16,15 +16,13 @@ from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._items import Item
 from mmcache._lru import Outcome
 from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name
-from mmcache.v1 import cache_pb2 as pb
 
-from ._batch import Entry, Lease, Reply, build_batch, lease_mode, read_reply
+from ._batch import Entry, Lease, Reply, build_batch, check_lease, read_reply
 from ._codec import EncodedItem, encode_item
-from ._colocated import CoLocated
 from ._mirror import Mirror
-from ._slots import Size
 from ._touch import OUT_OF_TOUCH, Touch
-from ._transport import CacheTransport
+from .colocated import CoLocated, Size
+from .wire import CacheTransport, Slot
 
 __all__ = [
     "Call",
@@ -230,7 +228,7 @@ class Uploads:
     async def _update(self, call: Call) -> UpdateResult:
         items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
         resent = _checked(call)
-        mode = lease_mode(call.lease)
+        mode = check_lease(call.lease)
         if self.caching_disabled():
             missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
             if missing:
@@ -287,7 +285,7 @@ class Uploads:
         encoded: Sequence[EncodedItem | None],
         labels: Sequence[str],
         outcomes: Sequence[Outcome],
-        mode: pb.LeaseMode.ValueType,
+        mode: Lease,
     ) -> list[bool]:
         """Drift: the mirror thought the server held these, and it did not. Send
         the data now: a miss the caller could not foresee never fails. What
@@ -324,13 +322,13 @@ class Uploads:
         no_data: list[str],
         outcomes: Sequence[Outcome],
         held: Sequence[bool],
-        mode: pb.LeaseMode.ValueType,
+        mode: Lease,
     ) -> None:
         """The request fails here: nobody will read what it leased."""
         mm_hashes = call.mm_hashes
-        if mode == pb.LEASE_HELD:
+        if mode is True:
             await self._give_back([h for h, kept in zip(mm_hashes, held, strict=True) if kept])
-        elif mode == pb.LEASE_HITS:
+        elif mode == "hits":
             await self._give_back(
                 [h for h, o in zip(mm_hashes, outcomes, strict=True) if o == Outcome.HIT]
             )
@@ -372,7 +370,7 @@ class Uploads:
         self,
         entries: Sequence[Entry],
         touches: Sequence[str],
-        lease: pb.LeaseMode.ValueType,
+        lease: Lease,
         *,
         shm: bool = True,
         wait_ms: int = 0,
@@ -394,15 +392,15 @@ class Uploads:
         self,
         entries: Sequence[Entry],
         touches: Sequence[str],
-        lease: pb.LeaseMode.ValueType,
-        slots: dict[int, pb.ShmSlot],
+        lease: Lease,
+        slots: dict[int, Slot],
         spares: list[Size],
         wait_ms: int = 0,
     ) -> Reply:
         region = self._co.region if slots else None
         mirror = self._mirror()
         call = mirror.call_started()
-        given: Sequence[pb.ShmSlot] = ()
+        given: Sequence[Slot] = ()
         try:
             batch = build_batch(
                 entries,

@@ -7,6 +7,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2
 
+from mmcache._errors import MMCacheError
+
 from ._inspect import Connection
 
 __all__ = ["check"]
@@ -24,7 +26,7 @@ async def check(connection: Connection, service: str = "") -> int:
     target = connection.target
     try:
         channel = connection.channel()
-    except OSError as exc:
+    except (OSError, MMCacheError) as exc:  # a PEM file it cannot read
         print(f"mmcache health {target}: {exc}", file=sys.stderr)
         return 1
     async with channel:

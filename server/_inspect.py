@@ -1,31 +1,29 @@
 """Looking inside a running cache, for people: `mmcache stats`, `mmcache
-locate HASH...`, `mmcache get HASH --out DIR`, `mmcache clear`. Plain gRPC
-calls (Info, Locate, Fetch, Clear) with the token, namespace and TLS settings
-of any client; no torch needed."""
+locate HASH...`, `mmcache get HASH --out DIR`, `mmcache clear`. The client's
+wire layer (`mmcache.client.wire`: no torch needed) makes the calls (Info,
+Locate, Fetch, Clear), with the token, namespace and TLS settings of any
+client."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import grpc
-from google.protobuf import json_format
 
-from mmcache._dtypes import nbytes_of
-from mmcache._spec import NAMESPACE_KEY
-from mmcache.v1 import cache_pb2 as pb
-
-from ._auth import AUTHORIZATION_KEY
+from mmcache._errors import InternalError, MMCacheError
+from mmcache._frames import chunk_payload_offset
+from mmcache.client.wire import CacheTransport, ServerInfo, Spec, Tls, connect, parse_fetched
 
 __all__ = ["Connection", "clear", "get", "locate", "stats"]
 
-_SERVICE = "/mmcache.v1.MMCache"
-_TIERS = {pb.TIER_L1: "held here", pb.TIER_L2: "in L2 only", pb.TIER_NONE: "not held"}
+_TIERS = {"l1": "held here", "l2": "in L2 only", None: "not held"}
 
 
 @dataclass(frozen=True)
@@ -41,59 +39,40 @@ class Connection:
     tls_server_name: str | None = None
     timeout: float = 5.0
 
-    def channel(self) -> grpc.aio.Channel:
+    def tls(self) -> Tls | None:
         if self.tls_ca is None and self.tls_cert is None:
-            return grpc.aio.insecure_channel(self.target)
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=None if self.tls_ca is None else _read(self.tls_ca),
-            private_key=None if self.tls_key is None else _read(self.tls_key),
-            certificate_chain=None if self.tls_cert is None else _read(self.tls_cert),
+            return None
+        return Tls(
+            ca=self.tls_ca, cert=self.tls_cert, key=self.tls_key, server_name=self.tls_server_name
         )
-        options = (
-            []
-            if self.tls_server_name is None
-            else [("grpc.ssl_target_name_override", self.tls_server_name)]
-        )
-        return grpc.aio.secure_channel(self.target, credentials, options=options)
 
-    def metadata(self) -> list[tuple[str, str]]:
-        sent = []
-        if self.token:
-            sent.append((AUTHORIZATION_KEY, f"Bearer {self.token}"))
-        if self.namespace:
-            sent.append((NAMESPACE_KEY, self.namespace))
-        return sent
+    def channel(self) -> grpc.aio.Channel:
+        """A channel with the TLS settings alone (no token: `mmcache health`)."""
+        return connect(self.target, tls=self.tls())
 
-    async def call(self, method: str, request: Any, reply: Callable[[bytes], Any]) -> Any:
-        async with self.channel() as channel:
-            stub = channel.unary_unary(
-                f"{_SERVICE}/{method}",
-                request_serializer=type(request).SerializeToString,
-                response_deserializer=reply,
-            )
-            return await stub(request, timeout=self.timeout, metadata=self.metadata())
+    @contextlib.asynccontextmanager
+    async def calls(self) -> AsyncIterator[CacheTransport]:
+        """The server's calls, with the token and namespace, on a channel open
+        while the block runs."""
+        channel = connect(self.target, tls=self.tls(), token=self.token, namespace=self.namespace)
+        async with channel:
+            yield CacheTransport(channel, self.timeout)
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as file:
-        return file.read()
-
-
-def _failed(what: str, exc: grpc.aio.AioRpcError, out: TextIO) -> int:
-    print(f"mmcache {what}: {exc.code().name}: {exc.details()}", file=out)
+def _failed(what: str, exc: MMCacheError, out: TextIO) -> int:
+    # An internal error's message starts with its status already.
+    said = str(exc) if isinstance(exc, InternalError) else f"{exc.code}: {exc}"
+    print(f"mmcache {what}: {said}", file=out)
     return 1
 
 
-def describe(info: pb.InfoReply, target: str) -> str:
+def describe(info: ServerInfo, target: str) -> str:
     """The lines `mmcache stats` prints for one Info."""
     ratio = f"{info.hits / info.queries:.1%}" if info.queries else "no queries yet"
     used = info.used_bytes / max(1, info.capacity_bytes)
     l2 = "none" if not info.shared_tier else ("up" if info.l2_up else "DOWN (reads skip it)")
-    shm = (
-        f"{info.shm.size_bytes / 2**20:.0f} MiB at {info.shm.path}"
-        if info.HasField("shm")
-        else "off"
-    )
+    region = info.region
+    shm = "off" if region is None else f"{region.size_bytes / 2**20:.0f} MiB at {region.path}"
     return "\n".join(
         [
             f"mmcache {info.version} at {target} (instance {info.instance_id})",
@@ -112,31 +91,32 @@ async def stats(
     connection: Connection, watch: float | None = None, out: TextIO = sys.stdout
 ) -> int:
     """Print the server's state; with `watch`, again every `watch` seconds."""
-    while True:
-        try:
-            info = await connection.call("Info", pb.InfoRequest(), pb.InfoReply.FromString)
-        except grpc.aio.AioRpcError as exc:
-            return _failed(f"stats {connection.target}", exc, sys.stderr)
-        if watch is not None:
-            out.write("\x1b[H\x1b[2J")  # the terminal cleared: a refreshing view
-        print(describe(info, connection.target), file=out, flush=True)
-        if watch is None:
-            return 0
-        await asyncio.sleep(watch)
+    try:
+        async with connection.calls() as calls:
+            while True:
+                info = await calls.info(wait_for_ready=False)
+                if watch is not None:
+                    out.write("\x1b[H\x1b[2J")  # the terminal cleared: a refreshing view
+                print(describe(info, connection.target), file=out, flush=True)
+                if watch is None:
+                    return 0
+                await asyncio.sleep(watch)
+    except MMCacheError as exc:
+        return _failed(f"stats {connection.target}", exc, sys.stderr)
 
 
 async def locate(
     connection: Connection, hashes: Sequence[str], check_l2: bool, out: TextIO = sys.stdout
 ) -> int:
     """Print where each hash is held (here, only in L2, nowhere) and its size."""
-    request = pb.LocateRequest(mm_hashes=list(hashes), check_l2=check_l2)
     try:
-        reply = await connection.call("Locate", request, pb.LocateReply.FromString)
-    except grpc.aio.AioRpcError as exc:
+        async with connection.calls() as calls:
+            where = await calls.locate(list(hashes), check_l2, wait_for_ready=False)
+    except MMCacheError as exc:
         return _failed("locate", exc, sys.stderr)
-    for mm_hash, tier, size in zip(hashes, reply.tiers, reply.sizes, strict=True):
-        shown = f" ({size} bytes)" if tier == pb.TIER_L1 else ""
-        print(f"{mm_hash}  {_TIERS.get(tier, 'unknown')}{shown}", file=out)
+    for mm_hash, tier, size in zip(hashes, where.tiers, where.sizes, strict=True):
+        shown = f" ({size} bytes)" if tier == "l1" else ""
+        print(f"{mm_hash}  {_TIERS[tier]}{shown}", file=out)
     return 0
 
 
@@ -165,40 +145,29 @@ async def clear(
             print("nothing removed", file=out)
             return 1
     try:
-        reply = await connection.call("Clear", pb.ClearRequest(), pb.ClearReply.FromString)
-    except grpc.aio.AioRpcError as exc:
+        async with connection.calls() as calls:
+            cleared = await calls.clear(wait_for_ready=False)
+    except MMCacheError as exc:
         return _failed("clear", exc, sys.stderr)
     print(
-        f"removed {reply.removed} items of {where}; {reply.kept_leased} leased ones stay "
+        f"removed {cleared.removed} items of {where}; {cleared.kept_leased} leased ones stay "
         "until their engines read them",
         file=out,
     )
     return 0
 
 
-def _leaves(spec: pb.ItemSpec) -> list[dict[str, Any]]:
+def _leaves(spec: Spec) -> list[dict[str, Any]]:
     """Each tensor of an item, where its bytes are in the payload (depth
     first, fields in order: the wire's order)."""
     found: list[dict[str, Any]] = []
     offset = 0
-
-    def walk(node: pb.Node, path: str) -> None:
-        nonlocal offset
-        kind = node.WhichOneof("kind")
-        if kind == "tensor":
-            nbytes = nbytes_of(node.tensor.dtype, node.tensor.shape)
-            shape = list(node.tensor.shape)
-            found.append(
-                {"path": path, "dtype": node.tensor.dtype, "shape": shape, "offset": offset,
-                 "nbytes": nbytes}
-            )  # fmt: skip
-            offset += nbytes
-        elif kind in ("list", "tuple"):
-            for i, child in enumerate(getattr(node, kind).items):
-                walk(child, f"{path}[{i}]")
-
-    for field in spec.fields:
-        walk(field.data, field.key)
+    for leaf in spec.leaves():
+        found.append(
+            {"path": leaf.path, "dtype": leaf.dtype, "shape": list(leaf.shape), "offset": offset,
+             "nbytes": leaf.nbytes}
+        )  # fmt: skip
+        offset += leaf.nbytes
     return found
 
 
@@ -212,26 +181,15 @@ async def get(connection: Connection, mm_hash: str, out_dir: str, out: TextIO = 
     """Write an item to `out_dir`: `spec.json` (its fields, and each tensor's
     dtype, shape and place in the payload) and `payload.bin` (the tensors'
     bytes). A read: no query counted, nothing reordered or leased."""
-    request = pb.FetchRequest(mm_hashes=[mm_hash])
     try:
-        async with connection.channel() as channel:
-            stub = channel.unary_stream(
-                f"{_SERVICE}/Fetch",
-                request_serializer=pb.FetchRequest.SerializeToString,
-                response_deserializer=pb.FetchFrame.FromString,
-            )
-            frames = [
-                frame
-                async for frame in stub(
-                    request, timeout=connection.timeout, metadata=connection.metadata()
-                )
-            ]
-    except grpc.aio.AioRpcError as exc:
+        async with connection.calls() as calls:
+            frames = [frame async for frame in calls.fetch([mm_hash], False, wait=False)]
+        (item,) = parse_fetched(frames[0]).items
+    except MMCacheError as exc:
         return _failed(f"get {mm_hash}", exc, sys.stderr)
-    (item,) = frames[0].header.items
-    payload = b"".join(frame.chunk for frame in frames[1:])
-    described = json_format.MessageToDict(item.item)
-    described["tensors"] = _leaves(item.item)
+    payload = b"".join(frame[chunk_payload_offset(frame) :] for frame in frames[1:])
+    described = item.spec.as_dict()
+    described["tensors"] = _leaves(item.spec)
     directory = Path(out_dir)
     _write(directory, json.dumps(described, indent=2) + "\n", payload)
     print(

@@ -319,7 +319,7 @@ async def test_misses_answered_by_the_client_are_counted_as_queries(
         await release(pb.ReleaseRequest(misses={f"m{i}": 1 for i in range(17)}))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "the limit is 16" in str(refused.value.details())
-    # So are the hits of leases a client took with no call (client/_resident.py).
+    # So are the hits of leases a client took with no call (client/colocated/_resident.py).
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await release(pb.ReleaseRequest(hits={f"m{i}": 1 for i in range(17)}))
     await channel.close()

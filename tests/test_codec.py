@@ -25,7 +25,8 @@ from mmcache.client._codec import (
     iter_chunk_frames,
     num_chunks,
 )
-from mmcache.client._plans import decode_from_region
+from mmcache.client.colocated._plans import decode_from_region
+from mmcache.client.wire import Spec
 from mmcache.v1 import cache_pb2 as pb
 
 # 1 byte and 5 bytes split every multi-byte leaf across frames; 64 packs several
@@ -171,7 +172,7 @@ def test_size_is_tensor_bytes_plus_getsizeof_of_scalars() -> None:
     tensors = [t for elem in item.values() for t in leaves(elem.data)]
     scalars = sys.getsizeof(-3) + sys.getsizeof(0.5) + sys.getsizeof(False) + sys.getsizeof(3)
     payload = sum(t.nbytes for t in tensors)
-    assert encoded.size == item_size(encoded.spec)
+    assert encoded.size == item_size(encoded.spec.message)
     assert encoded.size.payload == payload
     assert encoded.size.leaves == len(tensors) == 4
     assert encoded.size.charged == payload + scalars
@@ -205,7 +206,7 @@ def test_an_item_without_tensor_bytes_has_no_chunks() -> None:
     assert list(iter_chunk_frames(encoded, 1)) == []
     out: Any = decode_item(encoded.spec, [])
     assert nested_equal(list(out.values()), list(data.values()))
-    assert encode_item(MMItem()).spec.form == pb.ItemSpec.FORM_ITEM
+    assert encode_item(MMItem()).spec.message.form == pb.ItemSpec.FORM_ITEM
     assert decode_item(encode_item({}).spec, []) == {}
 
 
@@ -250,9 +251,9 @@ def test_encoded_modality_is_the_items_else_the_argument() -> None:
     assert encode_item(mixed).modality == ""
     mapping = encode_item({"a": torch.ones(1)}, modality="audio")
     assert mapping.modality == "audio"
-    assert mapping.spec.form == pb.ItemSpec.FORM_MAPPING
-    assert mapping.spec.fields[0].modality == ""
-    assert mapping.spec.fields[0].WhichOneof("field") is None
+    assert mapping.spec.message.form == pb.ItemSpec.FORM_MAPPING
+    assert mapping.spec.message.fields[0].modality == ""
+    assert mapping.spec.message.fields[0].WhichOneof("field") is None
 
 
 def test_a_plain_dict_of_field_elems_is_stored_as_an_item() -> None:
@@ -343,10 +344,10 @@ def test_frames_with_too_few_or_too_many_bytes_are_rejected() -> None:
 def test_an_invalid_spec_is_rejected_before_reading_frames() -> None:
     encoded, frames = encoded_and_frames()
     spec = pb.ItemSpec()
-    spec.CopyFrom(encoded.spec)
+    spec.CopyFrom(encoded.spec.message)
     spec.fields[0].data.tensor.dtype = "float128"
     with pytest.raises(InvalidArgumentError, match="unknown dtype 'float128'"):
-        decode_item(spec, frames)
+        decode_item(Spec(spec), frames)
 
 
 def test_nested_equal_is_bit_exact() -> None:
@@ -370,9 +371,9 @@ def test_nested_equal_is_bit_exact() -> None:
 def region_read(item: Mapping[str, Any]) -> Any:
     """encode -> one payload (as a region's extent holds it) -> decode by plan."""
     encoded = encode_item(item)
-    payload = bytearray(item_size(encoded.spec).payload)
+    payload = bytearray(item_size(encoded.spec.message).payload)
     copy_payload(encoded, memoryview(payload))
-    got = decode_from_region(encoded.spec.SerializeToString(), memoryview(payload), None)
+    got = decode_from_region(encoded.spec.serialize(), memoryview(payload), None)
     assert got is not None and got[1] == len(payload)
     return got[0]
 
@@ -426,4 +427,4 @@ def test_a_region_read_of_a_spec_that_is_not_one_is_none() -> None:
     encoded = encode_item({"x": torch.ones(4)})
     payload = memoryview(bytearray(16))
     assert decode_from_region(b"\xff\xff", payload, None) is None
-    assert decode_from_region(encoded.spec.SerializeToString(), payload[:8], None) is None
+    assert decode_from_region(encoded.spec.serialize(), payload[:8], None) is None

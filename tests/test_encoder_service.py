@@ -32,7 +32,7 @@ from mmcache._encoder import (
     ResetOp,
 )
 from mmcache.client import MMCacheClient
-from mmcache.client._encoder import (
+from mmcache.client.wire._encoder import (
     EncoderBatchError,
     EncoderBudget,
     EncoderBudgetInputs,

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from mmcache import _errors as errors
-from mmcache.client._status import broken_write, error_from_status
+from mmcache.client.wire import broken_write, error_from_status
 from mmcache.server._status import failure_code, status_code_of
 
 

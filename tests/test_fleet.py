@@ -578,7 +578,7 @@ async def test_metadata_over_the_limit_is_refused_with_the_limit(
 def upload_begun(channel: grpc.aio.Channel, mm_hash: str, encoded: EncodedItem) -> Any:
     """Another frontend's raw upload of `mm_hash`: its header is in, its bytes not yet."""
     request = pb.UpdateRequest(lease=pb.LEASE_HELD)
-    request.entries.add(mm_hash=mm_hash, modality="image", item=encoded.spec, num_chunks=1)
+    request.entries.add(mm_hash=mm_hash, modality="image", item=encoded.spec.message, num_chunks=1)
     return channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
         metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
     )
@@ -644,7 +644,9 @@ async def test_a_stalled_upload_costs_a_waiter_a_resend_not_a_hang() -> None:
         target = f"127.0.0.1:{server.port}"
         async with grpc.aio.insecure_channel(target) as channel, connected(server) as b:
             request = pb.UpdateRequest()
-            request.entries.add(mm_hash="stuck", modality="image", item=encoded.spec, num_chunks=1)
+            request.entries.add(
+                mm_hash="stuck", modality="image", item=encoded.spec.message, num_chunks=1
+            )
             stalled = channel.stream_unary(f"{SERVICE}/GetAndUpdate")(
                 metadata=(("mmcache-update-header-bin", request.SerializeToString()),)
             )  # its header is in; its bytes never come

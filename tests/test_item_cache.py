@@ -119,7 +119,7 @@ def _header(h: str, seed: int | None, numel: int = 4096) -> tuple[EntryHeader, t
         return entry, ()
     encoded = encode_item(image_item(seed, numel=numel))
     frames = tuple(iter_chunk_frames(encoded, MAX_CHUNK_BYTES))
-    message = pb.UpdateEntry(mm_hash=h, item=encoded.spec, num_chunks=len(frames))
+    message = pb.UpdateEntry(mm_hash=h, item=encoded.spec.message, num_chunks=len(frames))
     (entry,) = parse_header(pb.UpdateRequest(entries=[message]))
     return entry, frames
 

@@ -48,6 +48,7 @@ from mmcache.client._codec import (
     num_chunks,
 )
 from mmcache.client._fetched import read_fetch
+from mmcache.client.wire import Spec
 from mmcache.server._upload import (
     Context,
     check_no_surplus,
@@ -227,9 +228,9 @@ def test_any_item_round_trips_bit_exact_through_its_spec_and_frames(
     assert all(0 < n <= chunk_bytes for n in sizes)
     assert all(n == chunk_bytes for n in sizes[:-1])  # only the last is short
     assert sum(sizes) == encoded.size.payload == sum(t.nbytes for t in encoded.tensors)
-    assert encoded.size == item_size(encoded.spec)
+    assert encoded.size == item_size(encoded.spec.message)
     # The spec as it travels: serialised and parsed again.
-    spec = pb.ItemSpec.FromString(encoded.spec.SerializeToString())
+    spec = Spec(pb.ItemSpec.FromString(encoded.spec.serialize()))
     assert_same_item(decode_item(spec, frames), item)
 
 
@@ -251,7 +252,7 @@ def test_uploads_pass_the_server_parsers_and_come_back_bit_exact_in_a_fetch(
         request.entries.add(
             mm_hash=f"h{n}",
             modality=encoded.modality,
-            item=encoded.spec,
+            item=encoded.spec.message,
             num_chunks=len(frames),
             metadata=metadata,
         )
@@ -438,7 +439,7 @@ def check_accepted(received: Received) -> None:
         assert len(payload_of(upload.item.frames)) == size.payload == upload.item.payload
         assert upload.item.size == size.charged + len(upload.item.metadata)
         # Held, it would go back verbatim in a Fetch: the client must be able to read it.
-        decode_item(spec, upload.item.frames)
+        decode_item(Spec(spec), upload.item.frames)
 
 
 def chunk_frames(data: st.DataObject, total: int, exact: bool = False) -> list[bytes]:
@@ -562,7 +563,7 @@ def test_mutated_uploads_get_an_mmcache_error_or_a_consistent_upload(
     for n, item in enumerate(batch):
         encoded = encode_item(item)
         frames = list(iter_chunk_frames(encoded, chunk_bytes))
-        request.entries.add(mm_hash=f"h{n}", item=encoded.spec, num_chunks=len(frames))
+        request.entries.add(mm_hash=f"h{n}", item=encoded.spec.message, num_chunks=len(frames))
         chunks += frames
     header = request.SerializeToString()
     parts = mutate([header if in_metadata else header_frame(header), *chunks], mutations)
@@ -592,7 +593,7 @@ def test_any_spec_and_frames_decode_or_get_an_mmcache_error(
     frames = chunk_frames(data, total, exact=data.draw(st.booleans()))
     frames = mutate(frames, data.draw(MUTATIONS)) if data.draw(st.booleans()) else frames
     try:
-        item = decode_item(spec, frames)
+        item = decode_item(Spec(spec), frames)
     except MMCacheError as exc:
         event(f"refused: {type(exc).__name__}")
         return
@@ -609,7 +610,7 @@ def test_any_spec_and_frames_decode_or_get_an_mmcache_error(
             if entry.WhichOneof("kind") is None:  # read as an empty tuple of slices
                 entry.tuple.SetInParent()
     encoded = encode_item(item)
-    assert encoded.spec == expected
+    assert encoded.spec.message == expected
     assert payload_of(iter_chunk_frames(encoded, 7)) == payload_of(frames)
 
 
@@ -729,7 +730,7 @@ def test_a_spec_larger_than_memory_is_refused_by_an_mmcache_error() -> None:
     spec = pb.ItemSpec(form=pb.ItemSpec.FORM_MAPPING)
     spec.fields.add(key="k").data.tensor.CopyFrom(pb.TensorSpec(dtype="uint8", shape=[1 << 24] * 2))
     with pytest.raises(MMCacheError):
-        ItemDecoder(spec)
+        ItemDecoder(Spec(spec))
 
 
 def test_a_fetch_reply_whose_header_does_not_parse_is_an_invalid_argument() -> None:
@@ -740,7 +741,7 @@ def test_a_fetch_reply_whose_header_does_not_parse_is_an_invalid_argument() -> N
 def test_a_fetch_reply_with_too_few_chunks_is_an_invalid_argument() -> None:
     fetched = pb.FetchHeader(instance_id="i")
     encoded = encode_item({"k": torch.ones(4)})
-    fetched.items.add(mm_hash="h", item=encoded.spec, num_chunks=2)
+    fetched.items.add(mm_hash="h", item=encoded.spec.message, num_chunks=2)
     with pytest.raises(InvalidArgumentError):
         drive(read_fetch(in_memory([fetched.SerializeToString()]), 1))
 

@@ -1,4 +1,4 @@
-"""Hits with no call (client/_resident.py): a co-located client leases an item
+"""Hits with no call (client/colocated/_resident.py): a co-located client leases an item
 resident in the region by a record in its report ring, checked against the
 extent's word; an engine copies it out on its own thread and gives the lease
 back in its ring. Real servers, region files and clients: the hit is counted

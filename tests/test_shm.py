@@ -18,8 +18,8 @@ from mmcache._equal import nested_equal
 from mmcache._frames import header_frame
 from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
-from mmcache.client._shm import attach
-from mmcache.client._slots import SPARE_BYTES
+from mmcache.client.colocated import SPARE_BYTES, attach
+from mmcache.client.wire import RegionInfo, Slot, Spec
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.v1 import cache_pb2 as pb
 
@@ -293,10 +293,10 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
         item = image_item(3, numel=1 << 18)
         await c.get_and_update([item], ["s"], lease=False)
         assert c.region is not None
-        request = pb.FetchRequest(mm_hashes=["s"], shm_token=c.region.token)
-        header = pb.FetchHeader.FromString(await c.transport.read_shm(request))
+        raw = await c.transport.read_shm(["s"], False, c.region.token, [], hold=False)
+        header = pb.FetchHeader.FromString(raw)
         server.store.clear()  # no hold: the extent is freed at once
-        decoder = ItemDecoder(header.items[0].item)
+        decoder = ItemDecoder(Spec(header.items[0].item))
         assert not c.region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
         assert c.region.read_resident("s", None) is None
 
@@ -304,7 +304,7 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
 async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mmcache.client import _shm
+    from mmcache.client.colocated import _shm
 
     async with serving(shm_config(tmp_path)) as server, client(server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 6)}
@@ -329,8 +329,8 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
         first = {"x": tensor(torch.float32, 1 << 18, 1)}
         await c.get_and_update([first], ["h"], lease=False)
         assert c.region is not None
-        request = pb.FetchRequest(mm_hashes=["h"], shm_token=c.region.token, shm_hold=True)
-        header = pb.FetchHeader.FromString(await c.transport.read_shm(request))
+        raw = await c.transport.read_shm(["h"], False, c.region.token, [])
+        header = pb.FetchHeader.FromString(raw)
         # New data under the hash, and enough more to evict everything old.
         await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 2)}], ["h"], lease=False)
         for i in range(4):
@@ -338,7 +338,7 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
             await c.fetch([f"e{i}"], release=False)  # each moved into the region
             await c.release([f"e{i}"])  # now, not in the background: the next one needs room
         assert "h" not in server.store
-        decoder = ItemDecoder(header.items[0].item)
+        decoder = ItemDecoder(Spec(header.items[0].item))
         assert c.region.read(header.items[0].shm, decoder)  # the hold kept it
         assert same(decoder.finish(), first)
 
@@ -395,7 +395,7 @@ async def test_forged_handles_and_tokens_are_invalid_argument(shm_server: MMCach
         )
 
         async def upload(slot: pb.ShmSlot, token: bytes) -> grpc.aio.AioRpcError:
-            entry = pb.UpdateEntry(mm_hash="f", item=spec.spec, shm=slot)
+            entry = pb.UpdateEntry(mm_hash="f", item=spec.spec.message, shm=slot)
             request = pb.UpdateRequest(entries=[entry], shm_token=token)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await update(header_frame(request.SerializeToString()))
@@ -493,7 +493,7 @@ async def test_a_full_region_sends_over_grpc(tmp_path: Path) -> None:
 
 
 def test_attach_refuses_a_path_it_cannot_open(tmp_path: Path) -> None:
-    announced = pb.ShmRegion(path=str(tmp_path / "gone.shm"), size_bytes=8192, region_id=b"x")
+    announced = RegionInfo(str(tmp_path / "gone.shm"), 8192, b"x")
     assert attach("i", announced) is None
 
 
@@ -525,7 +525,7 @@ async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> N
         item = {"x": tensor(torch.float32, 1 << 20, 7)}  # 4 MiB: through a slot
         real_write = c.region.write
 
-        def stall_then_write(slot: pb.ShmSlot, encoded: object) -> None:
+        def stall_then_write(slot: Slot, encoded: object) -> None:
             import time
 
             time.sleep(0.3)  # past the lease: the server expires the slot meanwhile
@@ -565,7 +565,7 @@ async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> Non
         region = c.region
         assert region is not None
 
-        def cleared_under_the_copy(slot: pb.ShmSlot, decoder: ItemDecoder) -> bool:
+        def cleared_under_the_copy(slot: Slot, decoder: ItemDecoder) -> bool:
             server.store.clear()  # everything not leased goes
             return False
 
@@ -591,7 +591,7 @@ def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> Non
     empty = tmp_path / "empty.shm"
     empty.write_bytes(b"")
     for size in (0, 10, 8192):
-        announced = pb.ShmRegion(path=str(empty), size_bytes=size, region_id=b"x")
+        announced = RegionInfo(str(empty), size, b"x")
         assert attach("i", announced) is None
     assert attach("i", pb.ShmRegion(path=str(tmp_path), size_bytes=8192)) is None  # a directory
 
@@ -640,15 +640,12 @@ ROOT = str(Path(__file__).resolve().parent.parent)
 KILLED_READER = """
 import asyncio, sys
 from mmcache.client import MMCacheClient
-from mmcache.v1 import cache_pb2 as pb
 
 async def main() -> None:
     async with MMCacheClient(sys.argv[1], follow=False) as client:
         assert client.region is not None
-        request = pb.FetchRequest(
-            mm_hashes=["held"], shm_token=client.region.token, shm_hold=True
-        )
-        await client.transport.read_shm(request)  # a hold taken, never said done
+        # a hold taken, never said done
+        await client.transport.read_shm(["held"], False, client.region.token, [])
         print("read", flush=True)
         await asyncio.sleep(60)
 

@@ -460,7 +460,7 @@ def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_t
         p0.release_sender_touches()
     assert 0.015 < p0._processing.wait_for(1) < 0.1
     # Another API process's upload of "slow": its header is in, its bytes never come.
-    spec = encode_item(from_vllm(item(9), "image")).spec
+    spec = encode_item(from_vllm(item(9), "image")).spec.message
     header = pb.UpdateRequest(lease=pb.LEASE_NONE)
     header.entries.add(mm_hash=p0.key("slow"), modality="image", item=spec, num_chunks=1)
     done = threading.Event()

@@ -14,17 +14,16 @@ from collections.abc import Callable, Sequence
 from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache._items import Item
 from mmcache._spec import store_key
-from mmcache.v1 import cache_pb2 as pb
 
-from ._batch import Entry
-from ._fetched import decode_items, no_frames, parse_fetch_header
-from ._pool import BufferPool
+from .._batch import Entry
+from .._fetched import decode_items, no_frames
+from .._pool import BufferPool
+from .._touch import Touch
+from ..wire import CacheTransport, ServerInfo, Slot, parse_fetched
 from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, attach
 from ._slots import Size, WriteSlots, size_of
-from ._touch import Touch
-from ._transport import CacheTransport
 
 __all__ = ["SHM_MIN_BYTES", "CoLocated"]
 
@@ -59,7 +58,7 @@ class CoLocated:
         self._touch = touch  # every call's bound on a request's path (docs/faults.md)
         self.region: ClientRegion | None = None
         self.reports = Reports(
-            lambda request: rpc().report(request, touch.call_timeout, touch.wait_for_ready),
+            lambda report: rpc().report(report, touch.call_timeout, touch.wait_for_ready),
             self.answered,
             self._open_report_ring,
         )
@@ -73,12 +72,12 @@ class CoLocated:
 
     # -- the mapping -------------------------------------------------------
 
-    def attach(self, info: pb.InfoReply) -> None:
+    def attach(self, info: ServerInfo) -> None:
         """Map the server's region, if it has one this host can map."""
         self.detach()
         self._lost = False  # what Info says is the whole answer, region or none
-        if self._enabled and info.HasField("shm"):
-            self.region = attach(info.instance_id, info.shm)
+        if self._enabled and info.region is not None:
+            self.region = attach(info.instance_id, info.region)
             if self.region is not None:  # a ring now: leases with no call need one
                 self.reports.open(self.region.token)
 
@@ -161,7 +160,7 @@ class CoLocated:
 
     # -- uploads -----------------------------------------------------------
 
-    async def slots_for(self, entries: Sequence[Entry]) -> tuple[dict[int, pb.ShmSlot], list[Size]]:
+    async def slots_for(self, entries: Sequence[Entry]) -> tuple[dict[int, Slot], list[Size]]:
         """Slots holding the payloads of this batch's larger uploads (none: all
         over gRPC), by entry index; and the spares to ask for with its reply."""
         region = self.region
@@ -172,7 +171,7 @@ class CoLocated:
             for i, e in enumerate(entries)
             if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
         }
-        slots: dict[int, pb.ShmSlot] = {}
+        slots: dict[int, Slot] = {}
         for index, size in sizes.items():
             spare = self.write_slots.take(region, size)
             if spare is not None:
@@ -193,10 +192,10 @@ class CoLocated:
             return {}, []
         return slots, self.write_slots.top_up(list(sizes.values()))
 
-    async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[pb.ShmSlot] | None:
+    async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[Slot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""
         extra = self.write_slots.top_up(sizes)
-        spares: Sequence[pb.ShmSlot] = ()
+        spares: Sequence[Slot] = ()
         try:
             for asked in (sizes + extra, sizes) if extra else (sizes,):
                 try:
@@ -220,7 +219,7 @@ class CoLocated:
             self.give_back_slots(region, self.write_slots.keep(spares, extra))
 
     def settle_spares(
-        self, region: ClientRegion | None, given: Sequence[pb.ShmSlot], asked: list[Size]
+        self, region: ClientRegion | None, given: Sequence[Slot], asked: list[Size]
     ) -> None:
         """The spares a batch asked for came (`given`, maybe none): kept up to the
         client's caps, the rest back to the server."""
@@ -238,7 +237,7 @@ class CoLocated:
         (the item becomes resident where it is written)."""
         assert entry.data is not None
         key = store_key(self._namespace, entry.mm_hash)
-        return len(key.encode()) + entry.data.spec.ByteSize() + len(entry.metadata)
+        return len(key.encode()) + entry.data.spec.byte_size() + len(entry.metadata)
 
     # -- reads -------------------------------------------------------------
 
@@ -274,7 +273,7 @@ class CoLocated:
         mm_hashes: Sequence[str],
         release: bool,
         region: ClientRegion,
-        views: list[pb.ShmSlot] | None,
+        views: list[Slot] | None,
         wait: bool = True,
     ) -> list[Item] | None:
         """The items through the region (copied out, or viewed into `views` under
@@ -284,25 +283,25 @@ class CoLocated:
         # the region has no room for then comes in a transient copy, freed by
         # the done, instead of pushing another out. The holds done so far go
         # with the call, so the server frees their extents before this read.
-        request = pb.FetchRequest(
-            mm_hashes=mm_hashes,
-            release=release,
-            shm_token=region.token,
-            shm_hold=True,
-            shm_done=self.reports.done(region.token),
-        )
         try:
-            raw = await self._rpc().read_shm(request, wait, self._touch.call_timeout)
+            raw = await self._rpc().read_shm(
+                mm_hashes,
+                release,
+                region.token,
+                self.reports.done(region.token),
+                wait,
+                self._touch.call_timeout,
+            )
         except InvalidArgumentError:
             self.restarted()  # the token is not the server's: a new server
             return None
-        header = parse_fetch_header(raw)
+        header = parse_fetched(raw)
         if header.instance_id != region.instance_id:  # another server now
             self.answered(header.instance_id)
             return None
         if not header.items and mm_hashes:
             return None
-        held = [fetched.shm.hold for fetched in header.items if fetched.shm.hold]
+        held = [f.slot.hold for f in header.items if f.slot is not None and f.slot.hold]
         try:
             items = await decode_items(
                 header, no_frames(), len(mm_hashes), self._pool, region, views

@@ -19,7 +19,7 @@ ring cannot take (full, retired, too large) goes by call as before.
 
 Reports come from the client's event loop, and (`post`) from its callers'
 own threads: the hits and reads it made there with no call
-(client/_resident.py). A ring write takes the ring's lock; what the ring
+(colocated/_resident.py). A ring write takes the ring's lock; what the ring
 cannot take is handed to the loop.
 """
 
@@ -34,8 +34,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from mmcache._errors import MMCacheError
 from mmcache._spec import MAX_HASHES_PER_CALL, MAX_MODALITIES_PER_REPORT
-from mmcache.v1 import cache_pb2 as pb
 
+from ..wire import Report, report_bytes
 from ._shm import ClientRing
 
 __all__ = ["Reports"]
@@ -52,7 +52,7 @@ class Reports:
 
     def __init__(
         self,
-        send: Callable[[pb.ReleaseRequest], Awaitable[pb.ReleaseReply]],
+        send: Callable[[Report], Awaitable[str]],
         answered: Callable[[str], None],
         open_ring: Callable[[bytes], Awaitable[ClientRing | None]] | None = None,
     ) -> None:
@@ -91,7 +91,7 @@ class Reports:
         ring = self._ring_for(token)
         if ring is not None:
             released, done = list(released), list(done)
-            report = pb.ReleaseRequest(mm_hashes=released, shm_done=done, shm_read_bytes=read_bytes)
+            report = Report(mm_hashes=released, shm_done=done, shm_read_bytes=read_bytes)
             if self._written(ring, report):
                 return
         self._released.extend(released)
@@ -124,7 +124,7 @@ class Reports:
         counted = Counter(modalities)
         ring = self._ring
         fits = len(counted) <= MAX_MODALITIES_PER_REPORT
-        report = pb.ReleaseRequest(hits=counted) if hits else pb.ReleaseRequest(misses=counted)
+        report = Report(hits=counted) if hits else Report(misses=counted)
         if ring is not None and fits and self._written(ring, report):
             return
         if hits:
@@ -148,9 +148,9 @@ class Reports:
             self._no_ring_until = 0.0
         self._ring_for(token)
 
-    def post(self, token: bytes, report: pb.ReleaseRequest) -> None:
+    def post(self, token: bytes, report: Report) -> None:
         """`add` from any thread: into the ring, or else to the loop, which sends it."""
-        payload = report.SerializeToString()
+        payload = report_bytes(report)
         if not payload:  # nothing to say; an empty record would say the client closed
             return
         ring = self.ring(token)
@@ -161,7 +161,7 @@ class Reports:
             with contextlib.suppress(RuntimeError):  # a loop closing meanwhile
                 loop.call_soon_threadsafe(self._merge, token, report)
 
-    def _merge(self, token: bytes, report: pb.ReleaseRequest) -> None:
+    def _merge(self, token: bytes, report: Report) -> None:
         """On the loop: a report a caller's thread could not write in the ring."""
         self._hits = _folded(self._hits + Counter(report.hits))
         self._cpu_ns += report.client_cpu_ns
@@ -178,9 +178,9 @@ class Reports:
             self._opening = asyncio.get_running_loop().create_task(self._open(token))
         return None
 
-    def _written(self, ring: ClientRing, report: pb.ReleaseRequest) -> bool:
+    def _written(self, ring: ClientRing, report: Report) -> bool:
         """Whether `report` went in `ring`; one retired is dropped (by call, and another later)."""
-        payload = report.SerializeToString()
+        payload = report_bytes(report)
         if not payload:  # nothing to say; an empty record would say the client closed
             return True
         if ring.write(payload):
@@ -222,7 +222,7 @@ class Reports:
             or self._cpu_ns
         ):
             self._sending = self._done[:MAX_HASHES_PER_CALL]
-            request = pb.ReleaseRequest(
+            request = Report(
                 mm_hashes=self._released[:MAX_HASHES_PER_CALL],
                 shm_token=self._token,
                 shm_read_bytes=self._read_bytes,
@@ -236,11 +236,11 @@ class Reports:
             self._read_bytes = self._cpu_ns = 0
             self._misses, self._hits = Counter(), Counter()
             try:
-                reply = await self._send(request)
+                instance_id = await self._send(request)
             except MMCacheError as exc:
                 _LOGGER.debug("could not report to the server (leases end by themselves): %s", exc)
             else:
-                self._answered(reply.instance_id)
+                self._answered(instance_id)
             finally:
                 self._sending = []
 

@@ -36,10 +36,10 @@ from typing import NamedTuple
 from mmcache._items import Item
 from mmcache._rings import fence
 from mmcache._spec import store_key
-from mmcache.v1 import cache_pb2 as pb
 
+from .._pool import BufferPool
+from ..wire import Report, report_bytes
 from ._plans import modality_of
-from ._pool import BufferPool
 from ._reports import Reports
 from ._shm import ClientRegion
 
@@ -69,7 +69,7 @@ class ResidentHits:
         self._carried_ns = 0
         self._carry_lock = threading.Lock()
 
-    def _post(self, token: bytes, report: pb.ReleaseRequest, started: int) -> None:
+    def _post(self, token: bytes, report: Report, started: int) -> None:
         """Send `report` with the CPU spent since `started` (and what the last
         report's writing cost): into the ring, or by the client's loop."""
         with self._carry_lock:
@@ -115,12 +115,8 @@ class ResidentHits:
             found = [
                 f if f is not None and usable(i, f.metadata) else None for i, f in enumerate(found)
             ]
-        leases = [
-            pb.ShmLease(mm_hash=h, generation=f.generation)
-            for h, f in zip(mm_hashes, found, strict=True)
-            if f is not None
-        ]
-        if not leases or not ring.write(pb.ReleaseRequest(shm_leases=leases).SerializeToString()):
+        leases = [(h, f.generation) for h, f in zip(mm_hashes, found, strict=True) if f is not None]
+        if not leases or not ring.write(report_bytes(Report(shm_leases=leases))):
             self._carry(time.thread_time_ns() - started)  # reported with the next report
             return
         fence()  # the record before the check: see mmcache._rings.fence
@@ -131,7 +127,7 @@ class ResidentHits:
                 leased.metadata[i] = f.metadata
                 hits[modality_of(f.spec)] += 1
         # A lease whose check failed is kept, if the server took it, until it expires.
-        self._post(region.token, pb.ReleaseRequest(hits=hits), started)
+        self._post(region.token, Report(hits=hits), started)
 
     def read(
         self, region: ClientRegion, mm_hashes: Sequence[str], release: bool
@@ -154,10 +150,10 @@ class ResidentHits:
         for mm_hash in mm_hashes:
             got = region.read_resident(store_key(self._namespace, mm_hash), self._pool)
             if got is None:
-                self._post(region.token, pb.ReleaseRequest(), started)
+                self._post(region.token, Report(), started)
                 return None
             items.append(got[0])
             nbytes += got[1]
-        report = pb.ReleaseRequest(mm_hashes=mm_hashes if release else (), shm_read_bytes=nbytes)
+        report = Report(mm_hashes=list(mm_hashes) if release else [], shm_read_bytes=nbytes)
         self._post(region.token, report, started)
         return items

@@ -15,15 +15,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from google.protobuf.message import DecodeError
 
-from mmcache._errors import InvalidArgumentError, MMCacheError
+from mmcache._errors import MMCacheError
 from mmcache._items import Field, FieldElem, Item, MMItem
-from mmcache._spec import item_size
-from mmcache.v1 import cache_pb2 as pb
 
-from ._codec import _DTYPES, _assemble, _decode_field, _leaves, leaf_buffer
-from ._pool import BufferPool
+from .._codec import _DTYPES, checked_leaves, leaf_buffer, shaped
+from .._pool import BufferPool
+from ..wire import Spec, parse_spec
 
 __all__ = ["decode_from_region", "modality_of"]
 
@@ -32,7 +30,7 @@ MAX_PLANS = 256  # distinct specs kept (a few hundred bytes each)
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    spec: pb.ItemSpec
+    spec: Spec
     payload: int
     leaves: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]  # bytes, dtype, shape
     # (key, modality, field) per field, where every field's data is one tensor
@@ -50,18 +48,9 @@ def _plan(spec_bytes: bytes) -> _Plan:
         if plan is not None:
             _plans.move_to_end(spec_bytes)
             return plan
-    try:
-        spec = pb.ItemSpec.FromString(spec_bytes)
-    except DecodeError:
-        raise InvalidArgumentError("an item spec that does not parse") from None
-    payload = item_size(spec).payload  # checks the spec
-    leaves = tuple((n, _DTYPES[t.dtype], tuple(t.shape)) for _, t, n in _leaves(spec))
-    flat = None
-    if spec.form == pb.ItemSpec.FORM_ITEM and all(
-        e.data.WhichOneof("kind") == "tensor" for e in spec.fields
-    ):
-        flat = tuple((e.key, e.modality, _decode_field(e)) for e in spec.fields)
-    plan = _Plan(spec, payload, leaves, flat)
+    spec = parse_spec(spec_bytes)
+    leaves = tuple((t.nbytes, _DTYPES[t.dtype], t.shape) for t in checked_leaves(spec))
+    plan = _Plan(spec, spec.size.payload, leaves, spec.flat_fields())
     with _lock:
         _plans[spec_bytes] = plan
         while len(_plans) > MAX_PLANS:
@@ -73,10 +62,9 @@ def modality_of(spec_bytes: bytes) -> str:
     """An item's own modality (its first field's), as the server labels a
     lookup's hit; "" for a spec that is not one. By the plan: no parse again."""
     try:
-        fields = _plan(spec_bytes).spec.fields
+        return _plan(spec_bytes).spec.modality
     except MMCacheError:
         return ""
-    return fields[0].modality if fields else ""
 
 
 def decode_from_region(
@@ -103,7 +91,7 @@ def decode_from_region(
         raw.append(tensor)
         pos += n
     if plan.flat is None:
-        return _assemble(plan.spec, iter(raw)), plan.payload
+        return plan.spec.assemble(iter(raw), shaped), plan.payload
     item = MMItem(
         {
             key: FieldElem(modality, key, tensor.view(dtype).reshape(shape), field)

@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from mmcache.v1 import cache_pb2 as pb
-
+from ..wire import Slot
 from ._shm import ClientRegion
 
 __all__ = ["SPARE_BYTES", "Size", "WriteSlots"]
@@ -43,11 +42,11 @@ class WriteSlots:
     """
 
     def __init__(self) -> None:
-        self._spares: dict[Size, list[pb.ShmSlot]] = {}
+        self._spares: dict[Size, list[Slot]] = {}
         self._asked: Counter[Size] = Counter()
         self._closed = False
 
-    def take(self, region: ClientRegion, size: Size) -> pb.ShmSlot | None:
+    def take(self, region: ClientRegion, size: Size) -> Slot | None:
         """A live spare of `size`, if one is kept (expired ones are dropped)."""
         spares = self._spares.get(size)
         while spares:
@@ -73,7 +72,7 @@ class WriteSlots:
         return wanted
 
     def keep(
-        self, slots: Iterable[pb.ShmSlot], sizes: Sequence[Size], *, asked: bool = True
+        self, slots: Iterable[Slot], sizes: Sequence[Size], *, asked: bool = True
     ) -> list[int]:
         """Keep these slots of `sizes` as spares (`asked`: the answer to a
         `top_up`, all it brought, perhaps nothing); the leases of those beyond

@@ -1,7 +1,8 @@
-"""The calls of `mmcache.v1.MMCache` on one channel: the client's only tie to gRPC.
+"""The calls of `mmcache.v1.MMCache` on one channel, in the client's values.
 
 GetAndUpdate(One) and Fetch are raw-bytes calls (the frames are built and
-read by mmcache._frames and the codec); the rest are ordinary protobuf calls.
+read by mmcache._frames and the codec); the rest are ordinary protobuf calls,
+their messages made and read by `_messages`.
 Which upload method a call takes, and where a bulk call's header travels
 (metadata or a frame of its own), are decided and undone here: callers see
 the header's bytes and the chunk frames.
@@ -15,7 +16,7 @@ import itertools
 import os
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Sequence
 from math import ceil
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -27,8 +28,6 @@ from mmcache._errors import (
     UnavailableError,
 )
 from mmcache._frames import (
-    KEEPALIVE_MS,
-    MAX_MESSAGE_BYTES,
     MAX_METADATA_HEADER_BYTES,
     UPDATE_HEADER_KEY,
     header_frame,
@@ -36,10 +35,21 @@ from mmcache._frames import (
 )
 from mmcache.v1 import cache_pb2 as pb
 
+from ._messages import (
+    allocated_of,
+    cleared_of,
+    feed_message_of,
+    fetch_request,
+    info_of,
+    located_of,
+    reply_of,
+    report_message,
+)
 from ._sessions import SessionPool, end_writes
 from ._status import broken_write, translate_errors
+from ._types import Allocated, Cleared, FeedMessage, Located, Reply, Report, ServerInfo
 
-__all__ = ["CHANNEL_OPTIONS", "CacheTransport"]
+__all__ = ["CacheTransport"]
 
 BATCH_ID_BYTES = 16  # random: a name no other batch has
 _MAX_TIMEOUT_MS = (1 << 32) - 1  # UpdateRequest.timeout_ms is a uint32
@@ -48,23 +58,6 @@ Request = TypeVar("Request", bound=Message)
 Response = TypeVar("Response", bound=Message)
 
 _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["MMCache"].full_name
-
-CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # The feed is a stream that may carry nothing for minutes: pings find a
-    # server host that vanished without closing the connection, so the mirror
-    # stops trusting a dead feed within ~30 s (the server allows this rate).
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    # A restarted sidecar is back within seconds: reconnect within 2 s, not
-    # grpc's default of up to 120 s, which would keep a failing-open client
-    # (whose calls do not wait for the channel) off its cache that long.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
 
 
 @contextlib.contextmanager
@@ -127,30 +120,31 @@ class CacheTransport:
         if self._sessions is not None:
             await self._sessions.close()
 
-    async def info(self, timeout: float | None = None) -> pb.InfoReply:
+    async def info(self, timeout: float | None = None, wait_for_ready: bool = True) -> ServerInfo:
         with translate_errors():
             reply: pb.InfoReply = await self._info(
-                pb.InfoRequest(), timeout=timeout or self._timeout, wait_for_ready=True
+                pb.InfoRequest(), timeout=timeout or self._timeout, wait_for_ready=wait_for_ready
             )
-        return reply
+        return info_of(reply)
 
     async def touch(
         self, mm_hashes: Sequence[str], timeout: float | None = None, wait_for_ready: bool = True
-    ) -> pb.TouchReply:
+    ) -> int:
+        """How many of the hashes the server holds (each touched)."""
         with translate_errors():
             reply: pb.TouchReply = await self._touch(
                 pb.TouchRequest(mm_hashes=mm_hashes),
                 timeout=timeout or self._timeout,
                 wait_for_ready=wait_for_ready,
             )
-        return reply
+        return reply.touched
 
-    async def clear(self) -> pb.ClearReply:
+    async def clear(self, wait_for_ready: bool = True) -> Cleared:
         with translate_errors():
             reply: pb.ClearReply = await self._clear(
-                pb.ClearRequest(), timeout=self._timeout, wait_for_ready=True
+                pb.ClearRequest(), timeout=self._timeout, wait_for_ready=wait_for_ready
             )
-        return reply
+        return cleared_of(reply)
 
     async def locate(
         self,
@@ -158,24 +152,33 @@ class CacheTransport:
         check_l2: bool,
         timeout: float | None = None,
         wait_for_ready: bool = True,
-    ) -> pb.LocateReply:
+    ) -> Located:
         with translate_errors():
             reply: pb.LocateReply = await self._locate(
                 pb.LocateRequest(mm_hashes=mm_hashes, check_l2=check_l2),
                 timeout=timeout or self._timeout,
                 wait_for_ready=wait_for_ready,
             )
-        return reply
+        return located_of(reply)
 
     async def release(
         self, mm_hashes: Sequence[str], timeout: float | None = None, wait_for_ready: bool = True
-    ) -> pb.ReleaseReply:
-        return await self.report(pb.ReleaseRequest(mm_hashes=mm_hashes), timeout, wait_for_ready)
+    ) -> int:
+        """How many leases the server gave back."""
+        reply = await self._report(pb.ReleaseRequest(mm_hashes=mm_hashes), timeout, wait_for_ready)
+        return reply.released
 
     async def report(
-        self, request: pb.ReleaseRequest, timeout: float | None = None, wait_for_ready: bool = True
+        self, report: Report, timeout: float | None = None, wait_for_ready: bool = True
+    ) -> str:
+        """A Release: leases given back, and a co-located client's report; the
+        instance that answered."""
+        reply = await self._report(report_message(report), timeout, wait_for_ready)
+        return reply.instance_id
+
+    async def _report(
+        self, request: pb.ReleaseRequest, timeout: float | None, wait_for_ready: bool
     ) -> pb.ReleaseReply:
-        """A Release: leases given back, and a co-located client's report."""
         with translate_errors():
             reply: pb.ReleaseReply = await self._release(
                 request, timeout=timeout or self._timeout, wait_for_ready=wait_for_ready
@@ -183,9 +186,20 @@ class CacheTransport:
         return reply
 
     async def read_shm(
-        self, request: pb.FetchRequest, wait: bool = True, timeout: float | None = None
+        self,
+        mm_hashes: Sequence[str],
+        release: bool,
+        token: bytes,
+        done: Sequence[int],
+        wait: bool = True,
+        timeout: float | None = None,
+        *,
+        hold: bool = True,
     ) -> bytes:
-        """A serialised FetchHeader whose items are all in the region (or none)."""
+        """A serialised FetchHeader (`parse_fetched` reads it): where the items
+        are in the region of `token`, each extent under a hold (or none: no
+        room); `done`: holds ended before it is served."""
+        request = fetch_request(mm_hashes, release, shm_token=token, shm_hold=hold, shm_done=done)
         with translate_errors():
             reply: bytes = await self._read_shm(
                 request, timeout=timeout or self._timeout, wait_for_ready=wait
@@ -198,29 +212,29 @@ class CacheTransport:
         lengths: Sequence[int],
         trailers: Sequence[int],
         timeout: float | None = None,
-    ) -> pb.ShmAllocateReply:
+    ) -> Allocated:
         with translate_errors():
             reply: pb.ShmAllocateReply = await self._shm_allocate(
                 pb.ShmAllocateRequest(shm_token=token, lengths=lengths, trailers=trailers),
                 timeout=timeout or self._timeout,
             )
-        return reply
+        return allocated_of(reply)
 
-    async def open_report_ring(self, token: bytes) -> pb.ShmAllocateReply:
+    async def open_report_ring(self, token: bytes) -> Allocated:
         """A report ring in the region of `token` (one slot, or none)."""
         with translate_errors():
             reply: pb.ShmAllocateReply = await self._open_report_ring(
                 pb.OpenReportRingRequest(shm_token=token), timeout=self._timeout
             )
-        return reply
+        return allocated_of(reply)
 
-    async def subscribe(self) -> AsyncGenerator[pb.FeedMessage, None]:
+    async def subscribe(self) -> AsyncGenerator[FeedMessage, None]:
         """The feed's messages, until the server ends the stream (no deadline)."""
         call = self._subscribe(pb.SubscribeRequest(), wait_for_ready=True)
         try:
             with translate_errors():
                 async for message in call:
-                    yield message
+                    yield feed_message_of(message)
         finally:
             call.cancel()
 
@@ -231,11 +245,11 @@ class CacheTransport:
         *,
         timeout: float | None = None,
         wait_for_ready: bool = True,
-    ) -> pb.UpdateReply:
+    ) -> Reply:
         """Send a serialised UpdateRequest and its chunk frames (`chunks()`, made
         again if the batch must be sent again); the server's reply.
 
-        Over a session kept open when one is idle (mmcache.client._sessions).
+        Over a session kept open when one is idle (`_sessions`).
         Otherwise a call: one with no frames (hashes and touches only, the
         steady state) is a unary GetAndUpdateOne whose request is the header
         frame: one send on each side, and no binary metadata to encode. A call
@@ -257,7 +271,7 @@ class CacheTransport:
             ).SerializeToString()
             sent = await self._over_session(header, chunks, timeout, wait_for_ready)
             if sent is not None:
-                return pb.UpdateReply.FromString(sent)
+                return reply_of(pb.UpdateReply.FromString(sent))
             timeout = max(deadline - asyncio.get_running_loop().time(), 0.001)
         frames = iter(chunks())
         first = next(frames, None)
@@ -266,7 +280,7 @@ class CacheTransport:
                 reply_bytes: bytes = await self._update_one(
                     header_frame(header), timeout=timeout, wait_for_ready=wait_for_ready
                 )
-            return pb.UpdateReply.FromString(reply_bytes)
+            return reply_of(pb.UpdateReply.FromString(reply_bytes))
         data = itertools.chain((first,), frames)
         return await self._stream_upload(header, data, timeout, deadline, wait_for_ready)
 
@@ -299,7 +313,7 @@ class CacheTransport:
         timeout: float,
         deadline: float,
         wait_for_ready: bool,
-    ) -> pb.UpdateReply:
+    ) -> Reply:
         """The batch as a GetAndUpdate call streaming its frames."""
         if len(header) <= MAX_METADATA_HEADER_BYTES:  # a message fewer
             call = self._update(
@@ -333,14 +347,21 @@ class CacheTransport:
                 call.cancel()
                 raise UnavailableError(f"the upload stream broke: {exc!r}") from exc
             reply_bytes: bytes = await call
-        return pb.UpdateReply.FromString(reply_bytes)
+        return reply_of(pb.UpdateReply.FromString(reply_bytes))
 
     async def fetch(
-        self, request: pb.FetchRequest, wait: bool = True, timeout: float | None = None
+        self,
+        mm_hashes: Sequence[str],
+        release: bool,
+        wait: bool = True,
+        timeout: float | None = None,
     ) -> AsyncGenerator[bytes, None]:
-        """A serialised FetchHeader, then the chunk frames of a Fetch."""
+        """A serialised FetchHeader (`parse_fetched` reads it), then the chunk
+        frames of a Fetch."""
         call = self._fetch(
-            request.SerializeToString(), timeout=timeout or self._timeout, wait_for_ready=wait
+            fetch_request(mm_hashes, release).SerializeToString(),
+            timeout=timeout or self._timeout,
+            wait_for_ready=wait,
         )
         try:
             with translate_errors():

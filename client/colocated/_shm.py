@@ -47,11 +47,11 @@ from mmcache._shm_layout import (
     payload_at,
     probes,
 )
-from mmcache.v1 import cache_pb2 as pb
 
-from ._codec import EncodedItem, ItemDecoder, copy_payload
+from .._codec import EncodedItem, ItemDecoder, copy_payload
+from .._pool import BufferPool
+from ..wire import RegionInfo, Slot
 from ._plans import decode_from_region
-from ._pool import BufferPool
 
 __all__ = ["ClientRegion", "ClientRing", "Extent", "attach"]
 
@@ -81,19 +81,19 @@ class ClientRegion:
         self._first_payload = payload_at(self._data)
         self._closed = False
 
-    def _payload(self, slot: pb.ShmSlot) -> memoryview:
+    def _payload(self, slot: Slot) -> memoryview:
         if slot.offset < self._first_payload or slot.offset + slot.length > len(self._view):
             raise ValueError(f"slot {slot.lease} lies outside the region")
         return self._view[slot.offset : slot.offset + slot.length]
 
-    def view(self, slot: pb.ShmSlot) -> memoryview:
+    def view(self, slot: Slot) -> memoryview:
         """The slot's payload in place (no copy), while it is live."""
         payload = self._payload(slot)
         if not self.live(slot):
             raise ValueError(f"slot {slot.lease} is no longer live")
         return payload
 
-    def live(self, slot: pb.ShmSlot) -> bool:
+    def live(self, slot: Slot) -> bool:
         return self.still(slot.offset - HEAD_BYTES, slot.lease)
 
     def open(self) -> bool:
@@ -113,7 +113,7 @@ class ClientRegion:
         word: int = WORD.unpack_from(self._map, start)[0]
         return word
 
-    def read(self, slot: pb.ShmSlot, decoder: ItemDecoder) -> bool:
+    def read(self, slot: Slot, decoder: ItemDecoder) -> bool:
         """Copy an extent's payload into the decoder; False if it was freed under the copy."""
         payload = self._payload(slot)
         if not self.live(slot):
@@ -170,12 +170,12 @@ class ClientRegion:
                 return Extent(start, generation, length, spec, metadata)
         return None
 
-    def ring(self, slot: pb.ShmSlot) -> ClientRing:
+    def ring(self, slot: Slot) -> ClientRing:
         """The report ring the server gave this client (OpenReportRing)."""
         self._payload(slot)  # within the region, or ValueError
         return ClientRing(self, slot)
 
-    def write(self, slot: pb.ShmSlot, encoded: EncodedItem) -> None:
+    def write(self, slot: Slot, encoded: EncodedItem) -> None:
         """Copy an item's payload into a write slot; ValueError for a slot that does
         not fit it or is no longer its lease's (the caller sends over gRPC)."""
         if slot.length != encoded.size.payload:
@@ -197,7 +197,7 @@ class ClientRing:
     """This client's report ring in the region (mmcache._rings): its reports
     go there instead of in a Release call, while the server keeps it."""
 
-    def __init__(self, region: ClientRegion, slot: pb.ShmSlot) -> None:
+    def __init__(self, region: ClientRegion, slot: Slot) -> None:
         self.region = region
         self.slot = slot
         self._lock = threading.Lock()  # one writer at a time: the loop, or a caller's thread
@@ -220,7 +220,7 @@ class ClientRing:
             return write_record(ring, report)
 
 
-def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:
+def attach(instance_id: str, announced: RegionInfo) -> ClientRegion | None:
     """Map the region Info announced, or None (the reason logged) to stay on gRPC."""
     try:
         return _attach(instance_id, announced)
@@ -229,7 +229,7 @@ def attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion | None:
         return None
 
 
-def _attach(instance_id: str, announced: pb.ShmRegion) -> ClientRegion:
+def _attach(instance_id: str, announced: RegionInfo) -> ClientRegion:
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
     fd = os.open(announced.path, flags)
     try:
