@@ -20,7 +20,8 @@ Per trace and configuration (`--api-server-count` 1, 2, 4; 2 engines with
 deployment each round that serves the traces one after the other (`--fresh`:
 a deployment per trace): vLLM's hits of its queries, processor runs (queries less
 hits) against the trace's unique images, requests/s, API and engine CPU ms
-per request (read from /proc: bench/vllm.py), and the plugin's uploads made
+per request (read from /proc: bench/vllm.py), all the CPU a request cost
+(the sidecar's too), and the plugin's uploads made
 and declined (`mmcache_vllm_uploaded_items_total`,
 `mmcache_vllm_not_uploaded_items_total`). With `--repeats` the median of
 the runs is printed; after the table, the family's median and worst trace
@@ -145,6 +146,7 @@ class Run:
     hits: float
     api_ms: float  # CPU per request
     engine_ms: float
+    total_ms: float  # API, engine and the sidecar: all a request cost the machine
     uploaded: float
     declined: float
 
@@ -173,6 +175,7 @@ def run(served: Deployment, trace: Trace) -> Run:
         delta("vllm:mm_cache_hits_total"),
         used.api * 1e3,
         used.engine * 1e3,
+        used.total * 1e3,
         delta("mmcache_vllm_uploaded_items_total"),
         delta("mmcache_vllm_not_uploaded_items_total"),
     )
@@ -191,6 +194,7 @@ def row(trace: Trace, label: str, alone: Run, cached: Run) -> str:
         f"| {cached.requests / cached.seconds:.2f} / {alone.requests / alone.seconds:.2f} "
         f"| {cached.api_ms:.0f} / {alone.api_ms:.0f} "
         f"| {cached.engine_ms:.0f} / {alone.engine_ms:.0f} "
+        f"| {cached.total_ms:.0f} / {alone.total_ms:.0f} "
         f"| {cached.uploaded:.0f} / {cached.declined:.0f} |"
     )
 
@@ -206,6 +210,7 @@ class Ratios:
     throughput: float  # requests/s, mmcache / alone
     api_cpu: float  # API CPU per request, mmcache / alone
     engine_cpu: float
+    all_cpu: float
 
 
 def ratios(trace: Trace, label: str, alone: Run, cached: Run) -> Ratios:
@@ -217,6 +222,7 @@ def ratios(trace: Trace, label: str, alone: Run, cached: Run) -> Ratios:
         (cached.requests / cached.seconds) / (alone.requests / alone.seconds),
         cached.api_ms / max(alone.api_ms, 1e-9),
         cached.engine_ms / max(alone.engine_ms, 1e-9),
+        cached.total_ms / max(alone.total_ms, 1e-9),
     )
 
 
@@ -230,6 +236,7 @@ def summary(found: list[Ratios]) -> None:
         ("requests/s ratio", "throughput", min),
         ("API CPU per request ratio", "api_cpu", max),
         ("engine CPU per request ratio", "engine_cpu", max),
+        ("all CPU per request ratio (the sidecar's too)", "all_cpu", max),
     )
     for title, field, pick in measures:
         values = [getattr(r, field) for r in found]
@@ -255,9 +262,10 @@ def table(
     print(
         "| trace | config | hits: mmcache / vLLM alone (of queries) | processor runs: "
         "mmcache / alone / unique images | requests/s: mmcache / alone | API CPU ms/req: "
-        "mmcache / alone | engine CPU ms/req: mmcache / alone | uploads made / declined |"
+        "mmcache / alone | engine CPU ms/req: mmcache / alone | all CPU ms/req (the sidecar's "
+        "too): mmcache / alone | uploads made / declined |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     found = []
     for label, api_servers, dp in configs:
         runs: dict[tuple[str, bool], list[Run]] = {}
