@@ -82,7 +82,7 @@ async def test_a_record_no_sidecar_wrote_is_a_miss(fresh: RedisCluster) -> None:
             fresh.cli(port, "HSET", key, "m", "not a manifest", "c0", "junk")
         assert (await ca.lookup(["forged"])).held == [False]
         assert value(a, "mmcache_l2_errors_total", op="read") >= 1
-        assert "forged" not in a.store
+        assert "forged" not in a.cache
 
 
 async def test_an_item_evicted_from_l2_is_a_clean_miss() -> None:
@@ -338,7 +338,7 @@ async def test_no_fetch_returns_another_items_bytes_while_the_master_stalls() ->
                     await asyncio.sleep(rng.uniform(0.0, 0.06))
                     proxy.release()
                     await asyncio.gather(*lookups)
-                    held = [key for key in asked if key in b.store]
+                    held = [key for key in asked if key in b.cache]
                     served += len(held)
                     for key, fetched in zip(held, await cb.fetch(held), strict=True):
                         assert fetched == items[key], f"{key} read back as another item"
