@@ -171,8 +171,8 @@ class MMCacheServer:
         return server, names
 
     def _warn_if_tenants_share_the_region(self) -> None:
-        region = self.cache.stats(drain=False).region
-        if region is None or self._book is None or not self._book.limits_namespaces:
+        shm = self.cache.stats(drain=False).shm
+        if shm is None or self._book is None or not self._book.limits_namespaces:
             return
         _LOGGER.warning(
             "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
@@ -180,7 +180,7 @@ class MMCacheServer:
             "--shm-group) can read and overwrite the items in it, whatever its token. For "
             "tenants that must not see each other, give each its own sidecar or run "
             "with --no-shm.",
-            region.path,
+            shm.path,
         )
 
     def _log_serving(self) -> None:

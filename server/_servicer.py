@@ -130,7 +130,7 @@ class CacheServicer:
             namespaces=len(self._namespaces),
             l2_up=stats.l2_up,
         )
-        region = stats.region
+        region = stats.shm
         if region is not None:
             reply.shm.CopyFrom(
                 pb.ShmRegion(path=region.path, size_bytes=region.size, region_id=region.id)

@@ -18,6 +18,7 @@ import torch
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
+from mmcache.server.cache import parts_of
 from mmcache.server.cache._placement import ReadRoom
 from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
@@ -120,7 +121,7 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_shm_transient_bytes") == 0
-        reserve = server.cache.placement.reserve
+        reserve = server.cache.stats(drain=False).shm_reserve_bytes
         assert sample(samples, "mmcache_shm_reserve_bytes") == reserve > 4 * MIB
         assert region.expired == 0  # said done, not expired
 
@@ -140,7 +141,7 @@ async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
         await read(2)  # a copy
         await read(2)  # read again, but the residents are in for less than the tenure
         assert region_of(server) is not None
-        tenure_s = server.cache.placement.room(region_of(server)).tenure_s
+        tenure_s = parts_of(server.cache).placement.room(region_of(server)).tenure_s
         clock.now += tenure_s - 2  # the residents' tenure is over, not the copy's
         await read(3)  # a first read never takes a resident's place
         assert resident(server, hashes) == hashes[:2]

@@ -79,7 +79,7 @@ class CacheStats:
     hits: int
     shared_tier: bool
     l2_up: bool
-    region: RegionInfo | None
+    shm: RegionInfo | None  # the shared-memory region, when it has one
     shm_leased_bytes: int = 0  # write slots
     shm_resident_bytes: int = 0
     shm_transient_bytes: int = 0
@@ -236,7 +236,7 @@ class ItemCache:
             hits=self.metrics.total_hits,
             shared_tier=l2 is not None,
             l2_up=l2 is not None and bool(l2.backend.up),
-            region=None if region is None else RegionInfo(region.path, region.size, region.id),
+            shm=None if region is None else RegionInfo(region.path, region.size, region.id),
             shm_leased_bytes=0 if region is None else region.leased_bytes,
             shm_resident_bytes=0 if region is None else region.resident_bytes,
             shm_transient_bytes=0 if region is None else region.transient_bytes,
