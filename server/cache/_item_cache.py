@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 from mmcache._errors import CacheMissError
 from mmcache._lru import Outcome
-from mmcache._spec import check_count, check_counts
+from mmcache._spec import check_count
 from mmcache.metrics import CacheMetrics
 
 from ._changes import ItemChanges
+from ._colocated import CoLocatedReports
 from ._deadline import Deadline
 from ._entries import EntryHeader
 from ._extent import Extent, extent_frames, frame_count
@@ -97,12 +98,15 @@ class CacheParts:
     placement: Placement
     tier: L2Tier | None
     changes: ItemChanges
-    parse_report: Callable[[bytes], Report]  # a report ring's record (the wire's format)
-    rings: ReportRings | None = None  # the co-located clients' (made at the first)
+    reports: CoLocatedReports
 
     @property
     def region(self) -> Region | None:
         return self.placement.region
+
+    @property
+    def rings(self) -> ReportRings | None:
+        return self.reports.rings
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,7 @@ class ItemCache:
         self._l2 = parts.tier
         self._lifecycle = lifecycle
         self._pending = PendingUploads(parts.changes)
+        self._reports = parts.reports
         self.metrics = parts.metrics
         self.changes = parts.changes  # what it holds, as it changes: subscribe to it
 
@@ -423,79 +428,20 @@ class ItemCache:
     def release(self, namespace: Scope, keys: list[str], report: Report) -> int:
         """A Release call: the leases it ended."""
         self.drain_reports()  # what came before this call, first
-        region = self._placement.region
-        # Only a client that maps the region reports; one of a region gone is
-        # too late, but its leases are still given back.
-        mapped = region is not None and region.matches(report.shm_token)
-        return self._report(namespace, keys, report, region if mapped else None)
+        return self._reports.release(namespace, keys, report)
 
     def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
         """A report ring for a co-located client; None when there is no room."""
-        region = self._placement.region_of(token)
-        return self._rings_of(region).open(namespace)
+        return self._reports.open_ring(token, namespace)
 
     def drain_reports(self) -> int:
         """Apply what co-located clients wrote in their report rings; how many
         reports. The region's heartbeat too: a server that serves a call is alive."""
-        region = self._placement.region
-        if region is None:
-            return 0
-        region.beat()
-        return 0 if self._parts.rings is None else self._rings_of(region).drain()
+        return self._reports.drain()
 
     def beat(self) -> None:
         """The region's heartbeat, and its rings read (the cache's timer, every BEAT_S)."""
         self.drain_reports()
-
-    def _report(
-        self,
-        namespace: Scope,
-        keys: list[str],
-        report: Report,
-        region: Region | None,
-    ) -> int:
-        """Apply a Release, or a report ring's record; the leases it ended.
-        `region`: the client maps it (its holds and its bytes read count)."""
-        check_count("shm_done", len(report.shm_done))
-        check_count("shm_leases", len(report.shm_leases))
-        check_counts("misses", report.misses)
-        check_counts("hits", report.hits)
-        # Queries a client answered itself count as lookups would.
-        for modality, count in report.misses.items():
-            self.metrics.queried(modality, hit=False, count=count)
-        for modality, count in report.hits.items():
-            self.metrics.queried(modality, hit=True, count=count)
-        store = self._store
-        if region is None:
-            return store.release(keys)
-        for hold in report.shm_done:
-            region.release(hold)
-        self.metrics.shm_bytes.labels("read").inc(report.shm_read_bytes)
-        self.metrics.sent_bytes.inc(report.shm_read_bytes)  # as if Fetch had sent them
-        self.metrics.shm_client_cpu.inc(report.client_cpu_ns / 1e9)
-        if report.shm_leases:  # taken with no call: as a lookup's hits are
-            leased = [mm_hash for mm_hash, _ in report.shm_leases]
-            store.lease(namespace.checked_keys(leased))
-        if region.orphans:  # a lease of an extent kept after its item left
-            for key in [key for key in keys if not store.is_leased(key)]:
-                region.end_orphan(key)
-        return store.release(keys)
-
-    def _rings_of(self, region: Region) -> ReportRings:
-        parts = self._parts
-        if parts.rings is None or parts.rings.region is not region:
-
-            def apply(namespace: Scope, report: Report) -> None:
-                self._report(namespace, namespace.checked_keys(report.mm_hashes), report, region)
-
-            rings = parts.rings = ReportRings(region, apply, parts.parse_report)
-
-            def keep_leased(generation: int, key: str) -> bool:
-                # An item still in the store (moved to the heap) is leased there.
-                return key not in self._store and rings.leased(generation)
-
-            region.keep_leased = keep_leased
-        return parts.rings
 
 
 def parts_of(cache: ItemCache) -> CacheParts:

@@ -26,6 +26,7 @@ from mmcache.metrics import CacheMetrics, L2Metrics
 
 from ._backends import open_backend
 from ._changes import ItemChanges
+from ._colocated import CoLocatedReports
 from ._inflight import InflightBudget
 from ._item_cache import CacheParts, ItemCache
 from ._l2 import DEFAULT_PREFIX, Manifests
@@ -97,14 +98,15 @@ def open_cache(config: CacheConfig, registry: CollectorRegistry) -> ItemCache:
         on_expire=metrics.lease_expiries.inc,
     )
     tier = _tier(config, store, changes, L2Metrics(registry))
+    placement = Placement(store, metrics)
     parts = CacheParts(
         store=store,
         inflight=InflightBudget(config.inflight_bytes),
         metrics=metrics,
-        placement=Placement(store, metrics),
+        placement=placement,
         tier=tier,
         changes=changes,
-        parse_report=config.parse_report,
+        reports=CoLocatedReports(store, metrics, placement, config.parse_report),
     )
     return ItemCache(parts, Lifecycle(config, parts))
 
