@@ -47,7 +47,7 @@ from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
 from ._session_calls import SessionCalls
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
-from .cache import ItemCache, open_cache
+from .cache import CacheStats, ItemCache, open_cache
 
 __all__ = ["MMCacheServer", "serve"]
 
@@ -247,24 +247,24 @@ class MMCacheServer:
 def _gauges(cache: ItemCache, namespaces: Namespaces, sessions: Sessions) -> StoreGauges:
     """The store's gauges, read from the cache's stats at each scrape."""
 
-    def read(name: str) -> Callable[[], int]:
-        return lambda: int(getattr(cache.stats(drain=False), name))
+    def now() -> CacheStats:
+        return cache.stats(drain=False)
 
     return StoreGauges(
-        items=read("items"),
-        stored_bytes=read("used"),
-        capacity_bytes=read("capacity"),
-        max_items=read("max_items"),
-        inflight_bytes=read("inflight_bytes"),
-        leases=read("leases"),
-        leased_bytes=read("leased_bytes"),
+        items=lambda: now().items,
+        stored_bytes=lambda: now().used,
+        capacity_bytes=lambda: now().capacity,
+        max_items=lambda: now().max_items,
+        inflight_bytes=lambda: now().inflight_bytes,
+        leases=lambda: now().leases,
+        leased_bytes=lambda: now().leased_bytes,
         feed_subscribers=lambda: namespaces.subscribers,
         namespaces=lambda: len(namespaces),
         upload_sessions=lambda: sessions.live,
-        shm_leased_bytes=read("shm_leased_bytes"),
-        shm_resident_bytes=read("shm_resident_bytes"),
-        shm_transient_bytes=read("shm_transient_bytes"),
-        shm_reserve_bytes=read("shm_reserve_bytes"),
+        shm_leased_bytes=lambda: now().shm_leased_bytes,
+        shm_resident_bytes=lambda: now().shm_resident_bytes,
+        shm_transient_bytes=lambda: now().shm_transient_bytes,
+        shm_reserve_bytes=lambda: now().shm_reserve_bytes,
     )
 
 

@@ -8,8 +8,8 @@
   feed, the item events and the L2 tier subscribe to it);
 - `_placement`: where an item's bytes live (heap or region), and what a
   read or an upload is given room by: the only part that knows `_region`,
-  the co-located clients' shared memory; `_report_rings`: what those
-  clients write back with no call;
+  the co-located clients' shared memory; `_colocated` with
+  `_report_rings`: what those clients report, by call or with none;
 - `_tier` with `_l2`: the L2 tier's rules; `_backends`: the backend a URL
   names (`_l2_redis`, `_redis_nodes` and `_resp_reads`: Redis Cluster;
   `_l2_memory`: in memory);
