@@ -262,6 +262,7 @@ async def read_record(proc: asyncio.subprocess.Process) -> dict[str, object]:
 
 async def run_once(args: argparse.Namespace, trace: Trace, frontends: int, mode: str) -> Row:
     from mmcache.server import MMCacheServer, ServerConfig
+    from mmcache.server.cache import Change, ItemChange
 
     config = ServerConfig(
         host="127.0.0.1",
@@ -274,14 +275,12 @@ async def run_once(args: argparse.Namespace, trace: Trace, frontends: int, mode:
     async with MMCacheServer(config) as server:
         # When each key last changed on the server, for the agreement check.
         changed: dict[str, float] = {}
-        store_hook = server.store._on_change
-        assert store_hook is not None
 
-        def record_change(kind: int, mm_hash: str, size: int) -> None:
-            changed[mm_hash] = time.monotonic()
-            store_hook(kind, mm_hash, size)  # type: ignore[arg-type]
+        def record_change(change: ItemChange) -> None:
+            if change.kind in (Change.STORED, Change.REMOVED) and not change.in_l2:
+                changed[change.key] = time.monotonic()
 
-        server.store._on_change = record_change  # type: ignore[assignment]
+        server.cache.changes.subscribe(record_change)
         target = f"127.0.0.1:{server.port}"
         common = ("--target", target, "--mode", mode)
         eng = await spawn("engine", args, *common)
@@ -310,7 +309,7 @@ async def run_once(args: argparse.Namespace, trace: Trace, frontends: int, mode:
                     for h, cached in zip(pool_hashes, record["cached"], strict=True):  # type: ignore[call-overload]
                         if changed.get(h, 0.0) <= asked - AGREE_AFTER_S:
                             row.compared += 1
-                            row.agree += cached == (h in server.store)
+                            row.agree += cached == (h in server.cache)
                 else:
                     row.runs += int(record["runs"])  # type: ignore[call-overload]
                     row.update_latencies.extend(record["latencies"])  # type: ignore[arg-type]

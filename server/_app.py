@@ -16,7 +16,6 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import fields
 from types import TracebackType
 
 import grpc
@@ -29,50 +28,30 @@ from mmcache._encoder import EncoderBooks
 from mmcache._errors import MMCacheError
 from mmcache._frames import KEEPALIVE_MS, MAX_MESSAGE_BYTES
 from mmcache._memory import keep_freed_memory
-from mmcache._shm_layout import BEAT_S
 from mmcache.metrics import (
-    CacheMetrics,
     EncoderBookCollector,
     GrpcServerMetrics,
-    L2Metrics,
     MetricsEndpoint,
     StoreGauges,
     register_build_info,
 )
 
 from ._auth import AuthInterceptor, Metadata, TokenBook, check_call
-from ._config import (
-    ConfigError,
-    EventsConfig,
-    L2Config,
-    ServerConfig,
-    ShmConfig,
-    TlsConfig,
-    is_loopback,
-)
+from ._cache_config import cache_config
+from ._config import ConfigError, EventsConfig, ServerConfig, TlsConfig, is_loopback
 from ._encoder_servicer import ENCODER_SERVICE_NAME, EncoderServicer
 from ._events import ItemEvents
 from ._feed import Feed
 from ._namespaces import Namespaces
-from ._records import WIRE_MANIFESTS
-from ._reports import parse_report
 from ._servicer import SERVICE_NAME, SESSION_METHOD, CacheServicer
 from ._session_calls import SessionCalls
 from ._sessions import Sessions
 from ._standard import HEALTH_SERVICE_NAME, health_handler, reflection_handler
-from .cache import Change, InflightBudget, ItemCache, ItemStore, Region, open_region
-from .cache._tier import L2Settings, L2Tier
+from .cache import CacheStats, ItemCache, open_cache
 
 __all__ = ["MMCacheServer", "serve"]
 
 _LOGGER = logging.getLogger(__name__)
-
-# How long a report in a ring waits when no call drains the rings (and how
-# often the region's heartbeat beats). Every call that may evict drains them
-# first, so this bounds only how stale /metrics is; a shorter wait while
-# reports come cost the sidecar more wake-ups than the hits it counted
-# (0.1-0.3 ms of CPU a hit).
-REPORT_DRAIN_S = BEAT_S
 
 GRPC_OPTIONS = (
     # A second server on the same port must fail to bind, not share it.
@@ -95,80 +74,40 @@ class MMCacheServer:
         self.config = config
         self.instance_id = uuid.uuid4().hex
         self.registry = CollectorRegistry() if registry is None else registry
-        self.metrics = CacheMetrics(self.registry)
+        self.cache = cache = open_cache(cache_config(config, self.instance_id), self.registry)
         self.namespaces = Namespaces(
             self.instance_id,
-            lambda: self.store.state(self.cache.pending),
-            lambda: self.cache.pending,
+            cache.feed_state,
+            lambda: cache.pending,
             max_namespaces=config.max_namespaces,
             ring_bytes=config.feed_buffer_bytes,
-            on_snapshot=lambda reason: self.metrics.feed_snapshots.labels(reason).inc(),
+            on_snapshot=lambda reason: cache.metrics.feed_snapshots.labels(reason).inc(),
         )
-        self.store = ItemStore(
-            config.capacity_bytes,
-            max_items=config.item_bound,
-            lease_s=config.lease_s,
-            on_evict=self.metrics.evicted,
-            on_change=self._changed,
-            on_expire=self.metrics.lease_expiries.inc,
-        )
-        self.inflight = InflightBudget(config.max_inflight_bytes)
-        self.region: Region | None = None  # made at start, when the directory allows
+        cache.changes.subscribe(self.namespaces.changed)
         self.sessions = Sessions(config.max_sessions)
         self.events = _item_events(config.events, self.instance_id)
-        self.l2 = _l2_tier(config.l2, self.instance_id, self.store, self.registry, self.events)
+        if self.events is not None:
+            cache.changes.subscribe(self.events.changed)
         self._book: TokenBook | None = None  # made at start, when tokens are configured
         self._grpc_metrics = GrpcServerMetrics(self.registry, per_request=[SESSION_METHOD])
-        self.cache = ItemCache(
-            self.store,
-            self.inflight,
-            self.metrics,
-            lambda: self.region,
-            self.l2,
-            self.namespaces.emit,
-            parse_report,
-        )
         session_calls = SessionCalls(
             self.sessions,
             self._grpc_metrics.requests(SESSION_METHOD),
             authorize=self._check_session_batch,
         )
-        self._servicer = CacheServicer(self.cache, self.namespaces, self.instance_id, session_calls)
-        self.registry.register(self._gauges())
+        self._servicer = CacheServicer(cache, self.namespaces, self.instance_id, session_calls)
+        self.registry.register(_gauges(cache, self.namespaces, self.sessions))
         self.books = EncoderBooks()
         self.registry.register(EncoderBookCollector(self.books.stats))
         register_build_info(self.registry, __version__)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
-        self._expiry: asyncio.Task[None] | None = None
-        self._drainer: asyncio.Task[None] | None = None
         self._endpoint: MetricsEndpoint | None = None
         self._opened: contextlib.AsyncExitStack | None = None  # what `stop` closes
         self.port = 0
         self.metrics_port = 0
         self.health_port = 0
-
-    def _gauges(self) -> StoreGauges:
-        def region() -> Region | None:  # made at start
-            return self.region
-
-        return StoreGauges(
-            items=lambda: len(self.store),
-            stored_bytes=lambda: self.store.used,
-            capacity_bytes=lambda: self.store.capacity,
-            max_items=lambda: self.store.max_items,
-            inflight_bytes=lambda: self.inflight.used,
-            leases=lambda: self.store.leases,
-            leased_bytes=lambda: self.store.leased_bytes,
-            feed_subscribers=lambda: self.namespaces.subscribers,
-            namespaces=lambda: len(self.namespaces),
-            upload_sessions=lambda: self.sessions.live,
-            shm_leased_bytes=lambda: r.leased_bytes if (r := region()) else 0,
-            shm_resident_bytes=lambda: r.resident_bytes if (r := region()) else 0,
-            shm_transient_bytes=lambda: r.transient_bytes if (r := region()) else 0,
-            shm_reserve_bytes=lambda: self.cache.placement.reserve,
-        )
 
     @property
     def feed(self) -> Feed:
@@ -195,26 +134,18 @@ class MMCacheServer:
                     [health_handler(self.health, self.instance_id)]
                 )
                 self.health_port = _bind(self._health_server, config.host, config.health_port, None)
-            self.region = _open_region(config.shm, config.lease_s)
-            opened.callback(self._close_region)
-            self._warn_if_tenants_share_the_region()
             self._endpoint = _metrics_endpoint(self.registry, config)
             opened.callback(self._endpoint.close)
             self.metrics_port = self._endpoint.port
-            if self.events is not None:
+            if self.events is not None:  # stopped after the cache: the tier's writes are events
                 self.events.start()
                 opened.push_async_callback(self.events.stop)
             self.sessions.start()
-            if self.l2 is not None:  # stopped before the region: a write may read from it
-                self.l2.start()
-                opened.push_async_callback(self.l2.stop)
+            await opened.enter_async_context(self.cache)  # its region, L2 tier and timers
+            self._warn_if_tenants_share_the_region()
             await server.start()
             if self._health_server is not None:
                 await self._health_server.start()
-            opened.callback(self._cancel_timers)
-            self._expiry = asyncio.create_task(self._expire_leases())
-            if self.region is not None:
-                self._drainer = asyncio.create_task(self._drain_reports())
             for name in ("", *names):
                 await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._opened = opened.pop_all()
@@ -240,7 +171,8 @@ class MMCacheServer:
         return server, names
 
     def _warn_if_tenants_share_the_region(self) -> None:
-        if self.region is None or self._book is None or not self._book.limits_namespaces:
+        shm = self.cache.stats(drain=False).shm
+        if shm is None or self._book is None or not self._book.limits_namespaces:
             return
         _LOGGER.warning(
             "tokens keep namespaces apart on gRPC, but the shared-memory region %s is "
@@ -248,7 +180,7 @@ class MMCacheServer:
             "--shm-group) can read and overwrite the items in it, whatever its token. For "
             "tenants that must not see each other, give each its own sidecar or run "
             "with --no-shm.",
-            self.region.path,
+            shm.path,
         )
 
     def _log_serving(self) -> None:
@@ -265,19 +197,11 @@ class MMCacheServer:
             _security_summary(config),
             config.metrics_host or config.host,
             self.metrics_port,
-            self.store.capacity,
-            self.store.max_items,
+            config.capacity_bytes,
+            config.item_bound,
             config.lease_s,
             self.instance_id,
         )
-
-    def _changed(self, kind: Change, key: str, size: int) -> None:
-        """The store's change: to its namespace's feed, and to routers."""
-        self.namespaces.emit(kind, key, size)
-        if self.l2 is not None and kind == Change.REMOVED:
-            self.l2.removed(key)
-        if self.events is not None:
-            self.events.changed(kind, key, size)
 
     def _check_session_batch(self, metadata: Metadata) -> MMCacheError | None:
         """Why an upload session's next batch may not proceed (its token, checked
@@ -307,31 +231,6 @@ class MMCacheServer:
             await self._health_server.stop(0)
             self._health_server = None
 
-    def _cancel_timers(self) -> None:
-        for task in (self._expiry, self._drainer):
-            if task is not None:
-                task.cancel()
-        self._expiry = self._drainer = None
-
-    def _close_region(self) -> None:
-        if self.region is not None:
-            self.region.close()
-            self.region = None
-
-    async def _drain_reports(self) -> None:
-        while True:
-            await asyncio.sleep(REPORT_DRAIN_S)
-            self.cache.beat()
-
-    async def _expire_leases(self) -> None:
-        # Calls expire leases as they come; this covers a server with none.
-        interval = min(1.0, self.config.lease_s / 10)
-        while True:
-            await asyncio.sleep(interval)
-            self.store.expire()
-            if self.region is not None:
-                self.region.expire()
-
     async def __aenter__(self) -> MMCacheServer:
         await self.start()
         return self
@@ -345,49 +244,28 @@ class MMCacheServer:
         await self.stop(grace=0)
 
 
-def _l2_tier(
-    config: L2Config | None,
-    instance_id: str,
-    store: ItemStore,
-    registry: CollectorRegistry,
-    events: ItemEvents | None,
-) -> L2Tier | None:
-    """The L2 tier when --l2 names one; its metrics are exported either way."""
-    if config is None:
-        L2Metrics(registry)
-        return None
-    from .cache._l2 import L2Backend
-    from .cache._l2_memory import is_memory_url, shared_memory_l2
-    from .cache._l2_redis import RedisClusterL2
+def _gauges(cache: ItemCache, namespaces: Namespaces, sessions: Sessions) -> StoreGauges:
+    """The store's gauges, read from the cache's stats at each scrape."""
 
-    backend: L2Backend
-    if is_memory_url(config.url):
-        backend = shared_memory_l2(config.url)
-    else:
-        backend = RedisClusterL2(config.url, prefix=config.prefix, timeout_s=config.timeout_s)
-    # The tier's settings that are flags (L2Config's fields of the same names).
-    flags = {f.name for f in fields(config)} & {f.name for f in fields(L2Settings)}
-    settings = L2Settings(**{name: getattr(config, name) for name in flags})
-    metrics = L2Metrics(registry)
-    tier = L2Tier(
-        backend,
-        store,
-        metrics,
-        settings,
-        WIRE_MANIFESTS,
-        node=instance_id,
-        on_written=(lambda key, size: None) if events is None else events.written_to_l2,
+    def now() -> CacheStats:
+        return cache.stats(drain=False)
+
+    return StoreGauges(
+        items=lambda: now().items,
+        stored_bytes=lambda: now().used,
+        capacity_bytes=lambda: now().capacity,
+        max_items=lambda: now().max_items,
+        inflight_bytes=lambda: now().inflight_bytes,
+        leases=lambda: now().leases,
+        leased_bytes=lambda: now().leased_bytes,
+        feed_subscribers=lambda: namespaces.subscribers,
+        namespaces=lambda: len(namespaces),
+        upload_sessions=lambda: sessions.live,
+        shm_leased_bytes=lambda: now().shm_leased_bytes,
+        shm_resident_bytes=lambda: now().shm_resident_bytes,
+        shm_transient_bytes=lambda: now().shm_transient_bytes,
+        shm_reserve_bytes=lambda: now().shm_reserve_bytes,
     )
-    metrics.queued.set_function(lambda: tier.queued)
-    metrics.up.set_function(lambda: float(backend.up))
-    metrics.nodes_down.set_function(lambda: backend.nodes_down)
-    _LOGGER.info(
-        "L2 tier: %s, keys under %r, admit on %s sighting",
-        backend.where,
-        config.prefix,
-        config.admit,
-    )
-    return tier
 
 
 def _item_events(config: EventsConfig | None, instance_id: str) -> ItemEvents | None:
@@ -410,24 +288,6 @@ def _metrics_endpoint(registry: CollectorRegistry, config: ServerConfig) -> Metr
             if taken
             else f"cannot serve /metrics on {host}:{config.metrics_port}: {exc}"
         ) from None
-
-
-def _open_region(config: ShmConfig, lease_s: float) -> Region | None:
-    """The shared-memory region, or None (gRPC only) with the reason logged."""
-    if not config.enabled:
-        return None
-    try:
-        region = open_region(config.dir, config.bytes, lease_s=lease_s, group=config.group)
-    except OSError as exc:
-        _LOGGER.warning(
-            "shared memory off (co-located clients use gRPC, slower for large items): "
-            "%s: %s; give --shm-dir a writable tmpfs both containers mount, or --no-shm",
-            config.dir,
-            exc,
-        )
-        return None
-    _LOGGER.info("shared-memory region %s: %d bytes", region.path, region.size)
-    return region
 
 
 def _read(path: str, what: str) -> bytes:

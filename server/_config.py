@@ -22,8 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, NoReturn
 
-from .cache._l2 import DEFAULT_PREFIX
-from .cache._tier import L2Settings
+from .cache import DEFAULT_PREFIX, L2Settings, check_l2_url
 
 __all__ = [
     "GIB",
@@ -116,14 +115,8 @@ class L2Config:
     queue_items: int = L2Settings.queue_items  # items waiting to be written, at most
 
     def __post_init__(self) -> None:
-        from .cache._l2_memory import is_memory_url, shared_memory_l2
-        from .cache._l2_redis import parse_l2_url  # redis-py, loaded only for an L2
-
         try:
-            if is_memory_url(self.url):
-                shared_memory_l2(self.url)
-            else:
-                parse_l2_url(self.url)
+            check_l2_url(self.url)
         except ValueError as exc:
             raise ConfigError(f"--l2 {_without_password(self.url)!r}: {exc}") from None
         if self.admit not in ("first", "second"):

@@ -34,7 +34,7 @@ import zmq
 import zmq.asyncio
 
 from ._namespaces import split_key
-from .cache import Change
+from .cache import Change, ItemChange
 
 __all__ = [
     "END_SEQ",
@@ -148,15 +148,14 @@ class ItemEvents:
         self._flush()
         self._close_sockets()
 
-    def changed(self, kind: Change, key: str, size: int) -> None:
-        """A store change (the store's hook): stored or removed, in L1."""
-        if kind == Change.STORED:
-            self._add("stored", key, "l1", size)
-        elif kind == Change.REMOVED:
-            self._add("removed", key, "l1", 0)
-
-    def written_to_l2(self, key: str, size: int) -> None:
-        self._add("stored", key, "l2", size)
+    def changed(self, change: ItemChange) -> None:
+        """The cache's change stream's subscriber: stored or removed, in L1;
+        written to L2."""
+        tier = "l2" if change.in_l2 else "l1"
+        if change.kind == Change.STORED:
+            self._add("stored", change.key, tier, change.size)
+        elif change.kind == Change.REMOVED:
+            self._add("removed", change.key, tier, 0)
 
     def _add(self, kind: str, key: str, tier: str, size: int) -> None:
         if self._pub is None:

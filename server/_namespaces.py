@@ -33,7 +33,7 @@ from mmcache._spec import (
 
 from ._config import ServerConfig
 from ._feed import Feed
-from .cache import Change, FeedState
+from .cache import Change, FeedState, ItemChange
 
 __all__ = ["Namespace", "Namespaces", "namespace_name", "split_key"]
 
@@ -145,8 +145,13 @@ class Namespaces:
             )
         return self._make(name)
 
+    def changed(self, change: ItemChange) -> None:
+        """The cache's change stream's subscriber: L1's changes, to the feeds."""
+        if not change.in_l2:
+            self.emit(change.kind, change.key, change.size)
+
     def emit(self, kind: Change, key: str, size: int = 0) -> None:
-        """The store's change hook: the change goes to its namespace's feed."""
+        """A change to L1's key set: to its namespace's feed."""
         self._changes += 1
         name, mm_hash = split_key(key)
         namespace = self._all.get(name) or self._make(name)  # it has items: never refused

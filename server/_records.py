@@ -18,8 +18,7 @@ from mmcache._errors import InvalidArgumentError
 from mmcache.v1 import cache_pb2 as pb
 
 from ._upload import entry_header
-from .cache._l2 import BadRecord, Manifest, Manifests
-from .cache._store import StoredItem
+from .cache import BadRecord, Manifest, Manifests, StoredItem
 
 __all__ = ["WIRE_MANIFESTS", "WireManifests"]
 

@@ -130,7 +130,7 @@ class CacheServicer:
             namespaces=len(self._namespaces),
             l2_up=stats.l2_up,
         )
-        region = self._cache.region()
+        region = stats.shm
         if region is not None:
             reply.shm.CopyFrom(
                 pb.ShmRegion(path=region.path, size_bytes=region.size, region_id=region.id)
@@ -260,11 +260,11 @@ class CacheServicer:
         keys = [e.key for e in batch.entries]
         spares = self._cache.spares(request.shm_token, spare_sizes, keys)
         leased = request.lease != pb.LEASE_NONE  # checked by parse_header
-        store = self._cache.store
-        lease_ms = int(store.lease_s * 1000) if leased else 0
+        stats = self._cache.stats(drain=False)
+        lease_ms = int(stats.lease_s * 1000) if leased else 0
         spare_slots = [slot_message(s) for s in spares]
         return build_reply(
-            self._instance_id, store.capacity, store.max_items, seq, lease_ms, result, spare_slots
+            self._instance_id, stats.capacity, stats.max_items, seq, lease_ms, result, spare_slots
         )
 
     async def _receive(self, batch: Batch, prepared: PreparedUpdate) -> BatchResult:

@@ -29,11 +29,16 @@ from mmcache._spec import MAX_METADATA_BYTES, check_count, check_name, item_size
 from mmcache.v1 import cache_pb2 as pb
 
 from ._namespaces import Namespace
-from .cache._deadline import Deadline
-from .cache._entries import EntryHeader, check_received, chunk_length
-from .cache._region import Slot
-from .cache._store import BatchResult
-from .cache._types import Lease, ShmRef
+from .cache import (
+    BatchResult,
+    Deadline,
+    EntryHeader,
+    Lease,
+    ShmRef,
+    Slot,
+    check_received,
+    chunk_length,
+)
 
 __all__ = [
     "Batch",

@@ -15,9 +15,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
+from mmcache.server.cache import parts_of
 
 if TYPE_CHECKING:
     from mmcache.client import MMCacheClient
+    from mmcache.server.cache._region import Region
+    from mmcache.server.cache._store import ItemStore
 
 MIB = 1 << 20
 
@@ -34,6 +37,16 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> float:
             raise AssertionError(f"not true within {timeout}s")
         await asyncio.sleep(0.002)
     return time.monotonic() - start
+
+
+def store_of(server: MMCacheServer) -> ItemStore:
+    """A server's L1 store, for what no call shows."""
+    return parts_of(server.cache).store
+
+
+def region_of(server: MMCacheServer) -> Region | None:
+    """A server's shared-memory region, while it runs with one."""
+    return parts_of(server.cache).region
 
 
 def server_config(capacity_bytes: int = 256 * MIB, **overrides: object) -> ServerConfig:

@@ -28,7 +28,17 @@ from mmcache.client._codec import encode_item
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, Samples, connected, eventually, sample, scrape, server_config, serving
+from .conftest import (
+    MIB,
+    Samples,
+    connected,
+    eventually,
+    sample,
+    scrape,
+    server_config,
+    serving,
+    store_of,
+)
 from .items import image_item
 from .oracle import oracle_batch
 
@@ -157,8 +167,8 @@ async def test_mirror_agrees_with_an_lru_oracle_over_long_random_sequences(seed:
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client.mirror.keys()) == set(oracle.keys())
-            assert set(client.mirror.keys()) == set(server.store.keys())
-            assert client.mirror.keys() == server.store.keys()  # same order too
+            assert set(client.mirror.keys()) == set(store_of(server).keys())
+            assert client.mirror.keys() == store_of(server).keys()  # same order too
             samples = await scrape(server.metrics_port)
             assert sample(samples, "mmcache_resends_total", modality="image") == 0
 
@@ -176,8 +186,8 @@ async def test_mirror_agrees_with_the_server_under_its_item_bound() -> None:
                 results = await client.get_and_update([pool[k] for k in keys], keys, lease=False)
                 assert [r is None for r in results] == expected
                 assert set(client.mirror.keys()) == set(oracle.keys())
-            assert client.mirror.keys() == server.store.keys()
-            assert len(server.store) == 4
+            assert client.mirror.keys() == store_of(server).keys()
+            assert len(store_of(server)) == 4
 
 
 async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
@@ -191,10 +201,10 @@ async def test_drift_between_frontends_is_repaired_within_the_call() -> None:
             await b.get_and_update([items["h0"]], ["h0"], lease=False)
             for key in ("h1", "h2", "h3"):
                 await a.get_and_update([items[key]], [key], lease=False)
-            assert b.is_cached(["h0"]) == [True] and "h0" not in server.store
+            assert b.is_cached(["h0"]) == [True] and "h0" not in store_of(server)
             result = await b.get_and_update([items["h0"]], ["h0"])
             assert result == [items["h0"]]  # re-sent, not claimed as cached
-            assert "h0" in server.store
+            assert "h0" in store_of(server)
             assert (await b.fetch(["h0"]))[0] == items["h0"]
             samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_resends_total", modality="image") == 1
@@ -227,7 +237,7 @@ async def test_server_restart_resets_the_mirror_and_resends(
             result = await client.get_and_update([item], ["h"])
             assert result == [item]  # re-sent: the new process did not hold it
             assert client.instance_id == second.instance_id != old_instance
-            assert "h" in second.store
+            assert "h" in store_of(second)
             assert (await client.fetch(["h"]))[0] == item
 
 
@@ -338,7 +348,7 @@ async def test_inject_covers_modalities_and_skips_absent_entries(
     samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_queries_total", modality="image") == 1
     assert sample(samples, "mmcache_queries_total", modality="video") == 1
-    assert set(server.store.keys()) == {"i1", "v0"}
+    assert set(store_of(server).keys()) == {"i1", "v0"}
 
 
 async def test_inject_never_raises(caplog: pytest.LogCaptureFixture) -> None:
@@ -374,7 +384,7 @@ async def test_touch_is_local_and_reaches_the_server_with_the_next_batch() -> No
             client.touch("ghost")  # not held: nothing happens
             await client.get_and_update([c], ["c"], lease=False)
             assert client.is_cached(["a", "b", "c"]) == [True, False, True]
-            assert set(server.store.keys()) == {"a", "c"}
+            assert set(store_of(server).keys()) == {"a", "c"}
 
 
 async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
@@ -386,7 +396,7 @@ async def test_refresh_keeps_what_a_reader_uses_from_eviction_at_once() -> None:
                 await reader.fetch(["a"], release=False)  # a read moves nothing
                 assert await reader.refresh(["a", "ghost"]) == 1  # one call, one held
             await writer.get_and_update([c], ["c"], lease=False)
-            assert set(server.store.keys()) == {"a", "c"}  # b, not a, was evicted
+            assert set(store_of(server).keys()) == {"a", "c"}  # b, not a, was evicted
 
 
 async def test_make_stats_delta(client: MMCacheClient) -> None:
@@ -406,10 +416,10 @@ async def test_clear_cache_empties_server_and_mirror(
     await client.get_and_update([image_item(2)], ["leased"])
     await client.clear_cache()
     # A leased item is a promise to a request in flight: Clear keeps it.
-    assert client.is_cached(["x"]) == [False] and server.store.keys() == ["leased"]
+    assert client.is_cached(["x"]) == [False] and store_of(server).keys() == ["leased"]
     await client.fetch(["leased"])  # the engine's read releases it
     await client.clear_cache()
-    assert len(server.store) == 0
+    assert len(store_of(server)) == 0
 
 
 async def test_fetch_of_missing_hashes_raises_typed_error(client: MMCacheClient) -> None:
@@ -516,6 +526,6 @@ async def test_an_item_of_256_mib_moves_both_ways() -> None:
     async with serving(capacity_bytes=300 * MIB) as server:
         async with connected(server, chunk_bytes=4 * MIB) as client:
             assert await client.get_and_update([big], ["big"]) == [big]
-            assert server.store.used == 256 * MIB
+            assert store_of(server).used == 256 * MIB
             (fetched,) = await client.fetch(["big"])
             assert torch.equal(fetched["pixel_values"], big["pixel_values"])

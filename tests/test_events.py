@@ -17,9 +17,9 @@ from mmcache.client import MMCacheClient
 from mmcache.server import EventsConfig, MMCacheServer
 from mmcache.server._config import ConfigError, parse_serve_args
 from mmcache.server._events import ItemEvents
-from mmcache.server.cache import Change
+from mmcache.server.cache import Change, ItemChange
 
-from .conftest import MIB, connected, server_config, serving
+from .conftest import MIB, connected, server_config, serving, store_of
 from .items import image_item
 
 TOPIC = b"mm-items"
@@ -87,7 +87,7 @@ async def test_subscribers_see_items_stored_and_evicted(publishing: MMCacheServe
             topic, seq_bytes, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
             assert topic == TOPIC
             _, events, _ = msgspec.msgpack.decode(payload)
-            size = publishing.store.size_of("qwen\x00first")
+            size = store_of(publishing).size_of("qwen\x00first")
             assert events == [["ItemStored", ["first"], [size], "l1", "qwen"]]
 
             hashes = [f"more{i}" for i in range(5)]
@@ -153,14 +153,14 @@ async def test_locate_says_where_items_are_and_counts_nothing(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
     await client.get_and_update([image_item(3)], ["here"])
-    leases = server.store.leases
+    leases = store_of(server).leases
     queries = server.registry.get_sample_value("mmcache_queries_total", {"modality": "image"})
     where = await client.locate(["here", "nowhere"], check_l2=True)
-    assert where[0].tier == "l1" and where[0].size == server.store.size_of("here") > 0
+    assert where[0].tier == "l1" and where[0].size == store_of(server).size_of("here") > 0
     assert where[1].tier is None and where[1].size == 0
     after = server.registry.get_sample_value("mmcache_queries_total", {"modality": "image"})
     assert after == queries
-    assert server.store.leases == leases
+    assert store_of(server).leases == leases
 
 
 async def test_a_replay_to_a_slow_reader_skips_no_batch() -> None:
@@ -172,7 +172,7 @@ async def test_a_replay_to_a_slow_reader_skips_no_batch() -> None:
     try:
         for i in range(5000):  # one batch each, of 20 changes (about 1.5 KB)
             for j in range(20):
-                events.changed(Change.STORED, f"{i:032d}{j:032d}", 10)
+                events.changed(ItemChange(Change.STORED, f"{i:032d}{j:032d}", 10))
             events._flush()
         _, replay_at = events.endpoints
         assert replay_at is not None

@@ -32,7 +32,7 @@ from mmcache.client._codec import EncodedItem, encode_item
 from mmcache.server import MMCacheServer, ServerConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving
+from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving, store_of
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, tensor_spec
 
@@ -60,7 +60,7 @@ async def test_a_promised_item_survives_other_frontends_filling_the_cache() -> N
                     await b.get_and_update([image_item(100 + j, 2000)], [key], lease=False)
                 (got,) = await engine.fetch([mine])
                 assert got == image_item(request, 2000)
-            assert server.store.leases == 0 and server.store.leased_bytes == 0
+            assert store_of(server).leases == 0 and store_of(server).leased_bytes == 0
 
 
 async def test_leased_bytes_count_in_the_capacity_and_what_cannot_fit_is_handed_back() -> None:
@@ -70,18 +70,18 @@ async def test_leased_bytes_count_in_the_capacity_and_what_cannot_fit_is_handed_
             items = [image_item(i, 2000) for i in range(4)]
             hashes = [f"h{i}" for i in range(4)]
             result = await client.get_and_update(items[:3], hashes[:3])
-            assert list(result) == items[:3] and server.store.leased_bytes == 3 * item_bytes
+            assert list(result) == items[:3] and store_of(server).leased_bytes == 3 * item_bytes
             # No room beside three leased items: the fourth is handed back to
             # be delivered inline, nothing leased is evicted.
             result = await client.get_and_update([items[3]], [hashes[3]])
             assert result[0] is items[3]
-            assert server.store.keys() == hashes[:3] and not client.is_cached([hashes[3]])[0]
-            assert server.store.used <= server.store.capacity
+            assert store_of(server).keys() == hashes[:3] and not client.is_cached([hashes[3]])[0]
+            assert store_of(server).used <= store_of(server).capacity
             # Reads release: then the fourth fits.
             await client.fetch(hashes[:3])
-            assert server.store.leases == 0
+            assert store_of(server).leases == 0
             assert (await client.get_and_update([items[3]], [hashes[3]]))[0] is items[3]
-            assert hashes[3] in server.store
+            assert hashes[3] in store_of(server)
             samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_uncached_total", modality="image") == 1
 
@@ -111,7 +111,7 @@ async def test_64_requests_in_flight_over_a_small_cache_never_fail_at_the_read()
             )
             failures = sum(isinstance(r, BaseException) for r in results)
             assert failures == 0, [r for r in results if isinstance(r, BaseException)][:3]
-            assert server.store.used <= server.store.capacity
+            assert store_of(server).used <= store_of(server).capacity
 
 
 async def test_a_lease_nobody_reads_expires_and_the_item_becomes_evictable() -> None:
@@ -119,11 +119,11 @@ async def test_a_lease_nobody_reads_expires_and_the_item_becomes_evictable() -> 
     async with serving(capacity_bytes=2 * item_bytes + 50, lease_s=2) as server:
         async with connected(server) as client:
             await client.get_and_update([image_item(0, 2000)], ["dropped"])
-            assert server.store.leases == 1
-            await eventually(lambda: server.store.leases == 0, timeout=10)
+            assert store_of(server).leases == 1
+            await eventually(lambda: store_of(server).leases == 0, timeout=10)
             for i in (1, 2):
                 await client.get_and_update([image_item(i, 2000)], [f"new-{i}"], lease=False)
-            assert "dropped" not in server.store
+            assert "dropped" not in store_of(server)
             samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_lease_expiries_total") == 1
 
@@ -135,13 +135,13 @@ async def test_hits_only_leases_what_the_engine_must_read(
     await client.get_and_update([old], ["old"], lease=False)
     sent = await client.get_and_update([old, new], ["old", "new"], lease="hits")
     assert list(sent) == [None, new] and sent.held == [True, True]
-    assert server.store.leases == 1 and server.store.leased_items == 1  # "old" alone
+    assert store_of(server).leases == 1 and store_of(server).leased_items == 1  # "old" alone
     # inject (a frontend that processed the items itself) leases the same way.
     listed: list[object] = [old, image_item(3)]
     await client.inject_into_mm_cache({"image": ["old", "third"]}, {"image": listed})
-    assert listed[0] is None and server.store.leases == 2
+    assert listed[0] is None and store_of(server).leases == 2
     await client.fetch(["old", "old"])
-    assert server.store.leases == 0
+    assert store_of(server).leases == 0
     with pytest.raises(InvalidArgumentError, match="lease"):
         await client.get_and_update([old], ["old"], lease="all")  # type: ignore[arg-type]
 
@@ -163,7 +163,7 @@ async def test_a_leased_item_survives_a_reupload_that_cannot_be_stored() -> None
                 assert (await c.get_and_update([x], ["x"])).held == [False]
             # The promise to a's request holds.
             assert await a.fetch(["x", "w"]) == [x, w]
-            assert server.store.leases == 0
+            assert store_of(server).leases == 0
 
 
 async def test_data_sent_again_without_metadata_keeps_the_stored_metadata() -> None:
@@ -199,12 +199,12 @@ async def test_release_gives_back_a_lease_whose_read_will_not_happen(
     server: MMCacheServer, client: MMCacheClient
 ) -> None:
     await client.get_and_update([image_item(1), image_item(1)], ["twice", "twice"])
-    assert server.store.leases == 2  # one grant per entry: two reads to come
+    assert store_of(server).leases == 2  # one grant per entry: two reads to come
     assert await client.release(["twice", "never-leased"]) == 1
     await client.fetch(["twice"])
-    assert server.store.leases == 0
+    assert store_of(server).leases == 0
     await client.fetch(["twice"], release=True)  # nothing left to release: no error
-    assert server.store.leases == 0
+    assert store_of(server).leases == 0
 
 
 async def test_a_call_that_fails_for_want_of_data_gives_its_leases_back(
@@ -214,7 +214,7 @@ async def test_a_call_that_fails_for_want_of_data_gives_its_leases_back(
     with pytest.raises(CacheMissError) as info:
         await client.get_and_update([None, None], ["held", "gone"])
     assert info.value.missing_hashes == ["gone"]
-    assert server.store.leases == 0  # the request failed: nothing will read "held"
+    assert store_of(server).leases == 0  # the request failed: nothing will read "held"
 
 
 async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
@@ -230,15 +230,15 @@ async def test_a_frontend_killed_mid_request_releases_by_expiry() -> None:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), 60)
             assert line.split()[0] == b"uploaded"
-            assert server.store.leases == 2 and server.store.leased_bytes > 0
+            assert store_of(server).leases == 2 and store_of(server).leased_bytes > 0
             proc.send_signal(signal.SIGKILL)  # dies before its engine reads
             await asyncio.wait_for(proc.wait(), 10)
         finally:
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-        await eventually(lambda: server.store.leases == 0, timeout=15)
-        assert server.store.leased_bytes == 0 and len(server.store) == 2
+        await eventually(lambda: store_of(server).leases == 0, timeout=15)
+        assert store_of(server).leased_bytes == 0 and len(store_of(server)) == 2
 
 
 async def test_after_a_server_restart_the_read_names_the_hashes_and_the_frontend_resends() -> None:
@@ -258,7 +258,7 @@ async def test_after_a_server_restart_the_read_names_the_hashes_and_the_frontend
                 # vLLM's retry path: the frontend sends the items again.
                 assert list(await frontend.get_and_update(items, hashes)) == items
                 assert await engine.fetch(hashes) == items
-            assert second.store.leases == 0
+            assert store_of(second).leases == 0
 
 
 # ---------------------------------------------------------------- the feed
@@ -274,9 +274,9 @@ async def test_every_mirror_learns_what_any_frontend_stored_and_what_was_evicted
             # b's own uploads evict x; a learns it from the feed.
             for i in range(1, 5):
                 await b.get_and_update([image_item(i, 2000)], [f"y{i}"], lease=False)
-            assert "x" not in server.store
+            assert "x" not in store_of(server)
             await eventually(lambda: a.is_cached(["x"]) == [False])
-            await eventually(lambda: sorted(a.mirror.keys()) == sorted(server.store.keys()))
+            await eventually(lambda: sorted(a.mirror.keys()) == sorted(store_of(server).keys()))
 
 
 async def test_mirrors_agree_with_the_server_after_random_traffic_from_three_frontends() -> None:
@@ -301,11 +301,11 @@ async def test_mirrors_agree_with_the_server_after_random_traffic_from_three_fro
 
             await asyncio.gather(*(traffic(c) for c in clients))
             await eventually(lambda: all(c.mirror.feed_seq == server.feed.seq for c in clients))
-            truth = server.store.keys()
+            truth = store_of(server).keys()
             for client in clients:
                 assert client.mirror.keys() != [] and sorted(client.mirror.keys()) == sorted(truth)
                 for key in truth:
-                    assert client.mirror.size_of(key) == server.store.peek(key).size  # type: ignore[union-attr]
+                    assert client.mirror.size_of(key) == store_of(server).peek(key).size  # type: ignore[union-attr]
 
 
 async def test_a_subscriber_too_slow_for_the_feed_is_resynced_not_buffered() -> None:
@@ -381,7 +381,7 @@ async def test_a_mirror_stopped_past_the_feeds_ring_is_resynced_to_the_servers_s
                 if state["seq"] == server.feed.seq:
                     break
                 await asyncio.sleep(0.02)
-            assert state["keys"] == sorted(server.store.keys())
+            assert state["keys"] == sorted(store_of(server).keys())
             samples = await scrape(server.metrics_port)
             assert (sample(samples, "mmcache_feed_snapshots_total", reason="lag") or 0) >= 1
         finally:
@@ -443,7 +443,7 @@ async def test_an_idle_follower_forgets_removals_the_feed_has_passed() -> None:
                 await busy.get_and_update([image_item(i, 100)], [f"k{i}"], lease=False)
             await eventually(lambda: idle.mirror.feed_seq == server.feed.seq)
             assert len(idle.mirror._gone) == 0
-            assert sorted(idle.mirror.keys()) == sorted(server.store.keys())
+            assert sorted(idle.mirror.keys()) == sorted(store_of(server).keys())
 
 
 async def test_clear_on_a_following_client_keeps_it_following(
@@ -458,7 +458,7 @@ async def test_clear_on_a_following_client_keeps_it_following(
         assert client.feed.resubscribes == 0
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_leases") == 1
-        assert sample(samples, "mmcache_leased_bytes") == server.store.peek("kept").size  # type: ignore[union-attr]
+        assert sample(samples, "mmcache_leased_bytes") == store_of(server).peek("kept").size  # type: ignore[union-attr]
 
 
 async def test_a_subscriber_that_dies_is_dropped_quietly(caplog: pytest.LogCaptureFixture) -> None:
@@ -501,7 +501,7 @@ async def test_mirrors_in_other_processes_see_what_each_frontend_uploaded() -> N
             *(asyncio.to_thread(frontend, *s) for s in ((1, 2, 3), (3, 4), (5, 1)))
         )
         assert all(out[0] == "uploaded" for out in outs)
-        assert sorted(server.store.keys()) == [f"img-{s}" for s in range(1, 6)]
+        assert sorted(store_of(server).keys()) == [f"img-{s}" for s in range(1, 6)]
         # A later frontend process knows all of it before its first call.
         out = await asyncio.to_thread(frontend, 1, 2, 3, 4, 5)
         assert out == ["uploaded", "5", "5"]
@@ -517,7 +517,7 @@ async def test_a_frontend_that_never_processed_an_item_gets_its_metadata_with_th
         result = await b.get_and_update([None], ["img"], want_metadata=True)
         assert list(result) == [None] and result.metadata == [blob]
         # Charged in the item's size, so the capacity bounds it too.
-        assert server.store.peek("img").size == size_of(1, 256) + len(blob)  # type: ignore[union-attr]
+        assert store_of(server).peek("img").size == size_of(1, 256) + len(blob)  # type: ignore[union-attr]
         # Not asked for: not sent.
         assert (await b.get_and_update([None], ["img"])).metadata == [None]
 
@@ -527,7 +527,7 @@ async def test_lookup_asks_without_data_and_a_later_upload_is_no_second_query() 
         await a.get_and_update([image_item(1)], ["held"], metadata=[b"m"], lease=False)
         found = await b.lookup(["held", "absent"], modality="image", want_metadata=True)
         assert found.held == [True, False] and found.metadata == [b"m", None]
-        assert server.store.leases == 1  # the hit, for the engine's read
+        assert store_of(server).leases == 1  # the hit, for the engine's read
         # The frontend processes what was absent and sends it, as a re-send.
         await b.get_and_update([image_item(2)], ["absent"], resend=[True], lease=False)
         samples = await scrape(server.metrics_port)
@@ -569,7 +569,7 @@ async def test_metadata_over_the_limit_is_refused_with_the_limit(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await call(frames(), timeout=10)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "65536" in (info.value.details() or "") and "m" not in server.store
+    assert "65536" in (info.value.details() or "") and "m" not in store_of(server)
 
 
 # ---------------------------------------------------------------- one hash, two uploads
@@ -673,7 +673,7 @@ async def test_the_same_new_item_from_two_frontends_at_once_is_stored_once() -> 
             ra, rb = await asyncio.gather(
                 a.get_and_update(items, hashes), b.get_and_update(items, hashes)
             )
-            assert len(server.store) == 8 and server.store.leases == 16
+            assert len(store_of(server)) == 8 and store_of(server).leases == 16
             assert await a.fetch(hashes) == items
             samples = await scrape(server.metrics_port)
     # Every item was a query of each frontend; each stored exactly once.
@@ -705,7 +705,7 @@ async def test_one_client_used_from_64_tasks_stays_exact() -> None:
             await asyncio.gather(*(task() for _ in range(64)))
             samples = await scrape(server.metrics_port)
             await eventually(lambda: client.mirror.feed_seq == server.feed.seq)
-            assert sorted(client.mirror.keys()) == sorted(server.store.keys())
+            assert sorted(client.mirror.keys()) == sorted(store_of(server).keys())
     queries = sample(samples, "mmcache_queries_total", modality="image")
     hits = sample(samples, "mmcache_hits_total", modality="image")
     assert queries == asked == client.make_stats().total
@@ -756,7 +756,7 @@ async def test_fail_open_comes_back_in_touch_when_the_server_returns() -> None:
             await eventually(lambda: client.following)
             assert client.instance_id == second.instance_id
             assert list(await client.get_and_update([image_item(2)], ["b"])) == [image_item(2)]
-            assert client.is_cached(["b"]) == [True] and "b" in second.store
+            assert client.is_cached(["b"]) == [True] and "b" in store_of(second)
 
 
 def test_lease_flag_and_variable() -> None:

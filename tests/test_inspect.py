@@ -13,7 +13,7 @@ import torch
 
 from mmcache.client import MMCacheClient
 
-from .conftest import MMCACHE, serving
+from .conftest import MMCACHE, serving, store_of
 from .items import image_item
 
 ADMIN, WRITE = "admin-token-0123456789", "write-token-0123456789"
@@ -61,10 +61,10 @@ async def test_stats_locate_and_clear_look_inside_a_running_server() -> None:
         assert lines[0].startswith("a  held here (") and lines[1] == "zzz  not held"
 
         code, shown = await mmcache("clear", "--target", target, stdin="n\n")
-        assert code == 1 and "nothing removed" in shown and len(server.store) == 2
+        assert code == 1 and "nothing removed" in shown and len(store_of(server)) == 2
         code, shown = await mmcache("clear", "--target", target, "--yes")
         assert code == 0 and "removed 1 items" in shown and "1 leased ones stay" in shown
-        assert server.store.keys() == ["a"]  # leased: kept until read
+        assert store_of(server).keys() == ["a"]  # leased: kept until read
 
 
 async def test_clear_needs_an_admin_token_and_says_so() -> None:

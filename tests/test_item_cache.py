@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,22 +20,25 @@ from mmcache._errors import CacheMissError, InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES
 from mmcache._lru import Outcome
 from mmcache.client._codec import encode_item, iter_chunk_frames
-from mmcache.metrics import CacheMetrics, L2Metrics
 from mmcache.server import cache as server_cache
 from mmcache.server._namespaces import Namespaces
 from mmcache.server._records import WIRE_MANIFESTS
 from mmcache.server._reports import parse_report
 from mmcache.server._upload import parse_header
 from mmcache.server.cache import (
+    BatchResult,
+    CacheConfig,
     Change,
     Deadline,
     EntryHeader,
-    InflightBudget,
     ItemCache,
-    ItemStore,
+    L2Settings,
+    L2Target,
     Lease,
     Report,
     Tier,
+    open_cache,
+    parts_of,
     upload_entry,
 )
 from mmcache.server.cache._l2 import (
@@ -46,8 +51,8 @@ from mmcache.server.cache._l2 import (
     record_of_item,
 )
 from mmcache.server.cache._l2_memory import MemoryL2
-from mmcache.server.cache._store import BatchResult
-from mmcache.server.cache._tier import L2Settings, L2Tier
+from mmcache.server.cache._store import ItemStore
+from mmcache.server.cache._tier import L2Tier
 from mmcache.v1 import cache_pb2 as pb
 
 from .items import image_item
@@ -58,12 +63,18 @@ NO_DEADLINE = Deadline(None)
 
 @dataclass
 class Node:
-    """One sidecar's data plane: its cache, its store, its registry."""
+    """One sidecar's data plane: its cache and its registry."""
 
     cache: ItemCache
-    store: ItemStore
     registry: CollectorRegistry
-    tier: L2Tier | None
+
+    @property
+    def store(self) -> ItemStore:
+        return parts_of(self.cache).store
+
+    @property
+    def tier(self) -> L2Tier | None:
+        return parts_of(self.cache).tier
 
     def sample(self, name: str, **labels: str) -> float:
         value = self.registry.get_sample_value(name, labels)
@@ -72,43 +83,35 @@ class Node:
 
 @pytest.fixture
 async def nodes() -> AsyncIterator[list[Node]]:
-    """Three caches on one in-memory L2 (a fleet in one process); stopped after."""
-    backend = MemoryL2()
-    made = [_node(backend, name) for name in ("a", "b", "c")]
-    yield made
-    for node in made:
-        assert node.tier is not None
-        await node.tier.stop()
+    """Three caches on one in-memory L2 (a fleet in one process), running."""
+    fleet = f"memory://fleet-{uuid.uuid4().hex}"
+    async with contextlib.AsyncExitStack() as running:
+        made = [_node(fleet, name) for name in ("a", "b", "c")]
+        for node in made:
+            await running.enter_async_context(node.cache)
+        yield made
 
 
 def _node(
-    backend: MemoryL2 | None,
+    l2_url: str | None,
     name: str = "a",
     capacity: int = 64 * MIB,
     inflight: int = 64 * MIB,
-    settings: L2Settings | None = None,
 ) -> Node:
-    registry = CollectorRegistry()
-    store = ItemStore(capacity, max_items=1 << 20, lease_s=30.0)
-    tier = None
-    if backend is not None:
-        settings = settings or L2Settings(beat_s=0.05, recheck_s=0.01, wait_s=2.0)
-        tier = L2Tier(backend, store, L2Metrics(registry), settings, WIRE_MANIFESTS, node=name)
-        tier.start()
-    cache = ItemCache(
-        store,
-        InflightBudget(inflight),
-        CacheMetrics(registry),
-        lambda: None,
-        tier,
-        _ignore,
-        parse_report,
+    """One node's data plane, built (no region; `l2_url`: its L2 tier's backend)."""
+    settings = L2Settings(beat_s=0.05, recheck_s=0.01, wait_s=2.0)
+    config = CacheConfig(
+        capacity_bytes=capacity,
+        max_items=1 << 20,
+        lease_s=30.0,
+        inflight_bytes=inflight,
+        manifests=WIRE_MANIFESTS,
+        parse_report=parse_report,
+        l2=None if l2_url is None else L2Target(l2_url, settings=settings),
+        node=name,
     )
-    return Node(cache, store, registry, tier)
-
-
-def _ignore(kind: Change, key: str) -> None:
-    pass
+    registry = CollectorRegistry()
+    return Node(open_cache(config, registry), registry)
 
 
 def _header(h: str, seed: int | None, numel: int = 4096) -> tuple[EntryHeader, tuple[bytes, ...]]:

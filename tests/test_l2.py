@@ -229,7 +229,7 @@ async def test_no_fetch_returns_another_items_bytes_while_the_master_stalls() ->
                     await asyncio.sleep(rng.uniform(0.0, 0.06))
                     proxy.release()
                     await asyncio.gather(*lookups)
-                    held = [key for key in asked if key in b.store]
+                    held = [key for key in asked if key in b.cache]
                     served += len(held)
                     for key, fetched in zip(held, await cb.fetch(held), strict=True):
                         assert fetched == items[key], f"{key} read back as another item"

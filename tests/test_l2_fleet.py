@@ -45,7 +45,7 @@ async def test_an_item_one_sidecar_stored_is_held_by_another(fleet: Fleet) -> No
         assert cb.is_cached(["h1"]) == [False] and cb.shared_tier
         found = await cb.lookup(["h1"], modality="image")
         assert found.held == [True]  # read from L2 into B's cache before the answer
-        assert "h1" in b.store  # held in L1, as promised
+        assert "h1" in b.cache  # held in L1, as promised
         assert value(b, "mmcache_l2_hits_total") == 1
         assert value(b, "mmcache_hits_total", modality="image") == 1
         (fetched,) = await cb.fetch(["h1"])
@@ -145,7 +145,7 @@ async def test_locate_tells_l1_from_l2_and_l2_writes_are_published(fleet: Fleet)
         assert here.tier == "l2" and nowhere.tier is None
         assert (await cb.locate(["where"]))[0].tier is None  # L2 not asked
         assert (await ca.locate(["where"], check_l2=True))[0].tier == "l1"
-        assert "where" not in b.store  # locating reads nothing in
+        assert "where" not in b.cache  # locating reads nothing in
 
 
 async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
@@ -169,7 +169,7 @@ async def test_a_sidecar_waits_for_its_own_frontend_but_not_for_what_it_evicted(
         await ca.get_and_update([image_item(10)], ["once"], resend=[True], lease=False)
         for i in range(3):
             await ca.get_and_update([image_item(i, numel=200_000)], [f"big{i}"], lease=False)
-        assert "once" not in a.store
+        assert "once" not in a.cache
         started = asyncio.get_running_loop().time()
         assert (await ca.lookup(["once"])).held == [False]
         assert asyncio.get_running_loop().time() - started < 1.0
@@ -184,7 +184,7 @@ async def test_a_claim_ends_when_its_sidecar_evicts_the_item_unwritten(
         await ca.get_and_update([image_item(11)], ["brief"], resend=[True], lease=False)
         for i in range(3):  # A evicts it, seen once: never written to L2
             await ca.get_and_update([image_item(i, numel=200_000)], [f"big{i}"], lease=False)
-        assert "brief" not in a.store
+        assert "brief" not in a.cache
         await eventually(lambda: value(a, "mmcache_l2_latency_seconds_count", op="claim") >= 2)
         started = asyncio.get_running_loop().time()
         assert (await cb.lookup(["brief"])).held == [False]  # B claims it, no wait
@@ -247,7 +247,7 @@ async def test_room_for_an_item_from_l2_is_never_taken_from_the_same_batch(
             await cb.get_and_update([image_item(seed, numel=big)], [h], lease=False)
         found = await cb.lookup(["named", "from-l2"], lease=False)
         assert found.held == [True, True]  # room came from x1, not from "named"
-        assert "named" in b.store and "from-l2" in b.store
+        assert "named" in b.cache and "from-l2" in b.cache
 
 
 async def test_data_it_could_not_keep_ends_its_claim(fleet: Fleet) -> None:
@@ -295,7 +295,7 @@ async def test_a_record_no_sidecar_wrote_is_a_miss(fleet: Fleet) -> None:
         await shared_memory_l2(fleet.url).write("forged", forged, ttl_s=0)
         assert (await ca.lookup(["forged"])).held == [False]
         assert value(a, "mmcache_l2_errors_total", op="read") >= 1
-        assert "forged" not in a.store
+        assert "forged" not in a.cache
 
 
 # -- four nodes at once --

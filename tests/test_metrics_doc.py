@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .conftest import connected, scrape, serving
+from .conftest import connected, scrape, serving, store_of
 from .items import image_item
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -31,7 +31,7 @@ async def test_every_exported_metric_is_documented_and_every_documented_one_expo
             item = image_item(1)
             await client.get_and_update([item], ["a"], lease=False)
             await client.get_and_update([item], ["a"], lease=False)
-            server.store.clear()  # the mirror still believes: the next call re-sends
+            store_of(server).clear()  # the mirror still believes: the next call re-sends
             await client.get_and_update([item], ["a"])
             await client.get_and_update([image_item(2, numel=100_000)], ["too-big"])
             async with connected(server) as follower:

@@ -16,7 +16,7 @@ from mmcache.client import (
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import sample, scrape, serving
+from .conftest import sample, scrape, serving, store_of
 from .items import image_item
 
 
@@ -40,7 +40,7 @@ async def test_the_same_hash_in_two_namespaces_is_two_items() -> None:
         assert missing.value.missing_hashes == ["same"]  # the caller's hash, no namespace
         assert (await qwen.fetch(["same"]))[0] == image_item(1)
         assert (await llava.fetch(["same"]))[0] == image_item(2)
-        assert len(server.store) == 2
+        assert len(store_of(server)) == 2
 
 
 async def test_mirrors_follow_only_their_own_namespace() -> None:

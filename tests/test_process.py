@@ -262,7 +262,7 @@ def test_a_mistyped_variable_and_an_unusable_shm_dir_are_warnings(tmp_path: Path
         "setting; did you mean MMCACHE_CAPACITY_GB?" in text
     )
     assert "MMCACHE_TARGET" not in text  # the client's: no typo
-    assert "WARNING mmcache.server._app: shared memory off" in text
+    assert "WARNING mmcache.server.cache._open: shared memory off" in text
 
 
 def test_reflection_lists_the_services(

@@ -354,8 +354,8 @@ class MirrorAndStoreAgainstOracle(RuleBasedStateMachine):
             LOTS if counted else capacity,
             max_items=max_items if counted else 1 << 30,
             lease_s=30.0,
-            on_change=lambda kind, key, size: self.changes.append((kind, key, size)),
         )
+        self.store.changes.subscribe(lambda c: self.changes.append((c.kind, c.key, c.size)))
         self.mirror = Mirror("i", self.store.capacity, self.store.max_items)
         self.oracle = new_oracle(self.maxsize, counted)
 

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from mmcache._rings import RECORD, RING_HEAD_BYTES, RingCorrupt, read_records, write_record
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
+from mmcache.server.cache import parts_of
 
-from .conftest import MIB, connected, eventually, sample, scrape, serving
+from .conftest import MIB, connected, eventually, sample, scrape, serving, store_of
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
 
@@ -118,7 +119,7 @@ async def test_reads_give_their_leases_back_through_the_ring_with_no_call(
         for mm_hash in hashes:
             assert (await api.lookup([mm_hash])).held == [True]  # leased for the engine
             await engine.fetch([mm_hash])  # read from the region; its lease goes back
-        await eventually(lambda: server.store.leases == 0, timeout=2)
+        await eventually(lambda: store_of(server).leases == 0, timeout=2)
         assert await leases(server) == 0
         assert await release_calls(server) == calls  # none since the ring
         samples = await scrape(server.metrics_port)
@@ -130,7 +131,7 @@ async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No timer: only calls read the report rings (and beat the region).
-    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
     # A cache of 4 MiB: a leased 2 MiB item cannot be evicted for two more.
     async with (
         serving(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
@@ -144,12 +145,12 @@ async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
         await eventually(lambda: engine.report_ring is not None)
         await api.lookup(["a"])  # leased again
         await engine.fetch(["a"])  # given back in the ring, which nothing has read yet
-        assert server.store.leases == 1
+        assert store_of(server).leases == 1
         others = [{"x": tensor(torch.float32, 1 << 19, i)} for i in (2, 3)]
         # The upload's call reads the ring first: "a" is free to go.
         await api.get_and_update(others, ["b", "c"], lease=False)
-        assert server.store.leases == 0
-        assert "a" not in server.store and "b" in server.store and "c" in server.store
+        assert store_of(server).leases == 0
+        assert "a" not in store_of(server) and "b" in store_of(server) and "c" in store_of(server)
 
 
 async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> None:
@@ -163,7 +164,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
         await api.lookup(["h"])
         await engine.fetch(["h"])
         await eventually(lambda: engine.report_ring is not None)
-        rings = server.cache.rings
+        rings = parts_of(server.cache).rings
         assert rings is not None and len(rings) == 2  # each client asked for one as it mapped
         rings.drain()  # the read's report
         rings._idle_s = 0.0  # it is idle for longer than that
@@ -173,7 +174,7 @@ async def test_a_retired_ring_sends_its_client_back_to_calls(tmp_path: Path) -> 
         calls = await release_calls(server)
         await api.lookup(["h"])
         await engine.fetch(["h"])  # the ring is gone: the report goes by call
-        await eventually(lambda: server.store.leases == 0)
+        await eventually(lambda: store_of(server).leases == 0)
         assert await release_calls(server) == calls + 1
         assert engine.report_ring is None
 
@@ -184,7 +185,7 @@ async def test_a_client_that_closes_gives_its_ring_back(tmp_path: Path) -> None:
             await api.get_and_update([{"x": tensor(torch.float32, 1 << 18, 5)}], ["h"])
             await engine.fetch(["h"])
             await eventually(lambda: engine.report_ring is not None)
-            rings = server.cache.rings
+            rings = parts_of(server.cache).rings
             assert rings is not None and len(rings) == 2
         await eventually(lambda: len(rings) == 0, timeout=1)  # the timer read its last record
 
@@ -194,7 +195,7 @@ async def test_a_client_without_shared_memory_asks_for_no_ring(tmp_path: Path) -
         async with connected(server, shm=False, follow=False) as remote:
             await remote.get_and_update([{"x": tensor(torch.float32, 64, 1)}], ["z"])
             await remote.fetch(["z"])
-        assert server.cache.rings is None or len(server.cache.rings) == 0
+        assert parts_of(server.cache).rings is None or len(parts_of(server.cache).rings) == 0
 
 
 async def test_a_read_only_client_gets_a_ring_in_its_namespace(tmp_path: Path) -> None:
@@ -215,4 +216,4 @@ async def test_a_read_only_client_gets_a_ring_in_its_namespace(tmp_path: Path) -
                 await api.lookup(["h"])
                 await engine.fetch(["h"])
             await eventually(lambda: engine.report_ring is not None)
-            await eventually(lambda: server.store.leases == 0, timeout=2)
+            await eventually(lambda: store_of(server).leases == 0, timeout=2)

@@ -18,10 +18,11 @@ from mmcache._rings import read_records, write_record
 from mmcache._shm_layout import EXTENT_HEAD, PAGE, STALE_S
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
+from mmcache.server.cache import parts_of
 from mmcache.server.cache._region import ITEM, open_region
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, serving
+from .conftest import MIB, eventually, region_of, sample, scrape, serving, store_of
 from .test_process import MMCACHE, free_port, start, wait_serving
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
@@ -66,10 +67,10 @@ async def test_a_hit_leased_and_read_with_no_call_is_counted_once(tmp_path: Path
         before = await counted(server)
         lookups = await calls(server, "GetAndUpdate") + await calls(server, "GetAndUpdateOne")
         assert api.lease_resident(["a", "absent"]).held == [True, False]
-        await eventually(lambda: server.store.leases == 1, timeout=2)  # the ring was read
+        await eventually(lambda: store_of(server).leases == 1, timeout=2)  # the ring was read
         got = engine.fetch_resident(["a"])
         assert got is not None and torch.equal(got[0]["x"], item(1)["x"])
-        await eventually(lambda: server.store.leases == 0, timeout=2)  # given back in the ring
+        await eventually(lambda: store_of(server).leases == 0, timeout=2)  # given back in the ring
         assert await counted(server) == (before[0] + 1, before[1] + 1)
         after = await calls(server, "GetAndUpdate") + await calls(server, "GetAndUpdateOne")
         assert after == lookups
@@ -85,7 +86,7 @@ async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No timer: only calls read the report rings (and beat the region).
-    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
     # 4 MiB of cache, 2 MiB items: the third upload evicts the oldest unleased.
     async with (
         serving(shm_config(tmp_path, capacity_bytes=4 * MIB)) as server,
@@ -97,7 +98,7 @@ async def test_a_lease_taken_with_no_call_keeps_the_item_from_eviction(
         await with_ring(api, engine)
         assert api.lease_resident(["a"]).held == [True]  # in the ring, unread
         await api.get_and_update([item(3, 1 << 19)], ["c"], lease=False)  # reads it first
-        assert "a" in server.store and "b" not in server.store
+        assert "a" in store_of(server) and "b" not in store_of(server)
         got = engine.fetch_resident(["a"])
         assert got is not None and torch.equal(got[0]["x"], item(1, 1 << 19)["x"])
 
@@ -106,7 +107,7 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No timer: only calls read the report rings (and beat the region).
-    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
     # The race the record and the check close: the item leaves the store after
     # the client checked its lease, before the server read the record.
     async with (
@@ -116,11 +117,11 @@ async def test_an_extent_leased_in_an_unread_record_outlives_its_item(
     ):
         await api.get_and_update([item(4), item(5)], ["a", "b"], lease=False)
         await with_ring(api, engine)
-        region = server.region
+        region = region_of(server)
         assert region is not None
         assert api.lease_resident(["a"]).held == [True]
-        server.store.clear()  # no ring is read: the lease of "a" waits in the ring
-        assert "a" not in server.store
+        store_of(server).clear()  # no ring is read: the lease of "a" waits in the ring
+        assert "a" not in store_of(server)
         assert region.orphans == 1  # "b" went; "a"'s extent is kept, indexed
         got = engine.fetch_resident(["a"])
         assert got is not None and torch.equal(got[0]["x"], item(4)["x"])
@@ -135,7 +136,7 @@ async def test_a_full_ring_leases_nothing_and_the_lookup_counts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No timer: only calls read the report rings (and beat the region).
-    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
     async with serving(shm_config(tmp_path)) as server, client(server) as api:
         await api.get_and_update([item(6)], ["a"], lease=False)
         await with_ring(api)
@@ -181,7 +182,7 @@ async def test_a_process_that_never_processed_an_item_leases_it_with_its_metadat
         assert leased.held == [True, False]
         assert leased.metadata == [b'{"v": 1}', b""]
         assert seen == [(0, b'{"v": 1}'), (1, b"")]
-        await eventually(lambda: server.store.leases == 1, timeout=2)  # b was not leased
+        await eventually(lambda: store_of(server).leases == 1, timeout=2)  # b was not leased
 
 
 def test_metadata_without_room_in_the_extent_is_left_out_not_the_item(tmp_path: Path) -> None:
@@ -248,7 +249,7 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No timer: only calls read the report rings (and beat the region).
-    monkeypatch.setattr("mmcache.server._app.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
     async with (
         serving(shm_config(tmp_path)) as server,
         client(server) as api,
@@ -258,11 +259,11 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
         await with_ring(api, engine)
         assert api.lease_resident(["a"]).held == [True]
         server.cache.drain_reports()
-        assert server.store.leases == 1
+        assert store_of(server).leases == 1
         fill(engine)
         # The engine's release, from its own thread, cannot go in its ring: by call.
         assert engine.fetch_resident(["a"]) is not None
-        await eventually(lambda: server.store.leases == 0, timeout=2)
+        await eventually(lambda: store_of(server).leases == 0, timeout=2)
         # Hits the ring could not take; by the time the loop sends them, it can
         # (the server read it meanwhile): they still go, and the ring stays.
         before = await counted(server)
@@ -273,5 +274,5 @@ async def test_what_a_full_ring_cannot_take_goes_by_call_and_the_ring_stays(
         server.cache.drain_reports()
         await eventually(lambda: api._co.reports._task is not None and api._co.reports._task.done())
         assert await counted(server) == (before[0] + 2, before[1] + 2)
-        rings = server.cache.rings
+        rings = parts_of(server.cache).rings
         assert rings is not None and len(rings) == 2

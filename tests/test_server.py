@@ -12,7 +12,7 @@ from google.rpc import status_pb2
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, sample, scrape, serving
+from .conftest import MIB, sample, scrape, serving, store_of
 from .raw import SERVICE, chunk, data_entry, fetch, header, tensor_spec, update, update_one
 
 
@@ -105,7 +105,7 @@ async def test_bad_unary_input_is_invalid_argument_and_nothing_is_lost(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
     assert dict(info.value.trailing_metadata())["mmcache-instance-id"] == server.instance_id
-    assert "h" not in server.store and len(server.store) == 1
+    assert "h" not in store_of(server) and len(store_of(server)) == 1
     assert list((await update_one(channel, header(pb.UpdateEntry(mm_hash="kept")))).outcomes) == [
         pb.OUTCOME_HIT
     ]
@@ -172,7 +172,7 @@ async def test_fetch_changes_neither_order_nor_counters(server: MMCacheServer) -
             await fetch(ch, ["a"])  # a read, not a use: a stays least recently used
             after = await scrape(small.metrics_port)
             await update(ch, put_frames("c", b"9abc"))
-            assert "a" not in small.store and "b" in small.store
+            assert "a" not in store_of(small) and "b" in store_of(small)
     for name in ("mmcache_queries_total", "mmcache_hits_total"):
         assert sample(before, name, modality="image") == sample(after, name, modality="image")
 
@@ -190,9 +190,9 @@ async def test_touch_of_missing_key_does_nothing_and_touch_reorders(
             await update(ch, put_frames("a", b"1234"))
             await update(ch, put_frames("b", b"5678"))
             reply = await touch(pb.TouchRequest(mm_hashes=["a", "ghost"]))
-            assert reply.touched == 1 and "ghost" not in small.store
+            assert reply.touched == 1 and "ghost" not in store_of(small)
             await update(ch, put_frames("c", b"9abc"))
-            assert "a" in small.store and "b" not in small.store
+            assert "a" in store_of(small) and "b" not in store_of(small)
 
 
 async def test_clear_empties_the_cache(server: MMCacheServer, channel: grpc.aio.Channel) -> None:
@@ -203,7 +203,7 @@ async def test_clear_empties_the_cache(server: MMCacheServer, channel: grpc.aio.
         response_deserializer=pb.ClearReply.FromString,
     )
     assert (await clear(pb.ClearRequest())).removed == 1
-    assert len(server.store) == 0 and server.store.used == 0
+    assert len(store_of(server)) == 0 and store_of(server).used == 0
 
 
 async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
@@ -219,7 +219,7 @@ async def test_the_item_bound_evicts_the_oldest_and_is_announced() -> None:
             )
             assert (await info(pb.InfoRequest())).max_items == 3
             samples = await scrape(bounded.metrics_port)
-        assert bounded.store.keys() == ["h2", "h3", "h4"]
+        assert store_of(bounded).keys() == ["h2", "h3", "h4"]
     assert sample(samples, "mmcache_max_items") == 3
     assert sample(samples, "mmcache_evictions_total") == 2
 
@@ -235,7 +235,7 @@ async def test_item_larger_than_capacity_is_not_stored_and_service_goes_on() -> 
             )
             reply = await update(ch, [header(withheld)])
             assert list(reply.outcomes) == [pb.OUTCOME_UNCACHED]
-            assert "kept" in small.store and len(small.store) == 1
+            assert "kept" in store_of(small) and len(store_of(small)) == 1
             samples = await scrape(small.metrics_port)
     assert sample(samples, "mmcache_uncached_total", modality="unknown") == 1
     assert sample(samples, "mmcache_uncached_total", modality="image") == 1
@@ -317,8 +317,8 @@ async def test_bad_input_is_invalid_argument_and_nothing_is_lost(
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
     assert dict(info.value.trailing_metadata())["mmcache-instance-id"] == server.instance_id
-    assert "kept" in server.store and "h" not in server.store
-    assert len(server.store) == 1
+    assert "kept" in store_of(server) and "h" not in store_of(server)
+    assert len(store_of(server)) == 1
     assert list((await update(channel, [header(pb.UpdateEntry(mm_hash="kept"))])).outcomes) == [
         pb.OUTCOME_HIT
     ]
@@ -355,7 +355,7 @@ async def test_a_bad_metadata_header_is_invalid_argument(
         await update(channel, frames, metadata_header=metadata_header)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in info.value.details()
-    assert "kept" in server.store and "h" not in server.store
+    assert "kept" in store_of(server) and "h" not in store_of(server)
 
 
 async def test_cancelled_upload_leaves_nothing_behind(
@@ -366,14 +366,15 @@ async def test_cancelled_upload_leaves_nothing_behind(
     await call.write(header(data_entry("half", spec, 3)))
     await call.write(chunk(b"\0" * MIB))
     await asyncio.sleep(0.1)
-    assert server.inflight.used == 3 * MIB  # reserved while the upload is open
+    # Reserved while the upload is open.
+    assert server.cache.stats(drain=False).inflight_bytes == 3 * MIB
     call.cancel()
     for _ in range(100):
-        if server.inflight.used == 0:
+        if server.cache.stats(drain=False).inflight_bytes == 0:
             break
         await asyncio.sleep(0.02)
-    assert server.inflight.used == 0
-    assert "half" not in server.store and server.store.used == 0
+    assert server.cache.stats(drain=False).inflight_bytes == 0
+    assert "half" not in store_of(server) and store_of(server).used == 0
 
 
 async def test_upload_past_its_deadline_leaves_nothing_behind(
@@ -387,7 +388,7 @@ async def test_upload_past_its_deadline_leaves_nothing_behind(
         await call
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.sleep(0.1)
-    assert "late" not in server.store and server.inflight.used == 0
+    assert "late" not in store_of(server) and server.cache.stats(drain=False).inflight_bytes == 0
 
 
 async def test_every_reply_carries_the_instance_id(channel: grpc.aio.Channel) -> None:

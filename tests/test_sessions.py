@@ -12,7 +12,7 @@ from mmcache.client import CacheMissError, MMCacheClient, ResourceExhaustedError
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving
+from .conftest import MIB, connected, eventually, sample, scrape, server_config, serving, store_of
 from .items import image_item
 from .proxy import Proxy
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
@@ -58,7 +58,7 @@ async def test_a_raw_session_answers_each_batch_in_order_and_a_bad_one_ends_it(
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await call.read()
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert all(f"s{i}" in server.store for i in range(3)) and "bad" not in server.store
+    assert all(f"s{i}" in store_of(server) for i in range(3)) and "bad" not in store_of(server)
     samples = await scrape(server.metrics_port)
     assert handled(samples, "OK") == 4 and handled(samples, "InvalidArgument") == 1
 
@@ -126,7 +126,7 @@ async def test_a_put_after_a_restart_goes_through_on_the_new_server() -> None:
         try:
             # The old session is gone: the batch goes again, as a call, and lands.
             assert await client.get_and_update([image_item(2)], ["b"]) == [image_item(2)]
-            assert "b" in second.store
+            assert "b" in store_of(second)
         finally:
             await second.stop(grace=0)
 
@@ -139,13 +139,13 @@ async def test_a_put_cancelled_mid_session_leaves_nothing_and_the_next_one_works
     big = image_item(2, numel=16 * MIB)  # 64 MiB: many chunk frames
     task = asyncio.create_task(client.get_and_update([big], ["big"]))
     # Cancelled once the server is reading it (a fixed sleep lets a fast machine finish).
-    await eventually(lambda: server.inflight.used > 0)
+    await eventually(lambda: server.cache.stats(drain=False).inflight_bytes > 0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     # The server sees the stream end, and drops the partial batch.
-    await eventually(lambda: server.inflight.used == 0)
-    assert "big" not in server.store
+    await eventually(lambda: server.cache.stats(drain=False).inflight_bytes == 0)
+    assert "big" not in store_of(server)
     # Its hash is no longer marked pending: a hash-only query does not wait on it.
     started = time.monotonic()
     with pytest.raises(CacheMissError):
@@ -192,7 +192,7 @@ async def test_a_batch_sent_again_under_its_id_gets_its_reply_and_is_not_applied
         assert "batch_id has 5 bytes" in (caught.value.details() or "")
         await call.done_writing()
     assert queries(await scrape(server.metrics_port)) == 2
-    assert "t" not in server.store
+    assert "t" not in store_of(server)
 
 
 async def test_a_copy_of_a_batch_still_under_way_ends_that_run_and_is_applied_once(
@@ -204,7 +204,7 @@ async def test_a_copy_of_a_batch_still_under_way_ends_that_run_and_is_applied_on
         call = session(channel)
         await call.write(named(b"batch-03", entry))
         await call.write(chunk(bytes(16)))  # one chunk of two: the run waits for the other
-        await eventually(lambda: server.inflight.used > 0)
+        await eventually(lambda: server.cache.stats(drain=False).inflight_bytes > 0)
         again: grpc.aio.StreamUnaryMultiCallable[bytes, bytes] = channel.stream_unary(
             f"{SERVICE}/GetAndUpdate"
         )
@@ -216,7 +216,7 @@ async def test_a_copy_of_a_batch_still_under_way_ends_that_run_and_is_applied_on
         assert caught.value.code() == grpc.StatusCode.ABORTED
         assert "took over" in (caught.value.details() or "")
     assert queries(await scrape(server.metrics_port)) == 1
-    assert server.inflight.used == 0
+    assert server.cache.stats(drain=False).inflight_bytes == 0
 
 
 async def test_a_session_dropped_before_its_reply_counts_the_batch_once() -> None:
@@ -228,13 +228,13 @@ async def test_a_session_dropped_before_its_reply_counts_the_batch_once() -> Non
         await client.get_and_update([image_item(1)], ["warm"])  # the session opens
         proxy.hold_replies()
         put = asyncio.create_task(client.get_and_update([image_item(2)], ["x"]))
-        await eventually(lambda: "x" in server.store)  # applied; its reply held back
+        await eventually(lambda: "x" in store_of(server))  # applied; its reply held back
         proxy.drop()  # the link fails: the client sends the batch again, as a call
         assert await put == [image_item(2)]
         samples = await scrape(server.metrics_port)
         assert queries(samples) == 2  # warm and x, once each
         assert sample(samples, "mmcache_hits_total", modality="image") == 0
-        assert server.store.leases == 2  # one lease each, not two on x
+        assert store_of(server).leases == 2  # one lease each, not two on x
         assert (await client.fetch(["x"]))[0] == image_item(2)
 
 
@@ -310,4 +310,4 @@ async def test_past_the_servers_session_limit_batches_go_as_calls() -> None:
             samples = await scrape(server.metrics_port)
             assert handled(samples, "ResourceExhausted") == 1
             assert sample(samples, "mmcache_upload_sessions") == 1
-            assert all(f"b{i}" in server.store for i in range(3))
+            assert all(f"b{i}" in store_of(server) for i in range(3))

@@ -23,7 +23,7 @@ from mmcache.client.wire import RegionInfo, Slot, Spec
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config, serving
+from .conftest import MIB, eventually, region_of, sample, scrape, server_config, serving, store_of
 from .items import image_item
 
 DTYPES = [
@@ -52,7 +52,7 @@ def tensor(dtype: torch.dtype, n: int, seed: int) -> torch.Tensor:
 @pytest.fixture
 async def shm_server(tmp_path: Path) -> AsyncIterator[MMCacheServer]:
     async with serving(shm_config(tmp_path, shm_bytes=256 * MIB)) as server:
-        assert server.region is not None
+        assert region_of(server) is not None
         yield server
 
 
@@ -135,7 +135,7 @@ async def test_resident_items_are_read_with_no_call_and_reported_after(
     async with client(shm_server) as c:
         item = {"x": tensor(torch.float32, 1 << 20, 1)}  # 4 MiB: uploaded through a slot
         await c.get_and_update([item], ["r"])  # leased, for the engine's read
-        stored = shm_server.store.peek("r")
+        stored = store_of(shm_server).peek("r")
         assert stored is not None and stored.resident is not None and stored.frames == ()
         calls = await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch")
         for _ in range(3):
@@ -143,7 +143,7 @@ async def test_resident_items_are_read_with_no_call_and_reported_after(
         assert same((await c.fetch(["r"]))[0], item)
         assert await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch") == calls
         # What the reads owe the server goes in one Release, just after.
-        await eventually(lambda: shm_server.store.leases == 0)
+        await eventually(lambda: store_of(shm_server).leases == 0)
         assert await shm_bytes(shm_server, "read") == 4 * item["x"].nbytes
 
 
@@ -152,13 +152,13 @@ async def test_an_item_uploaded_over_grpc_moves_into_the_region_on_its_first_rea
 ) -> None:
     async with client(shm_server, shm=False) as remote, client(shm_server) as local:
         await remote.get_and_update([image_item(1)], ["g"], lease=False)
-        before = shm_server.store.peek("g")
+        before = store_of(shm_server).peek("g")
         assert before is not None and before.resident is None and before.frames
-        used = shm_server.store.used
+        used = store_of(shm_server).used
         assert (await local.fetch(["g"]))[0] == image_item(1)  # ReadShm moves it
-        after = shm_server.store.peek("g")
+        after = store_of(shm_server).peek("g")
         assert after is not None and after.resident is not None and after.frames == ()
-        assert shm_server.store.used == used  # charged once, wherever it lives
+        assert store_of(shm_server).used == used  # charged once, wherever it lives
         calls = await handled(shm_server, "ReadShm")
         assert (await local.fetch(["g"]))[0] == image_item(1)  # now with no call
         assert await handled(shm_server, "ReadShm") == calls
@@ -191,8 +191,8 @@ async def test_items_past_the_index_are_read_through_readshm(tmp_path: Path) -> 
             for _ in range(2):  # the first read moves them in, the second finds them
                 fetched = await c.fetch(hashes)
                 assert all(same(a, b) for a, b in zip(fetched, items, strict=True))
-            assert server.region is not None and len(server.region._indexed) <= 256 < 300
-            assert all(server.store.peek(h).resident is not None for h in hashes)  # type: ignore[union-attr]
+            assert region_of(server) is not None and len(region_of(server)._indexed) <= 256 < 300
+            assert all(store_of(server).peek(h).resident is not None for h in hashes)  # type: ignore[union-attr]
 
 
 async def test_region_pressure_moves_the_coldest_items_to_the_heap_while_the_cache_has_room(
@@ -207,10 +207,10 @@ async def test_region_pressure_moves_the_coldest_items_to_the_heap_while_the_cac
             await c.get_and_update([item], [f"p{i}"], lease=False)
         assert await shm_bytes(server, "write") == 9 * 4 * MIB  # every one through a slot
         # Nothing evicted: the cache has room, the region's coldest moved out of it.
-        assert all(f"p{i}" in server.store for i in range(8)) and "kept" in server.store
-        assert server.store.peek("p0").resident is None  # type: ignore[union-attr]
-        assert server.store.peek("p7").resident is not None  # type: ignore[union-attr]
-        assert server.region is not None and server.region.resident_bytes <= 24 * MIB
+        assert all(f"p{i}" in store_of(server) for i in range(8)) and "kept" in store_of(server)
+        assert store_of(server).peek("p0").resident is None  # type: ignore[union-attr]
+        assert store_of(server).peek("p7").resident is not None  # type: ignore[union-attr]
+        assert region_of(server) is not None and region_of(server).resident_bytes <= 24 * MIB
         for i, item in enumerate(items):
             assert same((await c.fetch([f"p{i}"]))[0], item)
         assert same((await c.fetch(["kept"]))[0], kept)
@@ -226,9 +226,11 @@ async def test_region_pressure_in_a_full_cache_evicts_the_coldest_never_leased_o
         items = [{"x": tensor(torch.float32, 1 << 20, i)} for i in range(8)]
         for i, item in enumerate(items):
             await c.get_and_update([item], [f"p{i}"], lease=False)
-        held = [i for i in range(8) if f"p{i}" in server.store]
-        assert "kept" in server.store and 7 in held and len(held) < 8  # some evicted, never "kept"
-        assert server.store.used <= 24 * MIB
+        held = [i for i in range(8) if f"p{i}" in store_of(server)]
+        assert (
+            "kept" in store_of(server) and 7 in held and len(held) < 8
+        )  # some evicted, never "kept"
+        assert store_of(server).used <= 24 * MIB
         assert same((await c.fetch(["kept"]))[0], kept)
         for i in held:
             assert same((await c.fetch([f"p{i}"]))[0], items[i])
@@ -257,7 +259,7 @@ async def test_fetched_tensors_reuse_the_memory_of_dropped_ones_never_held_ones(
 async def test_spare_write_slots_save_a_call_and_go_back_at_close(
     shm_server: MMCacheServer,
 ) -> None:
-    region = shm_server.region
+    region = region_of(shm_server)
     assert region is not None
     async with client(shm_server) as c:
         allocations = await handled(shm_server, "ShmAllocate")
@@ -273,7 +275,7 @@ async def test_spare_write_slots_save_a_call_and_go_back_at_close(
 async def test_concurrent_uploads_keep_spares_within_the_clients_caps(
     shm_server: MMCacheServer,
 ) -> None:
-    region = shm_server.region
+    region = region_of(shm_server)
     assert region is not None
     async with client(shm_server) as c:
         for r in range(4):  # eight 8 MiB uploads at once, each asking for spares
@@ -295,7 +297,7 @@ async def test_an_extent_freed_under_a_read_fails_the_read(tmp_path: Path) -> No
         assert c.region is not None
         raw = await c.transport.read_shm(["s"], False, c.region.token, [], hold=False)
         header = pb.FetchHeader.FromString(raw)
-        server.store.clear()  # no hold: the extent is freed at once
+        store_of(server).clear()  # no hold: the extent is freed at once
         decoder = ItemDecoder(Spec(header.items[0].item))
         assert not c.region.read(header.items[0].shm, decoder)  # its word is gone: no torn read
         assert c.region.read_resident("s", None) is None
@@ -313,7 +315,7 @@ async def test_an_eviction_in_the_middle_of_a_call_free_read_is_a_miss_not_stale
         decode = _shm.decode_from_region
 
         def evicted_mid_copy(spec: bytes, payload: memoryview, pool: object) -> object:
-            server.store.clear()  # the server frees the extent under the copy
+            store_of(server).clear()  # the server frees the extent under the copy
             return decode(spec, payload, pool)  # type: ignore[arg-type]
 
         monkeypatch.setattr(_shm, "decode_from_region", evicted_mid_copy)
@@ -337,7 +339,7 @@ async def test_eviction_and_overwrite_during_a_held_read_do_not_touch_it(
             await c.get_and_update([{"x": tensor(torch.float32, 1 << 18, 10 + i)}], [f"e{i}"])
             await c.fetch([f"e{i}"], release=False)  # each moved into the region
             await c.release([f"e{i}"])  # now, not in the background: the next one needs room
-        assert "h" not in server.store
+        assert "h" not in store_of(server)
         decoder = ItemDecoder(Spec(header.items[0].item))
         assert c.region.read(header.items[0].shm, decoder)  # the hold kept it
         assert same(decoder.finish(), first)
@@ -348,14 +350,14 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
 ) -> None:
     missing = shm_config(tmp_path / "no-such-dir")
     async with serving(missing) as server, client(server) as c:
-        assert server.region is None and c.region is None
+        assert region_of(server) is None and c.region is None
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         assert (await c.fetch(["a"]))[0] == image_item(1)
     async with (
         serving(shm=ShmConfig(enabled=False)) as server,
         client(server) as c,
     ):
-        assert server.region is None and c.region is None
+        assert region_of(server) is None and c.region is None
     async with serving(shm_config(tmp_path)) as server:
         async with client(server, shm=False) as c:  # the client's switch
             assert c.region is None
@@ -367,8 +369,8 @@ async def test_without_the_mount_or_with_shm_off_everything_goes_over_grpc(
 async def test_another_hosts_file_under_the_same_name_is_refused(tmp_path: Path) -> None:
     """The client maps a file at the announced path, but not the server's: it stays on gRPC."""
     async with serving(shm_config(tmp_path)) as server:
-        assert server.region is not None
-        path = server.region.path
+        assert region_of(server) is not None
+        path = region_of(server).path
         impostor = forged_copy(path, tmp_path / "impostor")
         moved = path + ".real"
         os.rename(path, moved)
@@ -383,7 +385,7 @@ async def test_another_hosts_file_under_the_same_name_is_refused(tmp_path: Path)
 
 
 async def test_forged_handles_and_tokens_are_invalid_argument(shm_server: MMCacheServer) -> None:
-    region = shm_server.region
+    region = region_of(shm_server)
     assert region is not None
     spec = encode_item({"x": torch.ones(1024)})
     async with grpc.aio.insecure_channel(f"127.0.0.1:{shm_server.port}") as channel:
@@ -417,7 +419,7 @@ async def test_forged_handles_and_tokens_are_invalid_argument(shm_server: MMCach
             await allocate(pb.ShmAllocateRequest(shm_token=b"guess", lengths=[4096]))
         assert bad_token.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # Nothing was stored, and the server still takes the real slot.
-        assert "f" not in shm_server.store
+        assert "f" not in store_of(shm_server)
         async with client(shm_server) as c:
             await c.get_and_update([{"x": torch.ones(1 << 20)}], ["ok"], lease=False)
             assert len(await c.fetch(["ok"])) == 1
@@ -431,7 +433,7 @@ async def test_a_server_restart_invalidates_handles_and_clients_remap(tmp_path: 
         await c.get_and_update([image_item(1)], ["a"], lease=False)
         await c.fetch(["a"])
         assert c.region is not None and c.region.instance_id == first.instance_id
-        old_path = first.region.path if first.region else ""
+        old_path = region_of(first).path if region_of(first) else ""
         await first.stop(grace=0)
         assert not exists(old_path)  # a stopped server leaves no region behind
         async with serving(shm_config(tmp_path, port=port)) as second:
@@ -467,18 +469,18 @@ async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
     stale = tmp_path / "mmcache-1-dead.shm"
     stale.write_bytes(b"\0" * 8192)  # left by a server that crashed: nobody holds its lock
     async with serving(shm_config(tmp_path)) as server:
-        assert server.region is not None
-        mode = stat.S_IMODE(os.stat(server.region.path).st_mode)
+        assert region_of(server) is not None
+        mode = stat.S_IMODE(os.stat(region_of(server).path).st_mode)
         assert mode == 0o600
         assert not stale.exists()
         async with serving(shm_config(tmp_path)) as neighbour:
             # Two servers, one directory: each keeps its own file.
-            assert neighbour.region is not None
-            assert exists(server.region.path)
+            assert region_of(neighbour) is not None
+            assert exists(region_of(server).path)
     gid = os.getgid()
     async with serving(shm_config(tmp_path, shm_group=gid)) as grouped:
-        assert grouped.region is not None
-        info = os.stat(grouped.region.path)
+        assert region_of(grouped) is not None
+        info = os.stat(region_of(grouped).path)
         assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == gid
     assert listing(tmp_path) == []
 
@@ -521,7 +523,7 @@ def test_an_expired_write_slot_is_not_reused_for_one_more_lease(tmp_path: Path) 
 
 async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> None:
     async with serving(shm_config(tmp_path, lease_s=0.2)) as server, client(server) as c:
-        assert c.region is not None and server.region is not None
+        assert c.region is not None and region_of(server) is not None
         item = {"x": tensor(torch.float32, 1 << 20, 7)}  # 4 MiB: through a slot
         real_write = c.region.write
 
@@ -529,7 +531,7 @@ async def test_an_upload_whose_slots_expired_goes_over_grpc(tmp_path: Path) -> N
             import time
 
             time.sleep(0.3)  # past the lease: the server expires the slot meanwhile
-            server.region.expire()  # type: ignore[union-attr]
+            region_of(server).expire()  # type: ignore[union-attr]
             real_write(slot, encoded)  # type: ignore[arg-type]
 
         c.region.write = stall_then_write  # type: ignore[method-assign]
@@ -544,7 +546,7 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
         item = image_item(4, numel=1 << 16)
         await c.get_and_update([item], ["twice"])  # one lease
         await c.get_and_update([item], ["twice"])  # and another
-        assert server.store.leases == 2
+        assert store_of(server).leases == 2
         region = c.region
         assert region is not None
         real_read = region.read
@@ -553,7 +555,7 @@ async def test_a_read_retried_over_grpc_releases_the_store_lease_once(tmp_path: 
             assert (await c.fetch(["twice"]))[0] == item  # via gRPC, after the race
         finally:
             region.read = real_read  # type: ignore[method-assign]
-        assert server.store.leases == 1  # one request's read: one lease given back
+        assert store_of(server).leases == 1  # one request's read: one lease given back
 
 
 async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> None:
@@ -566,12 +568,12 @@ async def test_a_lease_holds_until_its_item_is_copied_out(tmp_path: Path) -> Non
         assert region is not None
 
         def cleared_under_the_copy(slot: Slot, decoder: ItemDecoder) -> bool:
-            server.store.clear()  # everything not leased goes
+            store_of(server).clear()  # everything not leased goes
             return False
 
         region.read = cleared_under_the_copy  # type: ignore[method-assign]
         assert (await c.fetch(["kept"]))[0] == item  # over gRPC: still leased, still there
-        assert server.store.leases == 0
+        assert store_of(server).leases == 0
 
 
 async def test_call_free_reads_give_their_leases_back_once(tmp_path: Path) -> None:
@@ -579,12 +581,12 @@ async def test_call_free_reads_give_their_leases_back_once(tmp_path: Path) -> No
         item = {"x": tensor(torch.float32, 1 << 20, 5)}
         for _ in range(3):
             await c.get_and_update([item], ["thrice"])  # three requests' leases
-        assert server.store.leases == 3
+        assert store_of(server).leases == 3
         await c.fetch(["thrice"])
         await c.fetch(["thrice"], release=False)
-        await eventually(lambda: server.store.leases == 2)
+        await eventually(lambda: store_of(server).leases == 2)
         await c.fetch(["thrice", "thrice"])
-        await eventually(lambda: server.store.leases == 0)
+        await eventually(lambda: store_of(server).leases == 0)
 
 
 def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> None:
@@ -598,19 +600,19 @@ def test_attach_refuses_odd_announcements_without_raising(tmp_path: Path) -> Non
 
 async def test_a_view_reads_in_place_and_gives_its_slots_back(tmp_path: Path) -> None:
     async with serving(shm_config(tmp_path)) as server, client(server) as c:
-        assert server.region is not None and c.region is not None
+        assert region_of(server) is not None and c.region is not None
         mapping = {"x": tensor(torch.float32, 1 << 18, 8), "y": tensor(torch.int8, 5, 9), "n": 2}
         await c.get_and_update([mapping, image_item(6)], ["v", "w"], lease=False)
         async with c.view(["v", "w"]) as items:
             assert same(items[0], mapping) and items[1] == image_item(6)
-            assert len(server.region._holds) == 2
+            assert len(region_of(server)._holds) == 2
             # No copy: the tensor's bytes are the slot's, in the region.
             slot_view = c.region._view
             base = torch.frombuffer(slot_view, dtype=torch.uint8).data_ptr()
             assert base <= items[0]["x"].data_ptr() < base + len(slot_view)
             on_device = items[0]["x"].clone()
         assert torch.equal(on_device, mapping["x"])
-        region = server.region
+        region = region_of(server)
         await eventually(lambda: not region._holds)  # given back just after the block
 
 
@@ -621,9 +623,9 @@ async def test_a_view_that_outlives_its_lease_says_so(tmp_path: Path) -> None:
         async def hold_too_long() -> None:
             async with c.view(["slow"]):
                 await asyncio.sleep(0.3)
-                assert server.region is not None
-                server.region.expire()  # the hold ends, and then the item goes
-                server.store.clear()
+                assert region_of(server) is not None
+                region_of(server).expire()  # the hold ends, and then the item goes
+                store_of(server).clear()
 
         with pytest.raises(FailedPreconditionError, match="outlived its lease"):
             await hold_too_long()
@@ -656,7 +658,7 @@ asyncio.run(main())
 async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path: Path) -> None:
     # Leases long enough to outlive the reader's start on a slow machine.
     async with serving(shm_config(tmp_path, lease_s=3)) as server, client(server) as c:
-        assert server.region is not None
+        assert region_of(server) is not None
         await c.get_and_update([image_item(9)], ["held"], lease=False)
         reader = await asyncio.create_subprocess_exec(
             sys.executable, "-c", KILLED_READER, f"127.0.0.1:{server.port}",
@@ -664,10 +666,10 @@ async def test_a_reader_killed_mid_read_gives_its_holds_back_by_expiry(tmp_path:
         )  # fmt: skip
         assert reader.stdout is not None
         assert (await asyncio.wait_for(reader.stdout.readline(), 30)).strip() == b"read"
-        assert server.region.slots == 1
+        assert region_of(server).slots == 1
         reader.kill()
         await reader.wait()
-        region = server.region
+        region = region_of(server)
         await eventually(lambda: region.slots == 0, timeout=15)  # the server's own sweep
         assert region.expired == 1
         assert (await c.fetch(["held"]))[0] == image_item(9)

@@ -17,7 +17,7 @@ from mmcache.client import MMCacheClient
 from mmcache.client._batch import Lease
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
 
-from .conftest import MIB, eventually, server_config, serving
+from .conftest import MIB, eventually, server_config, serving, store_of
 from .test_shm import same
 
 KEYS = 6  # few, so that batches hit, repeat and evict one another
@@ -78,7 +78,7 @@ async def test_an_upload_held_through_a_small_region_in_a_full_cache_is_readable
         big = item(50, size)
         result = await local.get_and_update([big], ["big"], lease=lease)
         assert result.held == [True] and local.is_cached(["big"]) == [True]
-        stored = server.store.peek("big")
+        stored = store_of(server).peek("big")
         assert stored is not None and stored.resident is not None  # written into a slot
         assert [w.tier for w in await reader.locate(["big"])] == ["l1"]
         assert same((await reader.fetch(["big"]))[0], big)
@@ -95,12 +95,12 @@ async def test_a_re_send_within_the_call_answers_held_only_what_it_left_held(lea
     ):
         await b.get_and_update([big], ["big"], lease=False)
         await a.get_and_update([small], ["small"], lease=False)  # evicts big
-        assert b.is_cached(["big"]) == [True] and "big" not in server.store  # b cannot know
+        assert b.is_cached(["big"]) == [True] and "big" not in store_of(server)  # b cannot know
         # "big" is sent alone, MISSING, then re-sent: a later batch, whose room
         # evicts "mine", stored by the first.
         result = await b.get_and_update([big, mine], ["big", "mine"], lease=lease)
         assert result.held == [True, False] and result[1] is mine
-        assert b.is_cached(["big", "mine"]) == [True, False] and "mine" not in server.store
+        assert b.is_cached(["big", "mine"]) == [True, False] and "mine" not in store_of(server)
         await check_held(reader, {"big": big, "mine": mine}, result.held)
 
 
@@ -161,6 +161,6 @@ async def uploads(
                 lambda: (
                     local.is_cached(keys)
                     == remote.is_cached(keys)
-                    == [key in server.store for key in keys]
+                    == [key in store_of(server) for key in keys]
                 )
             )

@@ -18,11 +18,12 @@ import torch
 from mmcache._frames import chunk_prefix
 from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer, ServerConfig, ShmConfig
+from mmcache.server.cache import parts_of
 from mmcache.server.cache._placement import ReadRoom
 from mmcache.server.cache._region import ITEM, READ, WRITE, Region, copy_payload, open_region
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import MIB, eventually, sample, scrape, server_config, serving
+from .conftest import MIB, eventually, region_of, sample, scrape, server_config, serving, store_of
 from .test_shm import same, tensor
 
 # A 16 MiB region holds three 4 MiB items, two beside the reserve for one read.
@@ -54,10 +55,10 @@ async def in_the_heap(
         serving(shm_config(directory, **overrides)) as server,
         client(server, shm=False) as remote,
     ):
-        assert server.region is not None
+        assert region_of(server) is not None
         items, hashes = items_of(count)
         await remote.get_and_update(items, hashes, lease=False)
-        yield server, server.region, items, hashes
+        yield server, region_of(server), items, hashes
 
 
 async def copies(server: MMCacheServer) -> dict[str, float]:
@@ -69,7 +70,7 @@ async def copies(server: MMCacheServer) -> dict[str, float]:
 
 
 def resident(server: MMCacheServer, hashes: list[str]) -> list[str]:
-    return [h for h in hashes if getattr(server.store.peek(h), "resident", None) is not None]
+    return [h for h in hashes if getattr(store_of(server).peek(h), "resident", None) is not None]
 
 
 class Clock:
@@ -83,9 +84,9 @@ class Clock:
 
 
 def stopped_clock(server: MMCacheServer) -> Clock:
-    assert server.region is not None
+    assert region_of(server) is not None
     clock = Clock()
-    server.region.clock = clock
+    region_of(server).clock = clock
     return clock
 
 
@@ -114,13 +115,13 @@ async def test_a_hot_set_larger_than_the_region_is_read_without_pushing_resident
         # The first two moved in while there was room beside the reserve, and
         # stayed; the other four were each read from a copy, staying in the heap.
         assert resident(server, hashes) == hashes[:2]
-        assert all(server.store.peek(h).frames for h in hashes[2:])  # type: ignore[union-attr]
+        assert all(store_of(server).peek(h).frames for h in hashes[2:])  # type: ignore[union-attr]
         assert await copies(server) == {"in": 2, "out": 0, "transient": 3 * 4}
         # Each copy's extent is freed once its reader is done (the next read says so).
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
         samples = await scrape(server.metrics_port)
         assert sample(samples, "mmcache_shm_transient_bytes") == 0
-        reserve = server.cache.placement.reserve
+        reserve = server.cache.stats(drain=False).shm_reserve_bytes
         assert sample(samples, "mmcache_shm_reserve_bytes") == reserve > 4 * MIB
         assert region.expired == 0  # said done, not expired
 
@@ -139,8 +140,8 @@ async def test_an_item_read_again_takes_the_place_of_residents_in_for_longer(
         clock.now += 5
         await read(2)  # a copy
         await read(2)  # read again, but the residents are in for less than the tenure
-        assert server.region is not None
-        tenure_s = server.cache.placement.room(server.region).tenure_s
+        assert region_of(server) is not None
+        tenure_s = parts_of(server.cache).placement.room(region_of(server)).tenure_s
         clock.now += tenure_s - 2  # the residents' tenure is over, not the copy's
         await read(3)  # a first read never takes a resident's place
         assert resident(server, hashes) == hashes[:2]
@@ -220,8 +221,8 @@ async def test_a_readshm_says_earlier_holds_done_before_it_is_served(tmp_path: P
 
 async def test_too_many_holds_done_in_a_readshm_is_invalid_argument(tmp_path: Path) -> None:
     async with serving(shm_config(tmp_path)) as server:
-        assert server.region is not None
-        request = pb.FetchRequest(shm_token=server.region.token, shm_done=range(16385))
+        assert region_of(server) is not None
+        request = pb.FetchRequest(shm_token=region_of(server).token, shm_done=range(16385))
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await raw_read_shm(server, request)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -303,7 +304,7 @@ async def test_concurrent_reads_of_a_hot_set_larger_than_the_region_are_all_righ
 
         await asyncio.gather(*(reader(offset) for offset in range(3)))
         await eventually(lambda: region.transient_bytes == 0 and region.slots == 0)
-        assert len(server.store) == 6  # nothing evicted: the cache has room
+        assert len(store_of(server)) == 6  # nothing evicted: the cache has room
 
 
 @pytest.mark.parametrize("kind", [bytes, bytearray])

@@ -13,7 +13,7 @@ import pytest
 from mmcache.client import FailOpen, InvalidArgumentError, MMCacheClient, Tls, UnavailableError
 from mmcache.server import TlsConfig
 
-from .conftest import MMCACHE, connected, serving
+from .conftest import MMCACHE, connected, serving, store_of
 from .items import image_item
 from .test_fleet import _silent_listener
 from .test_process import free_port, start, wait_serving
@@ -45,7 +45,7 @@ async def test_credentials_object_works_as_well_as_file_paths(certs: Path) -> No
         MMCacheClient(f"localhost:{server.port}", tls=Tls(credentials=credentials)) as client,
     ):
         await client.get_and_update([image_item(3)], ["c"])
-        assert "c" in server.store
+        assert "c" in store_of(server)
 
 
 async def test_a_plaintext_client_or_an_untrusted_ca_cannot_connect(
@@ -203,7 +203,7 @@ async def test_01s_keywords_still_work_with_a_warning_naming_the_new_form(certs:
             client = MMCacheClient(f"localhost:{server.port}", tls_ca=ca)
         async with client:
             await client.get_and_update([image_item(4)], ["old"])
-        assert "old" in server.store
+        assert "old" in store_of(server)
     sock, port = _silent_listener()  # a server that never answers
     try:
         with pytest.warns(DeprecationWarning, match=r"fail_open=FailOpen\(timeout_s=0.25\)"):

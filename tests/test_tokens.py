@@ -22,7 +22,7 @@ from mmcache.server._auth import parse_tokens
 from mmcache.server._config import ConfigError
 from mmcache.v1 import cache_pb2 as pb
 
-from .conftest import Samples, sample, scrape, server_config, serving
+from .conftest import Samples, sample, scrape, server_config, serving, store_of
 from .items import image_item
 from .raw import SERVICE, chunk, data_entry, header, tensor_spec
 
@@ -89,7 +89,7 @@ async def test_each_role_may_call_its_methods_and_no_other(
         assert len(await operator.fetch(["g", "h"])) == 2
         await operator.encoder_cache("e0").create(cache_size=10)
         await operator.clear_cache()
-    assert len(server.store) == 0
+    assert len(store_of(server)) == 0
 
 
 async def test_no_token_or_an_unknown_one_is_unauthenticated_with_the_role_needed(
@@ -319,4 +319,4 @@ async def test_a_refused_batch_that_never_ends_is_refused_within_the_skip_time(
             await call.read()
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert 0.4 < loop.time() - started < 3.0  # waited for the rest, then no longer
-    assert "b" not in server.store
+    assert "b" not in store_of(server)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset
 
-from ._region import Resident
+from ._extent import Extent
 from ._store import StoredItem, UploadEntry
 from ._types import ShmRef
 
@@ -76,10 +76,10 @@ def check_received(received: int, entry: EntryHeader) -> None:
 
 
 def upload_entry(
-    entry: EntryHeader, frames: tuple[bytes, ...], resident: Resident | None = None
+    entry: EntryHeader, frames: tuple[bytes, ...], resident: Extent | None = None
 ) -> UploadEntry:
     """What the store applies for one entry, its frames read and checked (or
-    its payload resident in the shared-memory region)."""
+    its payload in an extent placement gave it)."""
     if entry.spec is None:
         return UploadEntry(entry.key, want_metadata=entry.want_metadata)
     if entry.withheld:

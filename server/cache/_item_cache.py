@@ -10,27 +10,41 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mmcache._errors import CacheMissError
 from mmcache._lru import Outcome
-from mmcache._spec import check_count, check_counts
+from mmcache._spec import check_count
 from mmcache.metrics import CacheMetrics
 
+from ._changes import ItemChanges
+from ._colocated import CoLocatedReports
 from ._deadline import Deadline
 from ._entries import EntryHeader
+from ._extent import Extent, extent_frames, frame_count
 from ._inflight import InflightBudget
 from ._pending import PendingUploads
 from ._placement import Placement
-from ._region import Region, Resident, Slot, frame_count, region_frames
+from ._region import Region, Slot
 from ._report_rings import ReportRings
 from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
-from ._types import Change, Lease, Report, Scope
+from ._types import FeedState, Lease, Report, Scope
 
-if TYPE_CHECKING:  # the tier imports the facade's modules
+if TYPE_CHECKING:  # they import the facade's modules
+    from ._open import Lifecycle
     from ._tier import L2Tier
 
-__all__ = ["CacheStats", "ItemCache", "PreparedUpdate", "ShmRead", "Tier"]
+__all__ = [
+    "CacheParts",
+    "CacheStats",
+    "ItemCache",
+    "PreparedUpdate",
+    "RegionInfo",
+    "ShmRead",
+    "Tier",
+    "parts_of",
+]
 
 
 class Tier(enum.Enum):
@@ -42,18 +56,57 @@ class Tier(enum.Enum):
 
 
 @dataclass(frozen=True)
+class RegionInfo:
+    """The shared-memory region, as Info announces it to co-located clients."""
+
+    path: str
+    size: int
+    id: bytes
+
+
+@dataclass(frozen=True)
 class CacheStats:
-    """The cache's state, as Info reports it."""
+    """The cache's state, as Info and /metrics report it."""
 
     capacity: int
     used: int
     items: int
     max_items: int
+    lease_s: float
     leases: int
+    leased_bytes: int
+    inflight_bytes: int
     queries: int
     hits: int
     shared_tier: bool
     l2_up: bool
+    shm: RegionInfo | None  # the shared-memory region, when it has one
+    shm_leased_bytes: int = 0  # write slots
+    shm_resident_bytes: int = 0
+    shm_transient_bytes: int = 0
+    shm_reserve_bytes: int = 0  # the read reserve (_placement.py)
+
+
+@dataclass(eq=False)
+class CacheParts:
+    """What `open_cache` builds (_open.py). Calls use ItemCache's operations;
+    tests and probes that must look inside get these with `parts_of`."""
+
+    store: ItemStore
+    inflight: InflightBudget
+    metrics: CacheMetrics
+    placement: Placement
+    tier: L2Tier | None
+    changes: ItemChanges
+    reports: CoLocatedReports
+
+    @property
+    def region(self) -> Region | None:
+        return self.placement.region
+
+    @property
+    def rings(self) -> ReportRings | None:
+        return self.reports.rings
 
 
 @dataclass(frozen=True)
@@ -72,12 +125,14 @@ class PreparedUpdate:
     def __init__(
         self,
         cache: ItemCache,
+        parts: CacheParts,
         entries: Sequence[EntryHeader],
         claimed: dict[int, Slot],
         pulled: list[tuple[str, StoredItem]],
         payload: int,
     ) -> None:
         self._cache = cache
+        self._parts = parts
         self._entries = entries
         self._claimed = claimed
         self._pulled = pulled
@@ -87,9 +142,9 @@ class PreparedUpdate:
         """Whether the entry's data is in a region slot the upload claimed."""
         return entry.index in self._claimed
 
-    def from_region(self, entry: EntryHeader) -> tuple[tuple[bytes, ...], Resident | None]:
+    def from_region(self, entry: EntryHeader) -> tuple[tuple[bytes, ...], Extent | None]:
         """The entry's data in its claimed slot (Placement.from_region)."""
-        return self._cache.placement.from_region(self._claimed.pop(entry.index), entry)
+        return self._parts.placement.from_region(self._claimed.pop(entry.index), entry)
 
     def commit(
         self,
@@ -100,11 +155,11 @@ class PreparedUpdate:
         """Store the batch (no await: what came from L2 is in L1 when answered,
         and its room is made without evicting what this batch names); count
         its lookups; the evictions of both."""
-        cache, entries = self._cache, self._entries
+        cache, store, entries = self._cache, self._parts.store, self._entries
         cache.metrics.received_bytes.inc(self._payload)
         batch = [e.key for e in entries]
-        adopted = cache.store.adopt(self._pulled, keep=batch) if self._pulled else []
-        result = cache.store.update(touches, uploads, lease=lease)
+        adopted = store.adopt(self._pulled, keep=batch) if self._pulled else []
+        result = store.update(touches, uploads, lease=lease)
         cache.write_behind(entries, result.outcomes)
         if adopted:
             result = replace(result, evicted=adopted + result.evicted)
@@ -121,32 +176,37 @@ class PreparedUpdate:
 
 class ItemCache:
     """The store (L1: heap and region), the L2 tier, the uploads in flight and
-    the co-located clients' reports, behind the operations of the calls.
+    the co-located clients' reports, behind the operations of the calls;
+    made by `open_cache` (_open.py), run by `async with`.
 
         async with cache.prepare(token, entries, deadline, said_wait) as prepared:
             uploads = [...]  # each entry's data, read from the call
             result = prepared.commit(uploads, touches, lease)
     """
 
-    def __init__(
+    def __init__(self, parts: CacheParts, lifecycle: Lifecycle) -> None:
+        self._parts = parts
+        self._store = parts.store
+        self._placement = parts.placement
+        self._l2 = parts.tier
+        self._lifecycle = lifecycle
+        self._pending = PendingUploads(parts.changes)
+        self._reports = parts.reports
+        self.metrics = parts.metrics
+        self.changes = parts.changes  # what it holds, as it changes: subscribe to it
+
+    async def __aenter__(self) -> ItemCache:
+        """Run it: its region opened, the L2 tier and the timers started."""
+        await self._lifecycle.start(self.beat)
+        return self
+
+    async def __aexit__(
         self,
-        store: ItemStore,
-        inflight: InflightBudget,
-        metrics: CacheMetrics,
-        region: Callable[[], Region | None],
-        l2: L2Tier | None,
-        emit: Callable[[Change, str], None],
-        parse_report: Callable[[bytes], Report],
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
-        self.store = store
-        self.metrics = metrics
-        self.placement = Placement(store, metrics, region)
-        self._inflight = inflight
-        self._region = region
-        self._l2 = l2
-        self._pending = PendingUploads(emit)
-        self._rings: ReportRings | None = None
-        self._parse_report = parse_report
+        await self._lifecycle.stop()
 
     # -- state --
 
@@ -155,27 +215,37 @@ class ItemCache:
         """Store keys being uploaded now."""
         return self._pending.hashes()
 
-    def region(self) -> Region | None:
-        return self._region()
+    def __contains__(self, key: object) -> bool:
+        """Whether L1 holds an item under the store key."""
+        return key in self._store
 
-    @property
-    def rings(self) -> ReportRings | None:
-        """The co-located clients' report rings (None until one is opened)."""
-        return self._rings
+    def feed_state(self) -> FeedState:
+        """The key set now, and the uploads in flight: what a feed snapshot sends."""
+        return self._store.state(self.pending)
 
-    def stats(self) -> CacheStats:
-        self.drain_reports()  # its counts include what the rings hold
-        store = self.store
+    def stats(self, *, drain: bool = True) -> CacheStats:
+        """Its state now; `drain`: with what the report rings hold counted first."""
+        if drain:
+            self.drain_reports()
+        store, region, l2 = self._store, self._placement.region, self._l2
         return CacheStats(
             capacity=store.capacity,
             used=store.used,
             items=len(store),
             max_items=store.max_items,
+            lease_s=store.lease_s,
             leases=store.leases,
+            leased_bytes=store.leased_bytes,
+            inflight_bytes=self._parts.inflight.used,
             queries=self.metrics.total_queries,
             hits=self.metrics.total_hits,
-            shared_tier=self._l2 is not None,
-            l2_up=self._l2 is not None and bool(self._l2.backend.up),
+            shared_tier=l2 is not None,
+            l2_up=l2 is not None and bool(l2.backend.up),
+            shm=None if region is None else RegionInfo(region.path, region.size, region.id),
+            shm_leased_bytes=0 if region is None else region.leased_bytes,
+            shm_resident_bytes=0 if region is None else region.resident_bytes,
+            shm_transient_bytes=0 if region is None else region.transient_bytes,
+            shm_reserve_bytes=self._placement.reserve,
         )
 
     # -- uploads --
@@ -194,7 +264,7 @@ class ItemCache:
         the L2 tier's reads of those it sends alone, room for its bytes in
         flight. What it yields commits; leaving undoes what was not."""
         self.drain_reports()  # leases given back before anything is evicted
-        claimed = self.placement.claim(token, entries)
+        claimed = self._placement.claim(token, entries)
         try:
             alone = [e.key for e in entries if e.spec is None]
             waited = await self._pending.wait(alone, deadline.upload_wait(said_wait_s))
@@ -206,23 +276,23 @@ class ItemCache:
                 # Nothing is stored until every byte has arrived and been checked,
                 # so a cancelled or malformed upload leaves the cache as it was.
                 payload = sum(e.payload for e in entries if e.chunks is not None)
-                async with self._inflight.reserve(payload):
-                    yield PreparedUpdate(self, entries, claimed, pulled, payload)
+                async with self._parts.inflight.reserve(payload):
+                    yield PreparedUpdate(self, self._parts, entries, claimed, pulled, payload)
             finally:
                 self._pending.settle(marked)
         finally:
-            self.placement.unclaim(claimed)  # those a failed call never read
+            self._placement.unclaim(claimed)  # those a failed call never read
 
     def spares(
         self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]
     ) -> list[Slot]:
-        return self.placement.spares(token, sizes, batch)
+        return self._placement.spares(token, sizes, batch)
 
     def allocate(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
         """Write slots for a co-located client's uploads: all, or none."""
-        region = self.placement.region_of(token)
+        region = self._placement.region_of(token)
         self.drain_reports()
-        return self.placement.write_slots(region, sizes)
+        return self._placement.write_slots(region, sizes)
 
     # -- reads --
 
@@ -230,19 +300,19 @@ class ItemCache:
         """The items under `keys`, read through to the L2 tier for those L1
         lacks; CacheMissError names the store keys still missing."""
         try:
-            return self.store.fetch(keys)
+            return self._store.fetch(keys)
         except CacheMissError as exc:
             missing = exc.missing_hashes
         pulled = await self.read_through(missing, deadline, flight=False)
-        self.store.adopt(pulled, keep=keys)
-        return self.store.fetch(keys)
+        self._store.adopt(pulled, keep=keys)
+        return self._store.fetch(keys)
 
     def frames_of(self, item: StoredItem) -> Iterable[bytes]:
         """An item's chunk frames: the very objects that arrived, or made from
-        the region one at a time (a held reference keeps either alive if the
+        its extent one at a time (a held reference keeps either alive if the
         item is evicted meanwhile)."""
         resident = item.resident
-        return item.frames if resident is None else region_frames(resident.payload())
+        return item.frames if resident is None else extent_frames(resident)
 
     def chunk_count(self, item: StoredItem) -> int:
         """How many frames `frames_of` gives."""
@@ -263,13 +333,13 @@ class ItemCache:
         held while `hold`; None when the region has no room for all (the client
         then calls Fetch). `done`: the client's earlier reads' holds, released
         first, so that their transient extents are free for this one."""
-        region = self.placement.region_of(token)
+        region = self._placement.region_of(token)
         check_count("shm_done", len(done))
         self.drain_reports()
         for held in done:
             region.release(held)
         items = await self.read(keys, deadline)
-        residents = self.placement.residents(region, keys, items, hold)
+        residents = self._placement.residents(region, keys, items, hold)
         if residents is None:
             return None
         reads = [
@@ -282,14 +352,14 @@ class ItemCache:
         return reads
 
     def release_leases(self, keys: Iterable[str]) -> int:
-        return self.store.release(keys)
+        return self._store.release(keys)
 
     async def locate(
         self, keys: Sequence[str], check_l2: bool, deadline: Deadline
     ) -> list[tuple[Tier, int]]:
         """Where each item is held, and its size in L1 (0 elsewhere)."""
-        sizes = [self.store.size_of(key) for key in keys]
-        tiers = [Tier.L1 if key in self.store else Tier.NONE for key in keys]
+        sizes = [self._store.size_of(key) for key in keys]
+        tiers = [Tier.L1 if key in self._store else Tier.NONE for key in keys]
         if check_l2 and self._l2 is not None:
             absent = [i for i, tier in enumerate(tiers) if tier == Tier.NONE]
             found = await self._l2.holds([keys[i] for i in absent], deadline.budget())
@@ -299,10 +369,10 @@ class ItemCache:
         return list(zip(tiers, sizes, strict=True))
 
     def touch(self, keys: Iterable[str]) -> int:
-        return self.store.touch(keys)
+        return self._store.touch(keys)
 
     def clear(self, owned: Callable[[str], bool] | None) -> tuple[int, int]:
-        return self.store.clear(owned)
+        return self._store.clear(owned)
 
     # -- the L2 tier --
 
@@ -318,7 +388,7 @@ class ItemCache:
         time (_tier.py; `flight`: the caller processes what is missing)."""
         if self._l2 is None or not keys:
             return []
-        absent = [key for key in dict.fromkeys(keys) if key not in self.store]
+        absent = [key for key in dict.fromkeys(keys) if key not in self._store]
         if not absent:
             return []
         return await self._l2.pull(absent, deadline.budget(), flight=flight, wait_s=wait_s)
@@ -339,7 +409,7 @@ class ItemCache:
 
     def modality_of(self, key: str) -> str:
         """A held item's own modality: the label of a hash sent without one."""
-        item = self.store.peek(key)
+        item = self._store.peek(key)
         return "" if item is None else item.modality
 
     def count(self, modality: str, outcome: Outcome, resend: bool) -> None:
@@ -358,74 +428,23 @@ class ItemCache:
     def release(self, namespace: Scope, keys: list[str], report: Report) -> int:
         """A Release call: the leases it ended."""
         self.drain_reports()  # what came before this call, first
-        region = self._region()
-        # Only a client that maps the region reports; one of a region gone is
-        # too late, but its leases are still given back.
-        mapped = region is not None and region.matches(report.shm_token)
-        return self._report(namespace, keys, report, region if mapped else None)
+        return self._reports.release(namespace, keys, report)
 
     def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
         """A report ring for a co-located client; None when there is no room."""
-        region = self.placement.region_of(token)
-        return self._rings_of(region).open(namespace)
+        return self._reports.open_ring(token, namespace)
 
     def drain_reports(self) -> int:
         """Apply what co-located clients wrote in their report rings; how many
         reports. The region's heartbeat too: a server that serves a call is alive."""
-        region = self._region()
-        if region is None:
-            return 0
-        region.beat()
-        return 0 if self._rings is None else self._rings_of(region).drain()
+        return self._reports.drain()
 
     def beat(self) -> None:
-        """The region's heartbeat, and its rings read (the server's timer, every BEAT_S)."""
+        """The region's heartbeat, and its rings read (the cache's timer, every BEAT_S)."""
         self.drain_reports()
 
-    def _report(
-        self,
-        namespace: Scope,
-        keys: list[str],
-        report: Report,
-        region: Region | None,
-    ) -> int:
-        """Apply a Release, or a report ring's record; the leases it ended.
-        `region`: the client maps it (its holds and its bytes read count)."""
-        check_count("shm_done", len(report.shm_done))
-        check_count("shm_leases", len(report.shm_leases))
-        check_counts("misses", report.misses)
-        check_counts("hits", report.hits)
-        # Queries a client answered itself count as lookups would.
-        for modality, count in report.misses.items():
-            self.metrics.queried(modality, hit=False, count=count)
-        for modality, count in report.hits.items():
-            self.metrics.queried(modality, hit=True, count=count)
-        if region is None:
-            return self.store.release(keys)
-        for hold in report.shm_done:
-            region.release(hold)
-        self.metrics.shm_bytes.labels("read").inc(report.shm_read_bytes)
-        self.metrics.sent_bytes.inc(report.shm_read_bytes)  # as if Fetch had sent them
-        self.metrics.shm_client_cpu.inc(report.client_cpu_ns / 1e9)
-        if report.shm_leases:  # taken with no call: as a lookup's hits are
-            leased = [mm_hash for mm_hash, _ in report.shm_leases]
-            self.store.lease(namespace.checked_keys(leased))
-        if region.orphans:  # a lease of an extent kept after its item left
-            for key in [key for key in keys if not self.store.is_leased(key)]:
-                region.end_orphan(key)
-        return self.store.release(keys)
 
-    def _rings_of(self, region: Region) -> ReportRings:
-        if self._rings is None or self._rings.region is not region:
-
-            def apply(namespace: Scope, report: Report) -> None:
-                self._report(namespace, namespace.checked_keys(report.mm_hashes), report, region)
-
-            rings = self._rings = ReportRings(region, apply, self._parse_report)
-
-            def keep_leased(generation: int, key: str) -> bool:
-                # An item still in the store (moved to the heap) is leased there.
-                return key not in self.store and rings.leased(generation)
-
-            region.keep_leased = keep_leased
-        return self._rings
+def parts_of(cache: ItemCache) -> CacheParts:
+    """The parts inside `cache`, for tests and probes that must look; the
+    calls use its operations."""
+    return cache._parts

@@ -29,7 +29,7 @@ import xxhash
 from mmcache._errors import InvalidArgumentError, MMCacheError
 
 from ._entries import EntryHeader, check_frames, upload_entry
-from ._region import region_frames
+from ._extent import extent_frames
 from ._store import StoredItem
 
 __all__ = [
@@ -211,10 +211,10 @@ def payload_digest(frames: Iterable[bytes | memoryview]) -> bytes:
 
 
 def record_of_item(key: str, item: StoredItem, manifests: Manifests) -> L2Record:
-    """The record of a held item (copied out of the region when resident there)."""
+    """The record of a held item (copied out of its extent when it has one)."""
     frames = item.frames
     if item.resident is not None:
-        frames = tuple(region_frames(item.resident.payload()))
+        frames = tuple(extent_frames(item.resident))
     manifest = manifests.encode(key, item, len(frames), payload_digest(frames))
     return L2Record(manifest, frames)
 

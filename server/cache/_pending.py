@@ -10,16 +10,17 @@ a mark another call may be waiting for: no two calls can wait on each other.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
+from ._changes import ItemChange, ItemChanges
 from ._types import Change
 
 __all__ = ["PendingUploads"]
 
 
 class PendingUploads:
-    def __init__(self, emit: Callable[[Change, str], None]) -> None:
-        self._emit = emit
+    def __init__(self, changes: ItemChanges) -> None:
+        self._changes = changes
         self._ends: dict[str, asyncio.Future[None]] = {}
 
     def hashes(self) -> list[str]:
@@ -42,7 +43,7 @@ class PendingUploads:
         for h in mm_hashes:
             if h not in self._ends:
                 self._ends[h] = loop.create_future()
-                self._emit(Change.PENDING, h)
+                self._changes.publish(ItemChange(Change.PENDING, h))
                 marked.append(h)
         return marked
 
@@ -50,4 +51,4 @@ class PendingUploads:
         """The upload ended (stored or not): wake its waiters."""
         for h in marked:
             self._ends.pop(h).set_result(None)
-            self._emit(Change.SETTLED, h)
+            self._changes.publish(ItemChange(Change.SETTLED, h))

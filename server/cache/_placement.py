@@ -6,13 +6,14 @@ the rules are here, apart from the calls that use them."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
 from mmcache._shm_layout import PAGE, extent_span
 from mmcache.metrics import CacheMetrics
 
+from ._extent import payload_frames
 from ._region import (
     ITEM,
     READ,
@@ -21,7 +22,6 @@ from ._region import (
     Resident,
     Slot,
     copy_payload,
-    region_frames,
 )
 from ._store import ItemStore, StoredItem
 
@@ -94,14 +94,13 @@ class ReadRoom:
 
 class Placement:
     """Room in the region for uploads and reads, made by moving residents out
-    to the heap (their order in the LRU kept); none of it waits."""
+    to the heap (their order in the LRU kept); none of it waits. The only
+    part that knows the region: the store holds its extents as `Extent`s."""
 
-    def __init__(
-        self, store: ItemStore, metrics: CacheMetrics, region: Callable[[], Region | None]
-    ) -> None:
+    def __init__(self, store: ItemStore, metrics: CacheMetrics) -> None:
         self._store = store
         self._metrics = metrics
-        self.region = region
+        self.region: Region | None = None  # while the cache runs with one (_open.py)
         self._room: ReadRoom | None = None
 
     def room(self, region: Region) -> ReadRoom:
@@ -113,12 +112,12 @@ class Placement:
     @property
     def reserve(self) -> int:
         """The region's read reserve now (0 without a region)."""
-        region = self.region()
+        region = self.region
         return 0 if region is None else self.room(region).reserve
 
     def region_of(self, token: bytes) -> Region:
         """The region a client's token names; InvalidArgumentError (with the fix) if none."""
-        region = self.region()
+        region = self.region
         if region is None or not region.matches(token):
             raise InvalidArgumentError(
                 "the shared-memory token is not this server's region's (a restarted server, "
@@ -154,7 +153,7 @@ class Placement:
         its token is not the region's (asking never fails an upload). Their
         room never takes out the batch's own items: what the reply answers
         held stays readable (in a full cache, taking one out evicts it)."""
-        region = self.region()
+        region = self.region
         if not sizes or region is None or not region.matches(token):
             return []
         return self.write_slots(region, sizes, batch)
@@ -180,7 +179,7 @@ class Placement:
 
     def unclaim(self, claimed: dict[int, Slot]) -> None:
         """Free what a call claimed and never made resident (a failed call's)."""
-        region = self.region()
+        region = self.region
         if region is not None:
             for slot in claimed.values():
                 region.free(slot.lease)
@@ -191,14 +190,14 @@ class Placement:
         """An uploaded payload in its claimed slot: resident there from now on (no
         copy), or, when the slot has no room for its key and spec, copied out as
         chunk frames and the slot freed."""
-        region = self.region()
+        region = self.region
         assert region is not None and entry.spec is not None
         self._metrics.shm_bytes.labels("write").inc(slot.length)
         resident = region.settle(slot, entry.key, entry.spec, entry.metadata)
         if resident is not None:
             return (), resident
         try:
-            return tuple(region_frames(region.payload(slot))), None
+            return tuple(payload_frames(region.payload(slot))), None
         finally:
             region.free(slot.lease)
 
@@ -212,6 +211,8 @@ class Placement:
         residents: list[Resident] = []
         for key, item in zip(keys, items, strict=True):
             if item.resident is not None:
+                # Placement made every extent the store holds: the region's.
+                assert isinstance(item.resident, Resident)
                 region.read(item.resident)
                 residents.append(item.resident)
                 continue
@@ -287,7 +288,7 @@ class Placement:
         if slot is None:
             since = room.aged() if aged else None
             residents = region.resident_keys(keep, since_before=since)
-            for moved in self._store.leave_region(residents, incoming):
+            for moved in self._store.leave_extents(residents, incoming):
                 if moved:
                     self._metrics.shm_copies.labels("out").inc()
                 slot = region.allocate(length, kind, trailer, keep_free)

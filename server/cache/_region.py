@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mmcache._errors import InvalidArgumentError
-from mmcache._frames import MAX_CHUNK_BYTES, chunk_payload_offset, chunk_prefix
+from mmcache._frames import chunk_payload_offset
 from mmcache._lockfiles import unlocked
 from mmcache._rings import fence, reset_ring
 from mmcache._shm_layout import (
@@ -91,9 +91,7 @@ __all__ = [
     "Resident",
     "Slot",
     "copy_payload",
-    "frame_count",
     "open_region",
-    "region_frames",
 ]
 
 _LOGGER = logging.getLogger(__name__)
@@ -559,18 +557,6 @@ def _copier() -> ThreadPoolExecutor:
     if _copy_pool is None:
         _copy_pool = ThreadPoolExecutor(1, thread_name_prefix="mmcache-copy")
     return _copy_pool
-
-
-def region_frames(payload: memoryview) -> Iterator[bytes]:
-    """A payload in the region as chunk frames (each one copy), made one at a time."""
-    for at in range(0, len(payload), MAX_CHUNK_BYTES):
-        piece = payload[at : at + MAX_CHUNK_BYTES]
-        yield b"".join((chunk_prefix(len(piece)), piece))
-
-
-def frame_count(payload: int) -> int:
-    """How many chunk frames `region_frames` makes of `payload` bytes."""
-    return -(-payload // MAX_CHUNK_BYTES)
 
 
 def _stale(directory: str) -> Iterator[str]:

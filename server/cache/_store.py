@@ -1,10 +1,11 @@
 """The P1 item cache: a byte-bounded LRU of validated items, with leases (no gRPC here).
 
 Items are kept as the chunk frames they arrived in, so a Fetch sends the very
-same `bytes` objects back: no copy on the way in or out; or resident in the
-shared-memory region (_region.py), where co-located clients read them. Every change to the
-key set is reported to `on_change` (the mirror feed), and a leased item is
-pinned: it counts in the capacity and is never evicted until its lease ends.
+same `bytes` objects back: no copy on the way in or out; or in an extent
+placement gave them (_extent.py), where co-located clients read them. Every
+change to the key set is published on the change stream (_changes.py), and a
+leased item is pinned: it counts in the capacity and is never evicted until
+its lease ends.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass, replace
 from mmcache._errors import CacheMissError
 from mmcache._lru import BatchEntry, ByteLRU, Outcome
 
+from ._changes import ItemChange, ItemChanges
+from ._extent import Extent, extent_frames
 from ._leases import LeaseBook
-from ._region import Resident, region_frames
 from ._types import Change, FeedState, Lease
 
 __all__ = ["BatchResult", "ItemStore", "StoredItem", "UploadEntry"]
@@ -29,8 +31,6 @@ MAX_REPLY_METADATA_BYTES = 6 << 20
 
 _HELD = (Outcome.HIT, Outcome.STORED, Outcome.REPLACED)
 
-ChangeHook = Callable[[Change, str, int], None]
-
 
 @dataclass(frozen=True, slots=True)
 class StoredItem:
@@ -39,8 +39,8 @@ class StoredItem:
     payload: int  # tensor bytes carried by the frames
     size: int  # bytes charged to the LRU: the spec's size plus the metadata's
     metadata: bytes = b""
-    # The payload's home in the shared-memory region instead of `frames`.
-    resident: Resident | None = None
+    # Where the payload lies instead of `frames` (placement's: the region).
+    resident: Extent | None = None
     modality: str = ""  # its spec's own (the first field's): a label for its lookups
 
 
@@ -79,19 +79,17 @@ class ItemStore:
         *,
         max_items: int,
         lease_s: float,
+        changes: ItemChanges | None = None,
         on_evict: Callable[[int], None] | None = None,
-        on_change: ChangeHook | None = None,
         on_expire: Callable[[int], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lru: ByteLRU[StoredItem] = ByteLRU(capacity, self._evicted_one, max_items=max_items)
         self._leases = LeaseBook(lease_s, self._lru.pin, self._lru.unpin)
+        self.changes = ItemChanges() if changes is None else changes
         self._on_evict = on_evict
-        self._on_change = on_change
         self._on_expire = on_expire
         self._clock = clock
-        self._evicted: list[str] = []
-        self._evicted_count = 0
 
     @property
     def capacity(self) -> int:
@@ -158,21 +156,20 @@ class ItemStore:
                 self._drop(entry.mm_hash)
         rest = [self._keep_metadata(e) for e in entries if not e.withheld]
         held_before = {e.mm_hash for e in rest if e.item is not None and e.mm_hash in self._lru}
-        self._evicted, self._evicted_count = [], 0
-        applied = iter(
-            self._lru.apply_batch(
-                [
-                    BatchEntry(e.mm_hash)
-                    if e.item is None
-                    else BatchEntry(e.mm_hash, e.item.size, e.item)
-                    for e in rest
-                ],
-                replace_present=True,
+        evicted = _Evictions()
+        with self.changes.listening(evicted.heard):
+            applied = iter(
+                self._lru.apply_batch(
+                    [
+                        BatchEntry(e.mm_hash)
+                        if e.item is None
+                        else BatchEntry(e.mm_hash, e.item.size, e.item)
+                        for e in rest
+                    ],
+                    replace_present=True,
+                )
             )
-        )
         outcomes = [Outcome.UNCACHED if e.withheld else next(applied) for e in entries]
-        evicted, truncated = self._evicted, self._evicted_count > len(self._evicted)
-        self._evicted = []
         for entry, outcome in zip(entries, outcomes, strict=True):
             if outcome in (Outcome.STORED, Outcome.REPLACED):
                 self._change(Change.STORED, entry.mm_hash, self._lru.size_of(entry.mm_hash))
@@ -194,7 +191,7 @@ class ItemStore:
                 self._clock(),
             )
         metadata, cut = self._reply_metadata(entries, outcomes)
-        return BatchResult(outcomes, sizes, evicted, truncated, metadata, cut)
+        return BatchResult(outcomes, sizes, evicted.keys, evicted.truncated, metadata, cut)
 
     def _reply_metadata(
         self, entries: Sequence[UploadEntry], outcomes: Sequence[Outcome]
@@ -238,16 +235,16 @@ class ItemStore:
             raise CacheMissError(missing)
         return items  # type: ignore[return-value]
 
-    def make_resident(self, key: str, item: StoredItem, resident: Resident) -> None:
+    def make_resident(self, key: str, item: StoredItem, resident: Extent) -> None:
         """The held `item` under `key` keeps its bytes in the region from now on
         (its frames dropped: charged once), its place in the order kept."""
         if self._lru.peek(key) is item:
             self._lru.replace_value(key, replace(item, frames=(), resident=resident))
 
-    def leave_region(self, keys: Iterable[str], incoming: int) -> Iterator[bool]:
-        """Take the items under `keys` (resident in the region, first to leave
-        first) out of it, one a step: the caller stops once the region has the
-        room it needs. While the store has room for the `incoming` bytes, an
+    def leave_extents(self, keys: Iterable[str], incoming: int) -> Iterator[bool]:
+        """Take the items under `keys` (in extents, first to leave first) out
+        of them, one a step: the caller stops once placement has the room
+        it needs. While the store has room for the `incoming` bytes, an
         item moves back to the heap (still cached, leased, in its place in the
         order: the step yields True, a copy); once it is full, and must evict
         to take them anyway, the item is evicted (unless leased; False).
@@ -258,7 +255,7 @@ class ItemStore:
                 continue
             moved = self.used + incoming <= self.capacity or self._lru.is_pinned(key)
             if moved:
-                frames = tuple(region_frames(item.resident.payload()))
+                frames = tuple(extent_frames(item.resident))
                 self._lru.replace_value(key, replace(item, frames=frames, resident=None))
             else:
                 self._lru.evict(key)
@@ -335,13 +332,26 @@ class ItemStore:
             self._change(Change.REMOVED, mm_hash)
 
     def _evicted_one(self, key: str, value: StoredItem, size: int) -> None:
-        self._evicted_count += 1
-        if len(self._evicted) < MAX_REPLY_EVICTIONS:
-            self._evicted.append(key)
         if self._on_evict is not None:
             self._on_evict(size)
-        self._change(Change.REMOVED, key)
+        self.changes.publish(ItemChange(Change.REMOVED, key, evicted=True))
 
     def _change(self, kind: Change, mm_hash: str, size: int | None = 0) -> None:
-        if self._on_change is not None:
-            self._on_change(kind, mm_hash, size or 0)
+        self.changes.publish(ItemChange(kind, mm_hash, size or 0))
+
+
+class _Evictions:
+    """The evictions one batch made, as its reply names them (the first
+    MAX_REPLY_EVICTIONS; the feed names every one)."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.truncated = False
+
+    def heard(self, change: ItemChange) -> None:
+        if not change.evicted:
+            return
+        if len(self.keys) < MAX_REPLY_EVICTIONS:
+            self.keys.append(change.key)
+        else:
+            self.truncated = True

@@ -34,7 +34,8 @@ Every L2 failure degrades to a miss or an unwritten item, counted in
 `concurrency` operations run at once, and a call reads no more from L2 than
 L1 could hold.
 
-The parts: this facade makes them once and hands L1's events to them. Each
+The parts: this facade makes them once and hands L1's changes (the change
+stream's, _changes.py) to them; what it writes it publishes there too. Each
 key's state and the protocol's transitions are the KeyBook's, the admission
 rule its Admission's (_fleet.py, no awaits); the read-through
 (_read_through.py) and the write-behind (_write_behind.py) make the calls
@@ -51,12 +52,14 @@ from functools import partial
 
 from mmcache.metrics import L2Metrics
 
+from ._changes import ItemChange, ItemChanges
 from ._fleet import Admission, KeyBook
 from ._l2 import L2Backend, L2Error, Manifests
 from ._l2_calls import L2Calls
 from ._read_through import ReadThrough
 from ._store import ItemStore, StoredItem
 from ._tier_parts import L2Settings, TierParts
+from ._types import Change
 from ._write_behind import WriteBehind
 from ._write_queue import Outbox
 
@@ -71,8 +74,8 @@ class L2Tier:
         metrics: L2Metrics,
         settings: L2Settings,
         manifests: Manifests,
+        changes: ItemChanges,
         clock: Callable[[], float] = time.monotonic,
-        on_written: Callable[[str, int], None] = lambda key, size: None,
         node: str = "",
     ) -> None:
         self._wake = asyncio.Event()
@@ -96,7 +99,7 @@ class L2Tier:
             clock=clock,
         )
         self._reads = ReadThrough(self._parts)
-        self._behind = WriteBehind(self._parts, self._wake, on_written)
+        self._behind = WriteBehind(self._parts, self._wake, changes)
         self._writer: asyncio.Task[None] | None = None
         self._watching: asyncio.Task[None] | None = None
 
@@ -175,6 +178,11 @@ class L2Tier:
         """A client's data for `key` could not be stored (UNCACHED, withheld):
         this sidecar's claim on it, if any, ends: nobody waits for it."""
         self._parts.outbox.do(key, self._parts.book.not_stored(key))
+
+    def changed(self, change: ItemChange) -> None:
+        """The change stream's subscriber: L1's removals end claims."""
+        if change.kind == Change.REMOVED and not change.in_l2:
+            self.removed(change.key)
 
     def removed(self, key: str) -> None:
         """L1 no longer holds `key`. Its claim, if this sidecar holds one, ends:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from functools import partial
 
+from ._changes import ItemChange, ItemChanges
 from ._fleet import Claim
 from ._l2 import L2Error, Sighting, record_of_item
 from ._tier_parts import TierParts
+from ._types import Change
 
 __all__ = ["WriteBehind"]
 
@@ -20,12 +21,10 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class WriteBehind:
-    def __init__(
-        self, parts: TierParts, wake: asyncio.Event, on_written: Callable[[str, int], None]
-    ) -> None:
+    def __init__(self, parts: TierParts, wake: asyncio.Event, changes: ItemChanges) -> None:
         self._p = parts
         self._wake = wake
-        self._on_written = on_written
+        self._changes = changes  # told of each write
         self._next_beat = 0.0
         self.stopping = False
 
@@ -108,4 +107,4 @@ class WriteBehind:
         p.metrics.writes.labels("written").inc()
         p.metrics.written_bytes.inc(record.nbytes)
         p.book.know(key)
-        self._on_written(key, size)
+        self._changes.publish(ItemChange(Change.STORED, key, size, in_l2=True))

@@ -1,0 +1,105 @@
+"""What co-located clients report: a Release call's, and the records their
+report rings carry with no call (_report_rings.py). Either ends leases,
+counts the lookups a client answered itself, and gives back its holds of
+the region's extents (placement's region: the rings live in it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mmcache._spec import check_count, check_counts
+from mmcache.metrics import CacheMetrics
+
+from ._placement import Placement
+from ._region import Region, Slot
+from ._report_rings import ReportRings
+from ._store import ItemStore
+from ._types import Report, Scope
+
+__all__ = ["CoLocatedReports"]
+
+
+class CoLocatedReports:
+    def __init__(
+        self,
+        store: ItemStore,
+        metrics: CacheMetrics,
+        placement: Placement,
+        parse_report: Callable[[bytes], Report],  # a ring's record (the wire's format)
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._placement = placement
+        self._parse_report = parse_report
+        self.rings: ReportRings | None = None  # the region's, made at the first asked for
+
+    def release(self, namespace: Scope, keys: list[str], report: Report) -> int:
+        """A Release call: the leases it ended."""
+        region = self._placement.region
+        # Only a client that maps the region reports; one of a region gone is
+        # too late, but its leases are still given back.
+        mapped = region is not None and region.matches(report.shm_token)
+        return self._apply(namespace, keys, report, region if mapped else None)
+
+    def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
+        """A report ring for a co-located client; None when there is no room."""
+        region = self._placement.region_of(token)
+        return self._rings_of(region).open(namespace)
+
+    def drain(self) -> int:
+        """Apply what co-located clients wrote in their report rings; how many
+        reports. The region's heartbeat too: a server that serves a call is alive."""
+        region = self._placement.region
+        if region is None:
+            return 0
+        region.beat()
+        return 0 if self.rings is None else self._rings_of(region).drain()
+
+    def _apply(
+        self,
+        namespace: Scope,
+        keys: list[str],
+        report: Report,
+        region: Region | None,
+    ) -> int:
+        """Apply a Release, or a report ring's record; the leases it ended.
+        `region`: the client maps it (its holds and its bytes read count)."""
+        check_count("shm_done", len(report.shm_done))
+        check_count("shm_leases", len(report.shm_leases))
+        check_counts("misses", report.misses)
+        check_counts("hits", report.hits)
+        metrics, store = self._metrics, self._store
+        # Queries a client answered itself count as lookups would.
+        for modality, count in report.misses.items():
+            metrics.queried(modality, hit=False, count=count)
+        for modality, count in report.hits.items():
+            metrics.queried(modality, hit=True, count=count)
+        if region is None:
+            return store.release(keys)
+        for hold in report.shm_done:
+            region.release(hold)
+        metrics.shm_bytes.labels("read").inc(report.shm_read_bytes)
+        metrics.sent_bytes.inc(report.shm_read_bytes)  # as if Fetch had sent them
+        metrics.shm_client_cpu.inc(report.client_cpu_ns / 1e9)
+        if report.shm_leases:  # taken with no call: as a lookup's hits are
+            leased = [mm_hash for mm_hash, _ in report.shm_leases]
+            store.lease(namespace.checked_keys(leased))
+        if region.orphans:  # a lease of an extent kept after its item left
+            for key in [key for key in keys if not store.is_leased(key)]:
+                region.end_orphan(key)
+        return store.release(keys)
+
+    def _rings_of(self, region: Region) -> ReportRings:
+        if self.rings is None or self.rings.region is not region:
+
+            def apply(namespace: Scope, report: Report) -> None:
+                self._apply(namespace, namespace.checked_keys(report.mm_hashes), report, region)
+
+            rings = self.rings = ReportRings(region, apply, self._parse_report)
+
+            def keep_leased(generation: int, key: str) -> bool:
+                # An item still in the store (moved to the heap) is leased there.
+                return key not in self._store and rings.leased(generation)
+
+            region.keep_leased = keep_leased
+        return self.rings
