@@ -1,5 +1,5 @@
 """Report rings: a co-located client's reports reach its server through the
-shared-memory region instead of a call (client/_reports.py writes,
+shared-memory region instead of a call (client/colocated/_reports.py writes,
 server/cache/_report_rings.py reads).
 
 A ring is an extent of the region that one client writes and its server

@@ -1,5 +1,5 @@
 """The layout of a shared-memory region file: what the server writes and its
-co-located clients read (server/cache/_region.py, client/_shm.py).
+co-located clients read (server/cache/_region.py, client/colocated/_shm.py).
 
     [header page][index: BUCKETS x 32 bytes, page-rounded][extents ...]
 

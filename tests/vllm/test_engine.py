@@ -76,7 +76,7 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     assert served["mmcache_received_bytes_total"] == served["mmcache_sent_bytes_total"] > 0
     assert served["mmcache_leases"] == 0
     # Leased and read in the sidecar's shared memory, with no call: the
-    # plugin's clients report what that cost them (client/_resident.py).
+    # plugin's clients report what that cost them (client/colocated/_resident.py).
     assert served["mmcache_shm_client_cpu_seconds_total"] > 0
 
 
