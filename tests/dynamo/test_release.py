@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.client import dynamo as transport
-from mmcache.client.vllm._sync import SyncClient
+from mmcache.client.vllm import dynamo as transport
+from mmcache.client.vllm.runtime import SyncClient
 from tests.test_faults import DEADLINE_S, sidecar
 
 
