@@ -90,9 +90,10 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._scope = scope
         self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
         self._known = KnownUpdates(model)
-        processing = ProcessingTime()  # measured by Sharing, read by Lookup
-        self._lookup = Lookup(sync, self.key, self._own, self._known, processing, shareable)
-        self._sharing = Sharing(sync, self.key, self._known, processing, shareable)
+        self._processing = ProcessingTime()  # measured by Sharing, read by Lookup
+        parts = (self._known, self._processing, shareable)
+        self._lookup = Lookup(sync, self.key, self._own, *parts)
+        self._sharing = Sharing(sync, self.key, *parts)
         self._ledgers = Ledgers()
         self._ends = RequestEnds()
         self._lock = threading.Lock()
