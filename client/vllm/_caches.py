@@ -45,6 +45,7 @@ from ._costs import ProcessingTime
 from ._keys import scoped_key
 from ._ledger import Ledgers
 from ._local import LocalCache
+from ._p0_context import P0Context
 from ._p0_lookup import Lookup
 from ._p0_releases import RequestEnds
 from ._p0_sharing import Sharing, stamp
@@ -91,9 +92,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
         self._known = KnownUpdates(model)
         self._processing = ProcessingTime()  # measured by Sharing, read by Lookup
-        parts = (self._known, self._processing, shareable)
-        self._lookup = Lookup(sync, self.key, self._own, *parts)
-        self._sharing = Sharing(sync, self.key, *parts)
+        context = P0Context(sync, self.key, self._known, self._processing, shareable)
+        self._lookup = Lookup(context, self._own)
+        self._sharing = Sharing(context)
         self._ledgers = Ledgers()
         self._ends = RequestEnds()
         self._lock = threading.Lock()

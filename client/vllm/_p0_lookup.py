@@ -29,19 +29,16 @@ hit as vLLM alone's cache would hand it over (`take`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from vllm.multimodal.cache import MultiModalCacheMissError
 
 from mmcache._errors import MMCacheError
 
-from ._costs import ProcessingTime
 from ._ledger import Ledger
 from ._local import LocalCache
-from ._updates import KnownUpdates
+from ._p0_context import P0Context
 from .convert import decode_updates, to_vllm
-from .runtime import SyncClient
 
 __all__ = ["Lookup"]
 
@@ -49,34 +46,22 @@ _LOGGER = logging.getLogger(__name__)
 
 
 class Lookup:
-    """The hits of a P0 cache on `sync`'s sidecar and on its own cache `own`."""
+    """The hits of a P0 cache on its sidecar and on its own cache `own`."""
 
-    def __init__(
-        self,
-        sync: SyncClient,
-        key: Callable[[str], str],
-        own: LocalCache,
-        known: KnownUpdates,
-        processing: ProcessingTime,
-        shareable: Callable[[str], bool],
-    ) -> None:
-        self._sync = sync
-        self._key = key
+    def __init__(self, context: P0Context, own: LocalCache) -> None:
+        self._p0 = context
         self._own = own
-        self._known = known
-        self._processing = processing
-        self._shareable = shareable
 
     def ask(self, ledger: Ledger, mm_hashes: list[str]) -> None:
         """Confirm, into `ledger`, which of `mm_hashes` are hits."""
-        client = self._sync.client
-        keys = [self._key(h) for h in mm_hashes]
+        client = self._p0.sync.client
+        keys = [self._p0.key(h) for h in mm_hashes]
         # vLLM may ask more than once per request: each hash is looked up once.
         # Behind a shared tier (L2) the mirror's "no" is not the fleet's: every
         # hash is asked about (the server reads the tier through), in the same call.
         # Only items named by their content (vLLM's digest, not a client's uuid)
         # are the fleet's: the others stay in this process's cache (_digests.py).
-        shared = [self._shareable(h) for h in mm_hashes]
+        shared = [self._p0.shareable(h) for h in mm_hashes]
         if client.shared_tier and client.following:  # (not while out of touch)
             known = shared
         else:
@@ -88,10 +73,10 @@ class Lookup:
             if held and mm_hashes[i] not in ledger.looked_up and mm_hashes[i] not in ledger.local
         ]
         ask = candidates
-        if self._known.undescribed is not None:
+        if self._p0.known.undescribed is not None:
             # Updates that cannot travel: only what this process processed can
             # hit here; the rest is processed, and not uploaded again.
-            ask = [i for i in candidates if self._known.get(mm_hashes[i]) is not None]
+            ask = [i for i in candidates if self._p0.known.get(mm_hashes[i]) is not None]
             ledger.held_elsewhere.update(mm_hashes[i] for i in candidates if i not in ask)
         if ask:
             try:
@@ -122,8 +107,8 @@ class Lookup:
                 # Not in the sidecar, by its mirror or by its answer just now.
                 if (
                     (not held or mm_hash in ledger.looked_up)
-                    and self._known.undescribed is None
-                    and self._shareable(mm_hash)
+                    and self._p0.known.undescribed is None
+                    and self._p0.shareable(mm_hash)
                 ):
                     ledger.unshared.add(mm_hash)
 
@@ -140,16 +125,16 @@ class Lookup:
         ]
         if not need:
             return
-        client, wanted = self._sync.client, [keys[i] for i in need]
+        client, wanted = self._p0.sync.client, [keys[i] for i in need]
         try:
             items = client.fetch_resident(wanted, release=False)
             if items is None:
-                items = self._sync.call(client.fetch(wanted, release=False))
+                items = self._p0.sync.call(client.fetch(wanted, release=False))
         except MMCacheError as exc:
             _LOGGER.debug("mmcache read into this process's cache failed: %s", exc)
             for i in need:
                 del ledger.confirmed[mm_hashes[i]]
-            self._sync.submit(client.release(wanted))
+            self._p0.sync.submit(client.release(wanted))
             return
         for i, stored in zip(need, items, strict=True):
             ledger.filled[mm_hashes[i]] = to_vllm(stored)
@@ -159,15 +144,15 @@ class Lookup:
     ) -> None:
         """Ask the server about the hashes at `ask` (one call): those held with
         updates usable here are confirmed; a failure leaves them misses."""
-        client = self._sync.client
+        client = self._p0.sync.client
         try:
             # Waiting for an upload in flight elsewhere saves a processing
             # only for an item this process's own cache lacks.
             own = self._own
-            wait_s = self._processing.wait_for(
+            wait_s = self._p0.processing.wait_for(
                 sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
             )
-            found = self._sync.call(
+            found = self._p0.sync.call(
                 client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
             )
         except MMCacheError as exc:
@@ -179,7 +164,7 @@ class Lookup:
             ledger.looked_up.add(mm_hash)
             if not held:
                 continue
-            updates = self._known.get(mm_hash)
+            updates = self._p0.known.get(mm_hash)
             if updates is None and blob is not None:
                 updates = decode_updates(blob)
             if updates is None:  # held, but not usable here: process it
@@ -187,7 +172,7 @@ class Lookup:
             else:
                 ledger.confirmed[mm_hash] = updates
         if unusable:
-            self._sync.submit(client.release(unusable))
+            self._p0.sync.submit(client.release(unusable))
 
     def _lease_resident(
         self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int]
@@ -199,14 +184,14 @@ class Lookup:
         updates: dict[int, Any] = {}
 
         def usable(j: int, metadata: bytes) -> bool:
-            known = self._known.get(mm_hashes[ask[j]])
-            if known is None and metadata and self._known.undescribed is None:
+            known = self._p0.known.get(mm_hashes[ask[j]])
+            if known is None and metadata and self._p0.known.undescribed is None:
                 known = decode_updates(metadata)
             if known is not None:
                 updates[j] = known
             return known is not None
 
-        leased = self._sync.client.lease_resident([keys[i] for i in ask], usable=usable)
+        leased = self._p0.sync.client.lease_resident([keys[i] for i in ask], usable=usable)
         for j, held in enumerate(leased.held):
             if held:
                 mm_hash = mm_hashes[ask[j]]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,12 +28,11 @@ from vllm.multimodal.inputs import MultiModalKwargsItem
 
 from mmcache.client import MMCacheClient
 
-from ._costs import ProcessingTime, fits
+from ._costs import fits
 from ._ledger import Ledger, Upload
 from ._metrics import plugin_metrics
-from ._updates import KnownUpdates
+from ._p0_context import P0Context
 from .convert import encode_updates, from_vllm
-from .runtime import SyncClient
 
 __all__ = ["MAX_UPLOADS_IN_FLIGHT", "Sharing", "stamp"]
 
@@ -45,22 +44,11 @@ MAX_UPLOADS_IN_FLIGHT = 8
 
 
 class Sharing:
-    """A P0 cache's uploads and counts, on `sync`'s sidecar."""
+    """A P0 cache's uploads and counts, on its sidecar."""
 
-    def __init__(
-        self,
-        sync: SyncClient,
-        key: Callable[[str], str],
-        known: KnownUpdates,
-        processing: ProcessingTime,
-        shareable: Callable[[str], bool],
-    ) -> None:
-        self._sync = sync
-        self._key = key
-        self._known = known
-        self._processing = processing
-        self._shareable = shareable
-        self._uploads = sync.background(MAX_UPLOADS_IN_FLIGHT)
+    def __init__(self, context: P0Context) -> None:
+        self._p0 = context
+        self._uploads = context.sync.background(MAX_UPLOADS_IN_FLIGHT)
         self._metrics = plugin_metrics()
 
     def processed(self, ledger: Ledger, mm_hash: str, item: Any, updates: Any) -> bool:
@@ -68,17 +56,17 @@ class Sharing:
         upload tells the server of. True: queued."""
         if ledger.started and not ledger.first_back[0]:
             ledger.first_back = stamp()
-        self._known.remember(mm_hash, updates)
+        self._p0.known.remember(mm_hash, updates)
         # vLLM 0.32's field elements carry no modality; the updates usually do.
         modality = next((u.modality for u in updates), None) or "unknown"
         if (
-            self._known.undescribed is not None
+            self._p0.known.undescribed is not None
             and ledger.started
             and mm_hash in ledger.held_elsewhere
         ):
             ledger.misses.append(modality)  # asked of no server
             return False  # the sidecar has it: its updates are now known here
-        if not self._shareable(mm_hash):  # a client's uuid: never the fleet's
+        if not self._p0.shareable(mm_hash):  # a client's uuid: never the fleet's
             ledger.misses.append(modality)
             self._metrics.not_uploaded.inc()
             return False
@@ -89,15 +77,15 @@ class Sharing:
     def send(self, ledger: Ledger) -> None:
         """The request's uploads so far leave, in one call, in the background;
         the server hears of the misses and own hits no call told it of."""
-        client = self._sync.client
+        client = self._p0.sync.client
         try:
             self._upload(ledger)
         finally:
             if ledger.misses:
-                self._sync.submit(client.count_misses(ledger.misses))
+                self._p0.sync.submit(client.count_misses(ledger.misses))
                 ledger.misses = []
             if ledger.own_hits:
-                self._sync.submit(client.count_hits(ledger.own_hits))
+                self._p0.sync.submit(client.count_hits(ledger.own_hits))
                 ledger.own_hits = []
 
     @property
@@ -106,18 +94,18 @@ class Sharing:
 
     def close(self) -> None:
         """No upload starts from now; those in flight end (within the deadline)."""
-        self._uploads.close(self._sync.deadline_s)
+        self._uploads.close(self._p0.sync.deadline_s)
 
     def _upload(self, ledger: Ledger) -> None:
         if not ledger.uploads:
             return
         self._observe(ledger)
         uploads, ledger.uploads = ledger.uploads, []
-        client = self._sync.client
+        client = self._p0.sync.client
         sizes = [_nbytes(upload[2]) for upload in uploads]
         capacity = client.capacity_bytes
         going = [u for u, go in zip(uploads, fits(sizes, capacity), strict=True) if go]
-        cpu = self._sync.loop_cpu()
+        cpu = self._p0.sync.loop_cpu()
         went = bool(going) and self._uploads.start(  # not when uploads are backed up, or closed
             lambda: self._update(client, going, ledger),
             lambda done: self._upload_done(done, cpu, len(going)),
@@ -138,7 +126,7 @@ class Sharing:
         hashes, modalities, items, updates = zip(*uploads, strict=True)
         call = client.get_and_update(
             [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
-            [self._key(h) for h in hashes],
+            [self._p0.key(h) for h in hashes],
             metadata=[encode_updates(u) for u in updates],
             # Looked up, or a hit of this process's own: counted already.
             resend=[ledger.counted(h) for h in hashes],
@@ -156,7 +144,7 @@ class Sharing:
             ledger.observed = True
             (asked_s, asked_cpu), (back_s, back_cpu) = ledger.asked, ledger.first_back
             seconds, cpu_seconds = back_s - asked_s, back_cpu - asked_cpu
-            self._processing.observe(seconds, cpu_seconds, ledger.processed)
+            self._p0.processing.observe(seconds, cpu_seconds, ledger.processed)
             self._metrics.processed.inc(ledger.processed)
             self._metrics.processing_cpu.inc(max(0.0, cpu_seconds))
 
@@ -183,7 +171,7 @@ class Sharing:
         if stored:
             # CPU, not wall time: in a busy API process the upload's thread
             # waits for the GIL, which costs the process nothing.
-            cpu_seconds = max(0.0, self._sync.loop_cpu() - started)
+            cpu_seconds = max(0.0, self._p0.sync.loop_cpu() - started)
             self._metrics.uploaded.inc(stored)
             self._metrics.upload_cpu.inc(cpu_seconds)
 
