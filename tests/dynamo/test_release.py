@@ -20,6 +20,12 @@ from mmcache.client.vllm.runtime import SyncClient
 from tests.test_faults import DEADLINE_S, sidecar
 
 
+def test_the_public_path_names_the_transport() -> None:
+    from mmcache.client import dynamo
+
+    assert (dynamo.install, dynamo.EXTRA_KEY) == (transport.install, transport.EXTRA_KEY)
+
+
 def test_an_untested_dynamo_release_keeps_dynamos_transfer_and_says_so(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
