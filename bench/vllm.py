@@ -60,7 +60,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from bench.photos import SIZES, data_url
-from mmcache.client.vllm._sync import THREAD_NAME
+from mmcache.client.vllm.runtime import THREAD_NAME
 from tests.vllm.conftest import Sidecar, free_port
 from tests.vllm.serve import metrics, serve_command, wait_healthy
 from tests.vllm.tiny_model import REAL_PIXELS, build
@@ -125,7 +125,7 @@ def _comm(path: str) -> str:
 
 def _threads_cpu(pid: int, name: str | None = None) -> float:
     """CPU seconds of the process's threads (those named `name`: the plugin
-    names its client threads, client/vllm/_sync.py), to the
+    names its client threads, client/vllm/runtime.py), to the
     nanosecond (schedstat), where /proc's tick is 10 ms."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")

@@ -16,7 +16,7 @@ from .vllm import Settings, ec_scope_of, register, scope_of
 from .vllm import client_for as process_client
 
 if TYPE_CHECKING:
-    from .vllm._sync import SyncClient
+    from .vllm.runtime import SyncClient
 
 __all__ = ["client_for", "connection_settings", "ec_scope_of", "register", "scope_of"]
 

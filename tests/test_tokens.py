@@ -255,7 +255,7 @@ async def test_the_plugins_client_fails_loudly_on_a_refused_token_and_open_on_si
 ) -> None:
     """A misconfigured token stops vLLM's start with the reason; a sidecar that is
     not there yet is no error (the plugin fails open)."""
-    from mmcache.client.vllm._sync import SyncClient
+    from mmcache.client.vllm.runtime import SyncClient
 
     server, _ = secured
     target = f"127.0.0.1:{server.port}"

@@ -46,15 +46,18 @@ Keys are vLLM's own `mm_hash` (content-derived; vLLM prefixes LoRA requests'
 identifiers), scoped by a digest of the model and its processor settings, so
 two models on one sidecar never share items (_keys.py).
 
-The modules: _factories (vLLM's cache factories, replaced), _caches (P0's cache),
-_receiver (P1's), _sync (a synchronous client, one per process and target),
-convert (public: vLLM's items to mmcache's and back), _local (the cache vLLM
-alone would keep, in each API process), _costs and _metrics (the processor's
-time and the sharing rule; the plugin's counters), _media (a hit skips the decode),
+The modules: runtime (public: the one bridge from vLLM's threads to the
+client, SyncClient, one per process and target, and its bounded background
+calls), _factories (vLLM's cache factories, replaced), _caches (P0's cache, an
+adapter over _p0_lookup, _p0_sharing, _ledger, _updates and _p0_releases),
+_receiver (P1's), convert (public: vLLM's items to mmcache's and back), _local
+(the cache vLLM alone would keep, in each API process), _costs and _metrics
+(the processor's time; the plugin's counters), _media (a hit skips the decode),
 _naming (one model named alike wherever it is loaded from), _releases (the
 vLLM releases tested); the EC connector's: connector, _ec_scheduler,
-_ec_worker, _ec_metadata, _ec_metrics, _staging. _settings reads the settings
-of both, _keys makes the keys of both.
+_ec_worker, _ec_metadata, _ec_metrics, _staging; dynamo (NVIDIA Dynamo's
+transport, installed by `register`). _settings reads the settings of all,
+_keys makes the keys of all.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ from ._keys import ec_scope_of, scope_of, scoped_key
 from ._settings import ECSettings, Settings
 
 if TYPE_CHECKING:
-    from ._sync import SyncClient
+    from .runtime import SyncClient
 
 __all__ = [
     "ECSettings",
@@ -85,7 +88,7 @@ _LOGGER = logging.getLogger(__name__)
 def client_for(settings: Settings | None = None) -> SyncClient:
     """This process's SyncClient of the sidecar (default: the environment's
     settings), one per process and target."""
-    from ._sync import process_client
+    from .runtime import process_client
 
     return process_client(Settings.from_env() if settings is None else settings)
 
@@ -130,6 +133,6 @@ def register() -> None:
     if register_connector():
         os.environ.setdefault("VLLM_MEDIA_CONNECTOR", CONNECTOR_NAME)
     _LOGGER.info("mmcache: vLLM's multimodal cache is %s", settings.target)
-    from ..dynamo import install
+    from .dynamo import install
 
     install()  # in NVIDIA Dynamo's frontend or worker: its multimodal transport

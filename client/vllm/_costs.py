@@ -1,28 +1,20 @@
-"""What the plugin's P0 measures to decide how long to wait and what to upload.
+"""What the plugin's P0 measures to decide how long to wait, and its sharing rule.
 
-Both are estimates from this API process's own traffic, smoothed, so they
-follow the model, the image sizes and the machine without settings:
-
-- `ProcessingTime`: the processor's seconds per item. A lookup waits for an
-  upload in flight elsewhere about that long, no longer (past it, processing
-  the item here is as quick).
-- `Admission`: whether uploading an item pays. It saves the processing of
-  each later request that hits it, so its worth is the repeats to expect
-  (from this process's recent hit ratio r: r / (1 - r) per miss) times the
-  processing CPU, and never more than one processing (an upload dearer than
-  processing the item again does not pay); it costs the upload's CPU (a fixed part and a part per
-  byte, fitted to this process's uploads). An item worth less than
-  its upload is not uploaded (it went inline to the engine anyway), except
-  one in `explore`, so that the estimates follow the traffic when it turns
-  to repeats again.
+`ProcessingTime`: the processor's seconds per item, from this API process's
+own requests, smoothed, so it follows the model, the image sizes and the
+machine without settings. A lookup waits for an upload in flight elsewhere
+about that long, no longer (past it, processing the item here is as quick).
+Uploads need no estimate: every processed item goes (an upload costs a few
+percent of a processing), unless it does not `fit` the sidecar, or the
+uploads in flight are at their bound (runtime.BackgroundCalls); no outcome
+of an earlier upload enters the rule.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
-__all__ = ["ProcessingTime", "Uploads"]
+__all__ = ["ProcessingTime", "fits"]
 
 FIRST_GUESS_S = 0.05  # the processor's time per item before any was measured
 LEAST_WAIT_S = 0.002
@@ -59,48 +51,7 @@ class ProcessingTime:
             return min(MOST_WAIT_S, max(LEAST_WAIT_S, self._per_item * items))
 
 
-class Uploads:
-    """The sharing rule (see the module): every processed item goes, unless it
-    is larger than the sidecar or the uploads in flight are at their bound.
-    Thread-safe; `declined` counts the items that did not go, exactly."""
-
-    def __init__(self, *, most_in_flight: int = 8) -> None:
-        self._most = most_in_flight
-        self._in_flight = 0
-        self._closed = False
-        self.declined = 0
-        self._lock = threading.Lock()
-        self._settled = threading.Condition(self._lock)  # an upload ended
-
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
-    def start(self, sizes: list[int], capacity: int) -> list[bool]:
-        """Which of a request's items (of `sizes` bytes) go, in one upload:
-        those that fit a sidecar of `capacity` bytes (0: unknown, all fit),
-        none once closed or with `most_in_flight` uploads under way. If any
-        go, the caller must call `ended` when the upload ends."""
-        fits = [not capacity or size <= capacity for size in sizes]
-        with self._lock:
-            if self._closed or self._in_flight >= self._most:
-                fits = [False] * len(sizes)
-            if any(fits):
-                self._in_flight += 1
-            self.declined += fits.count(False)
-        return fits
-
-    def ended(self, *, failed: int = 0) -> None:
-        """An upload ended; `failed` of its items were not stored."""
-        with self._lock:
-            self._in_flight -= 1
-            self.declined += failed
-            self._settled.notify_all()
-
-    def close(self, deadline_s: float) -> None:
-        """No upload starts from now; wait up to `deadline_s` for those in flight."""
-        deadline = time.monotonic() + deadline_s
-        with self._settled:
-            self._closed = True
-            while self._in_flight and (left := deadline - time.monotonic()) > 0:
-                self._settled.wait(left)
+def fits(sizes: list[int], capacity: int) -> list[bool]:
+    """Which items of `sizes` bytes a sidecar of `capacity` bytes could hold
+    (0: not known yet, all): one larger than the whole sidecar could never hit."""
+    return [not capacity or size <= capacity for size in sizes]

@@ -38,7 +38,7 @@ from ._staging import Staged, Staging
 
 if TYPE_CHECKING:
     from ._settings import ECSettings
-    from ._sync import SyncClient
+    from .runtime import SyncClient
 
 __all__ = ["ECScheduler"]
 

@@ -2,7 +2,7 @@
 
 `save_caches` (vLLM calls it for every output the engine computes) uploads
 the output in the background unless the sidecar already holds it: at most
-`MAX_UPLOADS` in flight, tensor-parallel rank 0 only. On a GPU the copy to
+`MAX_UPLOADS` in flight (runtime.BackgroundCalls), tensor-parallel rank 0 only. On a GPU the copy to
 the host is queued behind the encoder's work and the upload waits for it on
 a thread of its own (_staging.to_host): the engine's thread never does.
 `start_load_caches` reads the staged files the step's metadata names
@@ -12,9 +12,8 @@ a thread of its own (_staging.to_host): the engine's thread never does.
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,8 +26,9 @@ from ._keys import scoped_key
 from ._staging import load_staged, to_host
 
 if TYPE_CHECKING:
-    from .._client import MMCacheClient, UpdateResult
-    from ._sync import SyncClient
+    from mmcache.client import MMCacheClient
+
+    from .runtime import SyncClient
 
 __all__ = ["MAX_UPLOADS", "ECWorker"]
 
@@ -46,8 +46,7 @@ class ECWorker:
         self._saves = saves
         self._counts = Counts()
         self._loads_run: list[tuple[str, int]] = []
-        self._uploads = 0
-        self._uploads_lock = threading.Lock()
+        self._uploads = sync.background(MAX_UPLOADS)
 
     def start_load_caches(
         self, meta: MMCacheECMetadata, encoder_cache: dict[str, torch.Tensor]
@@ -71,27 +70,22 @@ class ECWorker:
         if client.is_cached([key])[0]:
             self._counts.add("save_skipped")
             return
-        with self._uploads_lock:
-            if self._uploads >= MAX_UPLOADS:
-                self._counts.add("save_failed")
-                return
-            self._uploads += 1
-        # A copy of the engine's own: the upload runs after this step goes on.
-        # On a GPU it is queued behind the encoder's work, and the upload waits
-        # for it on a thread of its own: the engine's thread never does.
-        data, copied = to_host(encoder_cache[mm_hash])
-        item = MMItem.from_elems([FieldElem(MODALITY, FIELD, data, BatchedField())])
-        future = self._sync.submit(_upload(client, item, key, copied))
-        future.add_done_callback(lambda done: self._uploaded(done, data.nbytes))
+        tensor = encoder_cache[mm_hash]
 
-    def _uploaded(self, future: Future[Any], nbytes: int) -> None:
-        with self._uploads_lock:
-            self._uploads -= 1
-        try:
-            held = bool(future.result().held[0])
-        except (CancelledError, Exception):  # the upload failed or was cancelled
-            held = False
-        if held:
+        def upload() -> Coroutine[Any, Any, bool]:
+            # A copy of the engine's own: the upload runs after this step goes on.
+            # On a GPU it is queued behind the encoder's work, and the upload waits
+            # for it on a thread of its own: the engine's thread never does.
+            data, copied = to_host(tensor)
+            item = MMItem.from_elems([FieldElem(MODALITY, FIELD, data, BatchedField())])
+            return _upload(client, item, key, copied)
+
+        if not self._uploads.start(upload, lambda done: self._uploaded(done, tensor.nbytes)):
+            self._counts.add("save_failed")
+
+    def _uploaded(self, future: Future[bool], nbytes: int) -> None:
+        # Not held: the upload failed (logged by the runtime) or was cancelled.
+        if not future.cancelled() and future.exception() is None and future.result():
             self._counts.add("saved")
             self._counts.add("saved_bytes", nbytes)
         else:
@@ -105,10 +99,12 @@ class ECWorker:
 
 async def _upload(
     client: MMCacheClient, item: MMItem, key: str, copied: Callable[[], None] | None
-) -> UpdateResult:
+) -> bool:
+    """Whether the sidecar holds the output once uploaded."""
     if copied is not None:  # a GPU's copy, still queued
         await asyncio.to_thread(copied)
-    return await client.get_and_update([item], [key], lease=False)
+    result = await client.get_and_update([item], [key], lease=False)
+    return bool(result.held[0])
 
 
 def _first_rank() -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ._keys import scope_of
 from ._settings import Settings
-from ._sync import process_client
+from .runtime import process_client
 
 __all__ = [
     "engine_receiver_cache_from_config",

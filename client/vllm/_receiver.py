@@ -21,8 +21,8 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, MultiModalKwargsItem
 from mmcache._errors import CacheMissError, MMCacheError
 
 from ._keys import scoped_key
-from ._sync import SyncClient
 from .convert import to_vllm
+from .runtime import SyncClient
 
 __all__ = ["MMCacheReceiverCache"]
 
@@ -32,16 +32,16 @@ _LOGGER = logging.getLogger(__name__)
 class MMCacheReceiverCache(BaseMultiModalReceiverCache):  # type: ignore[misc]
     def __init__(self, sync: SyncClient, scope: str) -> None:
         super().__init__()
-        self._sync = sync
+        self.sync = sync  # the process's client, which every read goes through
         self._scope = scope
 
     def _read(self, hashes: Sequence[str]) -> list[MultiModalKwargsItem]:
         keys = [scoped_key(self._scope, h) for h in hashes]
         try:
             # Resident in the sidecar's shared memory: read on this thread, with no call.
-            items = self._sync.client.fetch_resident(keys)
+            items = self.sync.client.fetch_resident(keys)
             if items is None:
-                items = self._sync.call(self._sync.client.fetch(keys, release=True))
+                items = self.sync.call(self.sync.client.fetch(keys, release=True))
         except CacheMissError as exc:
             missing = set(exc.missing_hashes)
             raise MultiModalCacheMissError(

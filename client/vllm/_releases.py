@@ -11,6 +11,8 @@ Patch releases and development builds of a known minor release are known.
 
 from __future__ import annotations
 
+from ._settings import UNTESTED_ENV, Settings
+
 __all__ = [
     "EC_RELEASES",
     "LEAST_VLLM",
@@ -24,7 +26,6 @@ __all__ = [
 # 0.31: NVIDIA Dynamo 1.6's pin (no release_sender_touches); 0.32, 0.33: the
 # same cache interface (0.33 adds a queue of invalidations and decode budgets).
 PLUGIN_RELEASES = ((0, 31), (0, 32), (0, 33))
-UNTESTED_ENV = "MMCACHE_VLLM_UNTESTED"
 # The EC connector interface it is written against (vLLM 0.32's), and the
 # releases it was tested with.
 LEAST_VLLM = (0, 32)
@@ -59,8 +60,6 @@ def require_supported_vllm(version: str | None = None) -> None:
     EC connector's interface (its EC connector base differs, and requests
     would fail) or one it was not tested with."""
     import vllm
-
-    from ._settings import Settings
 
     found = version if version is not None else str(vllm.__version__)
     release = release_of(found)

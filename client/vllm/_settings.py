@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._security import Tls
-from ._releases import UNTESTED_ENV
+if TYPE_CHECKING:
+    from mmcache.client import Tls
 
-__all__ = ["ECSettings", "Settings"]
+__all__ = ["UNTESTED_ENV", "ECSettings", "Settings"]
 
 _OFF = ("0", "off", "false", "no")
+# Run on a vLLM release the plugin was not tested with (_releases.py).
+UNTESTED_ENV = "MMCACHE_VLLM_UNTESTED"
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,10 @@ class Settings:
         or key is named (a server name alone only renames a TLS server)."""
         if not (self.tls_ca or self.tls_cert or self.tls_key):
             return None
+        # Here, not at the top: the plugin's entry point reads settings in
+        # every vLLM process, and needs the client only where a target is set.
+        from mmcache.client import Tls
+
         return Tls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
 

@@ -53,7 +53,7 @@ from ._ec_worker import ECWorker
 from ._keys import ec_scope_of
 from ._releases import LEAST_VLLM, require_supported_vllm
 from ._settings import ECSettings
-from ._sync import process_client
+from .runtime import process_client
 
 __all__ = [
     "LEAST_VLLM",

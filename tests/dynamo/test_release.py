@@ -15,9 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from mmcache.client import dynamo as transport
-from mmcache.client.vllm._sync import SyncClient
+from mmcache.client.vllm import dynamo as transport
+from mmcache.client.vllm.runtime import SyncClient
 from tests.test_faults import DEADLINE_S, sidecar
+
+
+def test_the_public_path_names_the_transport() -> None:
+    from mmcache.client import dynamo
+
+    assert (dynamo.install, dynamo.EXTRA_KEY) == (transport.install, transport.EXTRA_KEY)
 
 
 def test_an_untested_dynamo_release_keeps_dynamos_transfer_and_says_so(

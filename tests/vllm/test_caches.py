@@ -43,7 +43,6 @@ from mmcache.client import CacheMissError
 from mmcache.client.vllm import Settings
 from mmcache.client.vllm._caches import MMCacheProcessorCache
 from mmcache.client.vllm._receiver import MMCacheReceiverCache
-from mmcache.client.vllm._sync import SyncClient
 from mmcache.client.vllm.convert import (
     decode_updates,
     encode_updates,
@@ -51,6 +50,7 @@ from mmcache.client.vllm.convert import (
     to_vllm,
     undescribed,
 )
+from mmcache.client.vllm.runtime import SyncClient
 
 from ..redis_cluster import redis_available, redis_cluster
 from .conftest import Sidecar, sidecars
@@ -209,7 +209,7 @@ def test_a_hit_in_a_process_that_never_processed_the_item(
     red = item(1)
     (out,) = request(p0_a, [("red", red)])
     assert out[0] is red  # a miss: the data goes to the engine inline
-    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("red")]) == [True])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("red")]) == [True])
     (out,) = request(p0_b, [("red", red)])
     assert out[0] is None and same_updates(list(out[1]), updates())  # no tensor re-shipped
     features = p1.get_and_update_features([feature("red", None)])
@@ -222,7 +222,7 @@ def test_p1_names_every_missing_hash_in_request_order(clients: Callable[[], Sync
     p1 = MMCacheReceiverCache(clients(), SCOPE)
     p0 = MMCacheProcessorCache(clients(), SCOPE)
     request(p0, [("held", item(1))])
-    eventually(lambda: p0._sync.client.is_cached([p0.key("held")]) == [True])
+    eventually(lambda: p0.sync.client.is_cached([p0.key("held")]) == [True])
     with pytest.raises(MultiModalCacheMissError) as info:
         p1.get_and_update_features(
             [feature("z", None), feature("held", None), feature("a", None), feature("x", item(2))]
@@ -236,7 +236,7 @@ def test_p1_takes_a_hash_no_server_takes_for_a_miss_not_an_error(
     # Read first with no call (shared memory), then by call: either refuses the
     # hash (too long); the engine sees vLLM's miss, never mmcache's error.
     p1 = MMCacheReceiverCache(clients(), SCOPE)
-    eventually(lambda: p1._sync.client.region is not None)
+    eventually(lambda: p1.sync.client.region is not None)
     with pytest.raises(MultiModalCacheMissError) as info:
         p1.get_and_update_features([feature("x" * 300, None)])
     assert info.value.mm_hashes == ["x" * 300]
@@ -249,7 +249,7 @@ def test_is_cached_does_not_reorder_and_touching_a_missing_key_does_nothing(
     assert p0.is_cached(["ghost", "ghost"]) == [False, False]
     p0.touch_sender_cache_item("ghost")
     p0.release_sender_touches()
-    assert p0._sync.client.mirror.keys() == []
+    assert p0.sync.client.mirror.keys() == []
     assert p0.make_stats().total == 0
 
 
@@ -257,7 +257,7 @@ def test_sent_data_overwrites_a_stale_entry(clients: Callable[[], SyncClient]) -
     p0_a, p0_b = MMCacheProcessorCache(clients(), SCOPE), MMCacheProcessorCache(clients(), SCOPE)
     p1 = MMCacheReceiverCache(clients(), SCOPE)
     request(p0_a, [("h", item(1))])
-    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("h")]) == [True])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("h")]) == [True])
     p0_b.invalidate("h")  # vLLM's retry path: P0 forgets, sends the data again
     request(p0_b, [("h", item(2))])
     eventually(lambda: p1.get_and_update_features([feature("h", None)])[0].data == item(2))
@@ -292,7 +292,7 @@ def test_stats_count_queries_and_hits_like_vllm(
     for name in ("red", "red", "blue", "red"):
         request(p0, [(name, item(len(name)))], is_cached_calls)
         if name == "red":
-            eventually(lambda: p0._sync.client.is_cached([p0.key("red")]) == [True])
+            eventually(lambda: p0.sync.client.is_cached([p0.key("red")]) == [True])
     stats = p0.make_stats(delta=True)
     assert (stats.hits, stats.total) == (2, 4)
     assert (p0.make_stats(delta=True).total, p0.make_stats().total) == (0, 4)
@@ -307,9 +307,9 @@ def test_a_stale_mirror_entry_is_looked_up_once_however_often_vllm_asks(
     from mmcache._lru import Outcome
 
     p0 = MMCacheProcessorCache(clients(), SCOPE)
-    mirror = p0._sync.client.mirror
+    mirror = p0.sync.client.mirror
     # The mirror believes the sidecar holds "gone" (drift); it does not.
-    p0._sync.call(_believe(mirror, p0.key("gone"), Outcome))
+    p0.sync.call(_believe(mirror, p0.key("gone"), Outcome))
     (out,) = request(p0, [("gone", item(1))], is_cached_calls=3)
     assert out[0] is not None  # processed, sent inline
     # One query (the lookup); the upload that follows is a re-send, not a second one.
@@ -340,21 +340,21 @@ def test_inject_outside_a_request_shares_the_items_and_counts_like_vllm(
     # empty prompt updates, no is_cached before and no release after.
     assert worker.get_and_update_item((red, []), "red") == (red, [])
     assert (worker.make_stats().hits, worker.make_stats().total) == (0, 1)
-    eventually(lambda: frontend._sync.client.is_cached([frontend.key("red")]) == [True])
-    assert worker._request().uploads == []  # nothing left queued
+    eventually(lambda: frontend.sync.client.is_cached([frontend.key("red")]) == [True])
+    assert worker._ledgers.current().uploads == []  # nothing left queued
 
 
 def test_a_stopped_sidecar_fails_open(sidecar: Sidecar, clients: Callable[[], SyncClient]) -> None:
     p0 = MMCacheProcessorCache(clients(), SCOPE)
     request(p0, [("red", item(1))])
-    eventually(lambda: p0._sync.client.is_cached([p0.key("red")]) == [True])
+    eventually(lambda: p0.sync.client.is_cached([p0.key("red")]) == [True])
     request(p0, [("blue", item(2))])
     other = MMCacheProcessorCache(clients(), SCOPE, local_gb=0)  # no cache of its own
     sidecar.stop()
     start = time.monotonic()
     (out,) = request(other, [("red", item(1))])
     assert out[0] is not None and time.monotonic() - start < 3  # data inline, no hang
-    assert other._sync.client.fail_opens >= 1
+    assert other.sync.client.fail_opens >= 1
     # With the sidecar down, what this process cached is still its hit, as in vLLM alone.
     (red, blue) = request(p0, [("red", item(1)), ("blue", item(2))])
     assert red[0] == item(1) and blue[0] == item(2)
@@ -375,10 +375,10 @@ def test_an_image_not_shared_while_the_sidecar_was_down_is_shared_when_it_comes_
     before = not_uploaded()
     sidecar.stop()
     request(p0, [("red", item(1))])  # processed; its upload fails
-    eventually(lambda: p0._uploads.in_flight == 0)
+    eventually(lambda: p0.uploads_in_flight == 0)
     assert not_uploaded() == before + 1
     sidecar.start()
-    client = p0._sync.client
+    client = p0.sync.client
     eventually(lambda: client.following, timeout=10)
     (out,) = request(p0, [("red", item(1))])
     assert out[0] == item(1)  # its own cache's hit, its data inline
@@ -474,7 +474,7 @@ def test_a_lookup_waits_for_another_processes_upload_no_longer_than_processing_t
             no_bytes_yet(), metadata=(("mmcache-update-header-bin", header.SerializeToString()),)
         )
         try:
-            eventually(lambda: p0._sync.client.mirror.is_pending(p0.key("slow")))
+            eventually(lambda: p0.sync.client.mirror.is_pending(p0.key("slow")))
             started = time.monotonic()
             assert p0.is_cached(["slow"]) == [False]  # processed here
             assert time.monotonic() - started < 0.3  # not the server's 0.5 s
@@ -502,8 +502,8 @@ def test_every_new_image_is_uploaded_small_first_or_not(
         time.sleep(0.001)  # a quick processor: hardly any CPU
         p0.get_and_update_item((data, updates()), f"new{n}")
         p0.release_sender_touches()
-        eventually(lambda: p0._uploads.in_flight == 0)
-    client = p0._sync.client
+        eventually(lambda: p0.uploads_in_flight == 0)
+    client = p0.sync.client
     eventually(lambda: all(client.is_cached([p0.key(f"new{n}") for n in range(30)])))
     assert not_uploaded() == declined
     stats = p0.make_stats()
@@ -522,7 +522,7 @@ def test_a_hit_in_another_process_for_an_update_at_a_position(
     p0_a.is_cached(["pali"])
     p0_a.get_and_update_item((item(4), index_update(bos)), "pali")
     p0_a.release_sender_touches()
-    eventually(lambda: p0_b._sync.client.is_cached([p0_b.key("pali")]) == [True])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("pali")]) == [True])
     assert p0_b.is_cached(["pali"]) == [True]
     data, got = p0_b.get_and_update_item(None, "pali")
     p0_b.release_sender_touches()
@@ -546,7 +546,7 @@ def test_updates_that_cannot_travel_are_said_once_and_cost_no_lookup(
     p0_a.is_cached(["odd1"])
     p0_a.get_and_update_item((item(1), index_update(mine)), "odd1")
     p0_a.release_sender_touches()
-    client_b = p0_b._sync.client
+    client_b = p0_b.sync.client
     eventually(lambda: client_b.is_cached([p0_b.key("odd1")]) == [True])
     url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
 
@@ -571,7 +571,7 @@ def test_a_vllm_that_never_releases_still_shares_what_it_processed(
 ) -> None:
     """vLLM 0.31 (NVIDIA Dynamo 1.6's) has no release_sender_touches: items
     leave as vLLM takes them, and the next request on the thread ends the last."""
-    monkeypatch.setattr("mmcache.client.vllm._caches.VLLM_RELEASES", False)
+    monkeypatch.setattr("mmcache.client.vllm._p0_releases.ENDS_REQUESTS", False)
     p0_a = MMCacheProcessorCache(clients(), SCOPE)
     p0_b = MMCacheProcessorCache(clients(), SCOPE)
 
@@ -585,10 +585,10 @@ def test_a_vllm_that_never_releases_still_shares_what_it_processed(
         return cached
 
     assert request_0_31(p0_a, [("one", 1), ("two", 2)]) == [False, False]
-    client_b = p0_b._sync.client
+    client_b = p0_b.sync.client
     eventually(lambda: client_b.is_cached([p0_b.key("one"), p0_b.key("two")]) == [True, True])
     assert request_0_31(p0_b, [("two", 2), ("three", 3)]) == [True, False]
-    client_a = p0_a._sync.client
+    client_a = p0_a.sync.client
     eventually(lambda: client_a.is_cached([p0_a.key("three")]) == [True])
     assert request_0_31(p0_a, [("three", 3)]) == [True]  # a new request: the last one ended
     stats = p0_a.make_stats()
@@ -647,7 +647,7 @@ def test_only_vllms_own_digests_reach_the_sidecar_a_clients_uuid_stays_here(
     p0 = MMCacheProcessorCache(clients(), SCOPE, shareable=lambda h: is_digest(h, "blake3"))
     for _ in range(2):  # processed, then a hit of this process's own cache
         request(p0, [(padded, item(1)), (digest, item(2))])
-    client = p0._sync.client
+    client = p0.sync.client
     eventually(lambda: client.is_cached([p0.key(digest)]) == [True])
     assert client.is_cached([p0.key(padded)]) == [False]
     stats = p0.make_stats()

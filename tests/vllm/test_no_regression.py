@@ -37,7 +37,7 @@ except ImportError:  # 0.31: a module
 from vllm.multimodal.inputs import MultiModalKwargsItem
 
 from mmcache.client.vllm._caches import MMCacheProcessorCache
-from mmcache.client.vllm._sync import SyncClient
+from mmcache.client.vllm.runtime import SyncClient
 
 from .conftest import Sidecar
 from .serve import metrics
@@ -169,7 +169,7 @@ def sidecar_counts(sidecar: Sidecar) -> tuple[float, float]:
 
 def settled(p0: MMCacheProcessorCache, syncs: list[SyncClient], keys: list[str]) -> None:
     """The request's uploads ended, and every process's mirror holds its items."""
-    eventually(lambda: p0._uploads.in_flight == 0)
+    eventually(lambda: p0.uploads_in_flight == 0)
     for sync in syncs:
         eventually(lambda sync=sync: all(sync.client.is_cached(keys)))  # type: ignore[misc]
 

@@ -23,7 +23,7 @@ from vllm.config import MultiModalConfig
 from mmcache.client.vllm import scope_of
 from mmcache.client.vllm._caches import MMCacheProcessorCache
 from mmcache.client.vllm._releases import PLUGIN_RELEASES, refusal, release_of
-from mmcache.client.vllm._sync import SyncClient
+from mmcache.client.vllm.runtime import SyncClient
 
 from .conftest import Sidecar
 from .serve import metrics
@@ -69,9 +69,9 @@ def test_close_lets_the_uploads_in_flight_end_and_starts_none(
     request(p0, [("before", item(1, numel=1 << 20))])  # 4 MiB, uploaded in the background
     started = time.monotonic()
     p0.close()
-    assert time.monotonic() - started < p0._sync.deadline_s + 0.5
-    assert p0._uploads.in_flight == 0
-    assert p0._sync.client.is_cached([p0.key("before")], pending=True) == [True]
+    assert time.monotonic() - started < p0.sync.deadline_s + 0.5
+    assert p0.uploads_in_flight == 0
+    assert p0.sync.client.is_cached([p0.key("before")], pending=True) == [True]
     received = served(sidecar)["mmcache_received_bytes_total"]
     (out,) = request(p0, [("after", item(2))])
     assert out[0] is not None  # still served, inline

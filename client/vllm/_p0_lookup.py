@@ -1,0 +1,225 @@
+"""P0's lookups: which of a request's items are hits (`is_cached`), and each
+hit as vLLM alone's cache would hand it over (`take`).
+
+- The mirror names the candidates (behind a sidecar with an L2 tier, every
+  item is one: another node's sidecar may hold it). Those resident in the
+  sidecar's shared memory are leased there, on vLLM's thread, with no call
+  (client/_resident.py), their prompt updates this process's own or the
+  metadata stored with them in the region; one `lookup` round trip confirms
+  the rest with the server, leases them for the engine's read (hits only)
+  and brings the prompt updates of those this process never processed.
+  A candidate whose upload is still in flight (another API process's) is
+  waited for at most about what processing it here takes (this process's
+  processor time per item, measured on its own requests): past that it is
+  processed here, so a slow upload elsewhere never stalls this process's
+  requests, which vLLM processes on one thread.
+  Only confirmed hits with usable prompt updates are cached: vLLM skips the
+  processor for them and sends no data, and the engine's read finds them.
+  A server that does not answer in time confirms nothing (fail-open).
+- This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
+  same memory, told every call vLLM alone would make on its cache, with the
+  data. What it holds and the sidecar does not (a sidecar slow, full or
+  down) is a hit too, with no call: the item goes inline to the engine, as
+  vLLM's processor-only cache sends it. A hit the sidecar answered that this
+  cache lacks is read from the sidecar into it (`_fill`) before it counts;
+  if the read fails it is a miss, as it is for vLLM alone, whose cache lacks
+  it too. So every hit of vLLM alone is a hit here: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.multimodal.cache import MultiModalCacheMissError
+
+from mmcache._errors import MMCacheError
+
+from ._ledger import Ledger
+from ._local import LocalCache
+from ._p0_context import P0Context
+from .convert import decode_updates, to_vllm
+
+__all__ = ["Lookup"]
+
+_LOGGER = logging.getLogger(__name__)
+
+
+class Lookup:
+    """The hits of a P0 cache on its sidecar and on its own cache `own`."""
+
+    def __init__(self, context: P0Context, own: LocalCache) -> None:
+        self._p0 = context
+        self._own = own
+
+    def ask(self, ledger: Ledger, mm_hashes: list[str]) -> None:
+        """Confirm, into `ledger`, which of `mm_hashes` are hits."""
+        client = self._p0.sync.client
+        keys = [self._p0.key(h) for h in mm_hashes]
+        # vLLM may ask more than once per request: each hash is looked up once.
+        # Behind a shared tier (L2) the mirror's "no" is not the fleet's: every
+        # hash is asked about (the server reads the tier through), in the same call.
+        # Only items named by their content (vLLM's digest, not a client's uuid)
+        # are the fleet's: the others stay in this process's cache (_digests.py).
+        shared = [self._p0.shareable(h) for h in mm_hashes]
+        if client.shared_tier and client.following:  # (not while out of touch)
+            known = shared
+        else:
+            held = client.is_cached(keys, pending=True)
+            known = [h and s for h, s in zip(held, shared, strict=True)]
+        candidates = [
+            i
+            for i, held in enumerate(known)
+            if held and mm_hashes[i] not in ledger.looked_up and mm_hashes[i] not in ledger.local
+        ]
+        ask = candidates
+        if self._p0.known.undescribed is not None:
+            # Updates that cannot travel: only what this process processed can
+            # hit here; the rest is processed, and not uploaded again.
+            ask = [i for i in candidates if self._p0.known.get(mm_hashes[i]) is not None]
+            ledger.held_elsewhere.update(mm_hashes[i] for i in candidates if i not in ask)
+        if ask:
+            try:
+                ask = self._lease_resident(ledger, mm_hashes, keys, ask)
+            except MMCacheError as exc:  # a hash no server takes: the lookup says so
+                _LOGGER.debug("mmcache lease with no call failed: %s", exc)
+        if ask:
+            self._look_up(ledger, mm_hashes, keys, ask)
+        # What the sidecar did not confirm (slow, full, down, never sent it)
+        # and this process's own cache holds is a hit all the same.
+        self._own_hits(ledger, mm_hashes, known)
+        self._fill(ledger, mm_hashes, keys)
+
+    def _own_hits(self, ledger: Ledger, mm_hashes: list[str], known: list[bool]) -> None:
+        """This process's cache's hits the sidecar did not confirm: kept for the
+        request (their data goes inline); those the sidecar lacks are offered
+        to it again. The sidecar's hits go first: the engine reads those with
+        no data sent, as vLLM alone's one-API-server hits send none."""
+        for mm_hash, held in zip(mm_hashes, known, strict=True):
+            if ledger.is_hit(mm_hash):
+                continue
+            entry = self._own.peek(mm_hash)
+            # An injected item (inject_into_mm_cache gives none) has no prompt
+            # updates to apply: a processor's hit on it would fail the request,
+            # as it would in vLLM alone, so it is processed again instead.
+            if entry is not None and entry[1]:
+                ledger.local[mm_hash] = entry
+                # Not in the sidecar, by its mirror or by its answer just now.
+                if (
+                    (not held or mm_hash in ledger.looked_up)
+                    and self._p0.known.undescribed is None
+                    and self._p0.shareable(mm_hash)
+                ):
+                    ledger.unshared.add(mm_hash)
+
+    def _fill(self, ledger: Ledger, mm_hashes: list[str], keys: list[str]) -> None:
+        """The sidecar's hits this process's cache lacks are read into it, as
+        vLLM alone would have cached them on processing them here; their
+        leases stay for the engine. Where the read fails they are misses, as
+        they are for vLLM alone, whose cache lacks them too."""
+        own = self._own
+        need = [
+            i
+            for i, h in enumerate(mm_hashes)
+            if h in ledger.confirmed and h not in ledger.filled and not own.is_cached_item(h)
+        ]
+        if not need:
+            return
+        client, wanted = self._p0.sync.client, [keys[i] for i in need]
+        try:
+            items = client.fetch_resident(wanted, release=False)
+            if items is None:
+                items = self._p0.sync.call(client.fetch(wanted, release=False))
+        except MMCacheError as exc:
+            _LOGGER.debug("mmcache read into this process's cache failed: %s", exc)
+            for i in need:
+                del ledger.confirmed[mm_hashes[i]]
+            self._p0.sync.submit(client.release(wanted))
+            return
+        for i, stored in zip(need, items, strict=True):
+            ledger.filled[mm_hashes[i]] = to_vllm(stored)
+
+    def _look_up(
+        self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int]
+    ) -> None:
+        """Ask the server about the hashes at `ask` (one call): those held with
+        updates usable here are confirmed; a failure leaves them misses."""
+        client = self._p0.sync.client
+        try:
+            # Waiting for an upload in flight elsewhere saves a processing
+            # only for an item this process's own cache lacks.
+            own = self._own
+            wait_s = self._p0.processing.wait_for(
+                sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
+            )
+            found = self._p0.sync.call(
+                client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
+            )
+        except MMCacheError as exc:
+            _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)
+            return
+        unusable: list[str] = []
+        for i, held, blob in zip(ask, found.held, found.metadata, strict=True):
+            mm_hash = mm_hashes[i]
+            ledger.looked_up.add(mm_hash)
+            if not held:
+                continue
+            updates = self._p0.known.get(mm_hash)
+            if updates is None and blob is not None:
+                updates = decode_updates(blob)
+            if updates is None:  # held, but not usable here: process it
+                unusable.append(keys[i])
+            else:
+                ledger.confirmed[mm_hash] = updates
+        if unusable:
+            self._p0.sync.submit(client.release(unusable))
+
+    def _lease_resident(
+        self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int]
+    ) -> list[int]:
+        """Confirm with no call, on this thread, the hits resident in the
+        sidecar's shared memory whose prompt updates this process knows, or
+        can read from the metadata stored with them; the rest of `ask`, to
+        look up by call."""
+        updates: dict[int, Any] = {}
+
+        def usable(j: int, metadata: bytes) -> bool:
+            known = self._p0.known.get(mm_hashes[ask[j]])
+            if known is None and metadata and self._p0.known.undescribed is None:
+                known = decode_updates(metadata)
+            if known is not None:
+                updates[j] = known
+            return known is not None
+
+        leased = self._p0.sync.client.lease_resident([keys[i] for i in ask], usable=usable)
+        for j, held in enumerate(leased.held):
+            if held:
+                mm_hash = mm_hashes[ask[j]]
+                ledger.looked_up.add(mm_hash)
+                ledger.confirmed[mm_hash] = updates[j]
+        return [i for i in ask if mm_hashes[i] not in ledger.confirmed]
+
+    def take(self, ledger: Ledger, mm_hash: str) -> tuple[Any, Any]:
+        """A hit `ask` confirmed, on this process's cache as vLLM alone's
+        would take it: the sidecar's (None: the engine reads it there), or this
+        process's own (its data inline; offered to a sidecar that lacks it)."""
+        updates = ledger.confirmed.get(mm_hash)
+        if updates is not None:
+            filled = ledger.filled.get(mm_hash)
+            if filled is not None or self._own.is_cached_item(mm_hash):
+                taken = None if filled is None else (filled, updates)
+                self._own.get_and_update_item(taken, mm_hash)
+            return None, updates
+        entry = ledger.local.get(mm_hash)
+        if entry is None:  # vLLM sends None only where is_cached said True
+            raise MultiModalCacheMissError([mm_hash])
+        # vLLM's own read (reordering); the entry taken at is_cached if evicted since.
+        item, updates = self._own.get_and_update_item(entry, mm_hash)
+        modality = next((u.modality for u in updates), None) or "unknown"
+        if mm_hash not in ledger.looked_up:
+            ledger.own_hits.append(modality)
+        if mm_hash in ledger.unshared:
+            ledger.unshared.discard(mm_hash)
+            ledger.offered.add(mm_hash)
+            ledger.uploads.append((mm_hash, modality, item, updates))
+        return item, updates
