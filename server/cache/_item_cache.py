@@ -10,7 +10,6 @@ import contextlib
 import enum
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from mmcache._errors import CacheMissError
@@ -200,12 +199,7 @@ class ItemCache:
         await self._lifecycle.start(self.beat)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self._lifecycle.stop()
 
     # -- state --
