@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Coroutine, Iterator
 from typing import Any
@@ -85,3 +86,19 @@ def test_background_calls_past_their_bound_are_not_made(sync: SyncClient) -> Non
     calls.close(DEADLINE_S)  # the first never ends: close waits its time, no more
     assert DEADLINE_S - 0.05 < time.monotonic() - began < DEADLINE_S + 0.5
     assert calls.in_flight == 1
+
+
+def test_closing_the_runtime_cancels_the_calls_still_running() -> None:
+    runtime = SyncClient("127.0.0.1:1", deadline_s=DEADLINE_S)
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    future = runtime.submit(forever())
+    runtime.close()
+    assert cancelled.is_set() and future.cancelled()  # ended, not left pending with the loop

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import logging
 import threading
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from mmcache._errors import DeadlineExceededError
+from mmcache._errors import DeadlineExceededError, MMCacheError
 from mmcache.client import FailOpen, MMCacheClient
 
 from ._metrics import plugin_metrics
@@ -135,8 +136,19 @@ class SyncClient:
         try:
             self.call(self.client.close(), timeout=5)
         finally:
+            with contextlib.suppress(MMCacheError):
+                self.call(_cancel_the_rest(), timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
+
+
+async def _cancel_the_rest() -> None:
+    """Calls still running when the client closes (background calls nobody
+    waits for) end cancelled, rather than destroyed pending with the loop."""
+    rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
 
 
 class BackgroundCalls:
