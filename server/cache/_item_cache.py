@@ -221,7 +221,7 @@ class ItemCache:
         """Its state now; `drain`: with what the report rings hold counted first."""
         if drain:
             self.drain_reports()
-        store, region, l2 = self._store, self._placement.region, self._l2
+        store, shm, l2 = self._store, self._placement.region_state(), self._l2
         return CacheStats(
             capacity=store.capacity,
             used=store.used,
@@ -235,10 +235,10 @@ class ItemCache:
             hits=self.metrics.total_hits,
             shared_tier=l2 is not None,
             l2_up=l2 is not None and bool(l2.backend.up),
-            shm=None if region is None else RegionInfo(region.path, region.size, region.id),
-            shm_leased_bytes=0 if region is None else region.leased_bytes,
-            shm_resident_bytes=0 if region is None else region.resident_bytes,
-            shm_transient_bytes=0 if region is None else region.transient_bytes,
+            shm=None if shm is None else RegionInfo(shm.path, shm.size, shm.id),
+            shm_leased_bytes=0 if shm is None else shm.leased_bytes,
+            shm_resident_bytes=0 if shm is None else shm.resident_bytes,
+            shm_transient_bytes=0 if shm is None else shm.transient_bytes,
             shm_reserve_bytes=self._placement.reserve,
         )
 
@@ -284,9 +284,9 @@ class ItemCache:
 
     def allocate(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
         """Write slots for a co-located client's uploads: all, or none."""
-        region = self._placement.region_of(token)
+        self._placement.region_of(token)  # a token not the region's: refused before any work
         self.drain_reports()
-        return self._placement.write_slots(region, sizes)
+        return self._placement.allocate(token, sizes)
 
     # -- reads --
 
@@ -327,18 +327,16 @@ class ItemCache:
         held while `hold`; None when the region has no room for all (the client
         then calls Fetch). `done`: the client's earlier reads' holds, released
         first, so that their transient extents are free for this one."""
-        region = self._placement.region_of(token)
+        self._placement.region_of(token)  # a token not the region's: refused before any work
         check_count("shm_done", len(done))
         self.drain_reports()
-        for held in done:
-            region.release(held)
+        self._placement.release(token, done)
         items = await self.read(keys, deadline)
-        residents = self._placement.residents(region, keys, items, hold)
-        if residents is None:
+        extents = self._placement.read_in(token, keys, items, hold)
+        if extents is None:
             return None
         reads = [
-            ShmRead(item, resident.slot, region.hold(resident) if hold else 0)
-            for item, resident in zip(items, residents, strict=True)
+            ShmRead(item, slot, held) for item, (slot, held) in zip(items, extents, strict=True)
         ]
         payload = sum(item.payload for item in items)
         self.metrics.sent_bytes.inc(payload)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmcache._errors import InvalidArgumentError
@@ -38,6 +39,18 @@ MAX_REREADS = 1 << 16  # transient reads remembered (their keys, their times)
 # How long the read reserve keeps room for an item of a size no read has
 # needed since: one large item read once does not hold half the region for good.
 RESERVE_S = 300.0
+
+
+@dataclass(frozen=True)
+class RegionState:
+    """The region as Info and /metrics report it."""
+
+    path: str
+    size: int
+    id: bytes
+    leased_bytes: int
+    resident_bytes: int
+    transient_bytes: int
 
 
 class ReadRoom:
@@ -115,6 +128,20 @@ class Placement:
         region = self.region
         return 0 if region is None else self.room(region).reserve
 
+    def region_state(self) -> RegionState | None:
+        """The region as Info and /metrics report it (None: gRPC only)."""
+        region = self.region
+        if region is None:
+            return None
+        return RegionState(
+            region.path,
+            region.size,
+            region.id,
+            region.leased_bytes,
+            region.resident_bytes,
+            region.transient_bytes,
+        )
+
     def region_of(self, token: bytes) -> Region:
         """The region a client's token names; InvalidArgumentError (with the fix) if none."""
         region = self.region
@@ -145,6 +172,10 @@ class Placement:
                 return []
             slots.append(slot)
         return slots
+
+    def allocate(self, token: bytes, sizes: Sequence[tuple[int, int]]) -> list[Slot]:
+        """Write slots for the client of `token`'s uploads: all, or none."""
+        return self.write_slots(self.region_of(token), sizes)
 
     def spares(
         self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]
@@ -202,6 +233,23 @@ class Placement:
             region.free(slot.lease)
 
     # -- reads --
+
+    def release(self, token: bytes, holds: Sequence[int]) -> None:
+        """The holds a client of `token` is done with."""
+        region = self.region_of(token)
+        for held in holds:
+            region.release(held)
+
+    def read_in(
+        self, token: bytes, keys: Sequence[str], items: Sequence[StoredItem], hold: bool
+    ) -> list[tuple[Slot, int]] | None:
+        """Each item's extent in the region of `token` (`residents`) and its
+        hold (0 without `hold`); None when the region has no room for all."""
+        region = self.region_of(token)
+        residents = self.residents(region, keys, items, hold)
+        if residents is None:
+            return None
+        return [(r.slot, region.hold(r) if hold else 0) for r in residents]
 
     def residents(
         self, region: Region, keys: Sequence[str], items: Sequence[StoredItem], hold: bool
