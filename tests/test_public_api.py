@@ -35,9 +35,8 @@ error_from_rpc error_from_status metadata_interceptors open_channel parse_fetche
 parse_spec report_bytes translate_errors update_header
 """.split()  # noqa: SIM905
 
-# Where the vLLM plugin and older code import from; each keeps working.
+# Where older code imports from; each keeps working.
 FORMER_PATHS = {
-    "mmcache.client._security": ["Tls"],
     "mmcache.client._client": ["FailOpen", "MMCacheClient", "Tls", "UpdateResult"],
     "mmcache.client.vllm_plugin": ["register"],
 }
