@@ -262,7 +262,8 @@ def test_the_local_recipe_runs_as_written(tmp_path: Path) -> None:
     try:
         for line in lines:
             if line.rstrip().endswith("&"):
-                servers.append(subprocess.Popen(line.rstrip(" &"), shell=True, env=env))
+                # exec: the shell becomes the sidecar, so terminate() stops it (not only sh)
+                servers.append(subprocess.Popen(f"exec {line.rstrip(' &')}", shell=True, env=env))
             elif "mmcache stats" in line:
                 shown = ""
                 for _ in range(100):
