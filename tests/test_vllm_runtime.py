@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mmcache.client import DeadlineExceededError
+from mmcache.client import DeadlineExceededError, UnavailableError
 from mmcache.client.vllm.runtime import SyncClient
 
 DEADLINE_S = 0.2
@@ -102,3 +102,23 @@ def test_closing_the_runtime_cancels_the_calls_still_running() -> None:
     future = runtime.submit(forever())
     runtime.close()
     assert cancelled.is_set() and future.cancelled()  # ended, not left pending with the loop
+
+
+def test_a_call_the_closing_runtime_cancels_fails_open() -> None:
+    """A vLLM thread waiting in `call` when the runtime closes gets an
+    MMCacheError (the plugin's fail-open catches those), not a CancelledError."""
+    runtime = SyncClient("127.0.0.1:1", deadline_s=5.0)
+    errors: list[Exception] = []
+
+    def caller() -> None:
+        try:
+            runtime.call(_never(), timeout=10)
+        except Exception as exc:
+            errors.append(exc)
+
+    waiting = threading.Thread(target=caller)
+    waiting.start()
+    time.sleep(0.2)
+    runtime.close()
+    waiting.join(5)
+    assert [type(e) for e in errors] == [UnavailableError]

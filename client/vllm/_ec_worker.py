@@ -80,7 +80,9 @@ class ECWorker:
             item = MMItem.from_elems([FieldElem(MODALITY, FIELD, data, BatchedField())])
             return _upload(client, item, key, copied)
 
-        if not self._uploads.start(upload, lambda done: self._uploaded(done, tensor.nbytes)):
+        # Its size, not the tensor: the engine's GPU memory is not held while the upload runs.
+        nbytes = tensor.nbytes
+        if not self._uploads.start(upload, lambda done: self._uploaded(done, nbytes)):
             self._counts.add("save_failed")
 
     def _uploaded(self, future: Future[bool], nbytes: int) -> None:

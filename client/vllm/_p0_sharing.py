@@ -106,10 +106,14 @@ class Sharing:
         capacity = client.capacity_bytes
         going = [u for u, go in zip(uploads, fits(sizes, capacity), strict=True) if go]
         cpu = self._p0.sync.loop_cpu()
-        went = bool(going) and self._uploads.start(  # not when uploads are backed up, or closed
-            lambda: self._update(client, going, ledger),
-            lambda done: self._upload_done(done, cpu, len(going)),
-        )
+        try:
+            went = bool(going) and self._uploads.start(  # not when backed up, or closed
+                lambda: self._update(client, going, ledger),
+                lambda done: self._upload_done(done, cpu, len(going)),
+            )
+        except Exception as exc:  # its data would not convert: not shared, still cached here
+            _LOGGER.warning("mmcache: an upload was not made: %s", exc)
+            went = False
         admitted = going if went else []
         if len(admitted) < len(uploads):
             self._said_declined(max(sizes), capacity)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from mmcache._errors import DeadlineExceededError, MMCacheError
+from mmcache._errors import DeadlineExceededError, MMCacheError, UnavailableError
 from mmcache.client import FailOpen, MMCacheClient
 
 from ._metrics import plugin_metrics
@@ -96,6 +96,8 @@ class SyncClient:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise DeadlineExceededError(f"mmcache did not answer within {wait_s:g}s") from None
+        except concurrent.futures.CancelledError:  # the runtime closed under the call
+            raise UnavailableError("mmcache's client closed during the call") from None
 
     async def wait(self, coro: Coroutine[Any, Any, T]) -> T:
         """`call` for a caller on another event loop: awaited, not blocking it;
@@ -180,9 +182,13 @@ class BackgroundCalls:
             if self._closed or self._in_flight >= self._most:
                 return False
             self._in_flight += 1
+        call: Coroutine[Any, Any, T] | None = None
         try:
-            future = self._sync.submit(make())
+            call = make()
+            future = self._sync.submit(call)
         except BaseException:
+            if call is not None:
+                call.close()  # never scheduled: no "never awaited" warning
             self._ended()
             raise
         future.add_done_callback(lambda ended: self._finish(ended, done))

@@ -74,16 +74,19 @@ class ReadRoom:
 
     @property
     def reserve(self) -> int:
-        """The bytes residents and write slots leave free for reads' copies."""
+        """The bytes residents and write slots leave free for reads' copies.
+        A pure read: /metrics calls it from its own thread (list() copies the
+        deque in one step), and only the loop's `need_read` drops old needs."""
         cutoff = self.region.clock() - self.reserve_s
-        while self._needs and self._needs[0][0] < cutoff:
-            self._needs.popleft()
-        return self._needs[0][1] if self._needs else 0
+        return next((span for when, span in list(self._needs) if when >= cutoff), 0)
 
     def need_read(self, length: int) -> None:
         """A read needs a transient extent of `length` payload bytes: keep that much
         free for the next `reserve_s`, but never more than half the region."""
         span = min(extent_span(length), self.region.room // 2 // PAGE * PAGE)
+        cutoff = self.region.clock() - self.reserve_s
+        while self._needs and self._needs[0][0] < cutoff:
+            self._needs.popleft()
         while self._needs and self._needs[-1][1] <= span:
             self._needs.pop()  # smaller and older: never the window's max again
         self._needs.append((self.region.clock(), span))
@@ -124,9 +127,12 @@ class Placement:
 
     @property
     def reserve(self) -> int:
-        """The region's read reserve now (0 without a region)."""
-        region = self.region
-        return 0 if region is None else self.room(region).reserve
+        """The region's read reserve now (0 without a region, or before its
+        first read). Makes nothing: /metrics reads it from its own thread."""
+        room, region = self._room, self.region
+        if room is None or region is None or room.region is not region:
+            return 0
+        return room.reserve
 
     def region_state(self) -> RegionState | None:
         """The region as Info and /metrics report it (None: gRPC only)."""
