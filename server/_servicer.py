@@ -260,11 +260,11 @@ class CacheServicer:
         keys = [e.key for e in batch.entries]
         spares = self._cache.spares(request.shm_token, spare_sizes, keys)
         leased = request.lease != pb.LEASE_NONE  # checked by parse_header
-        stats = self._cache.stats(drain=False)
-        lease_ms = int(stats.lease_s * 1000) if leased else 0
+        limits = self._cache.limits()  # on every upload: not the whole stats
+        lease_ms = int(limits.lease_s * 1000) if leased else 0
         spare_slots = [slot_message(s) for s in spares]
         return build_reply(
-            self._instance_id, stats.capacity, stats.max_items, seq, lease_ms, result, spare_slots
+            self._instance_id, limits.capacity, limits.max_items, seq, lease_ms, result, spare_slots
         )
 
     async def _receive(self, batch: Batch, prepared: PreparedUpdate) -> BatchResult:

@@ -64,6 +64,15 @@ class RegionInfo:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """The cache's bounds, which every upload's reply repeats (no stats built)."""
+
+    capacity: int
+    max_items: int
+    lease_s: float
+
+
+@dataclass(frozen=True)
 class CacheStats:
     """The cache's state, as Info and /metrics report it."""
 
@@ -216,6 +225,10 @@ class ItemCache:
     def feed_state(self) -> FeedState:
         """The key set now, and the uploads in flight: what a feed snapshot sends."""
         return self._store.state(self.pending)
+
+    def limits(self) -> Limits:
+        store = self._store
+        return Limits(store.capacity, store.max_items, store.lease_s)
 
     def stats(self, *, drain: bool = True) -> CacheStats:
         """Its state now; `drain`: with what the report rings hold counted first."""
