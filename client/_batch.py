@@ -62,6 +62,7 @@ def build_batch(
     shm: tuple[bytes, Mapping[int, Slot]] = (b"", {}),
     spares: Sequence[tuple[int, int]] = (),
     wait_ms: int = 0,
+    claim_ms: int = 0,
 ) -> Batch:
     """The header and the items whose chunk frames follow it.
 
@@ -69,7 +70,8 @@ def build_batch(
     holding entries' payloads: those entries name their slot instead.
     `spares`: the (payload, trailer) sizes of write slots to ask for with
     the reply, for the next uploads. `wait_ms`: how long hash-only entries
-    may wait for an upload of theirs in flight elsewhere (0: the server's).
+    may wait for an upload of theirs in flight elsewhere (0: the server's);
+    `claim_ms`: how long those still missing are claimed for this caller (0: not).
     """
     check_count("entries", len(entries))
     token, slots = shm
@@ -96,7 +98,13 @@ def build_batch(
             )
         )
     header = update_header(
-        wire, touches, lease=lease, shm_token=token, spares=spares, wait_ms=wait_ms
+        wire,
+        touches,
+        lease=lease,
+        shm_token=token,
+        spares=spares,
+        wait_ms=wait_ms,
+        claim_ms=claim_ms,
     )
     if len(header) > MAX_HEADER_BYTES:
         raise InvalidArgumentError(

@@ -291,18 +291,27 @@ class MMCacheClient(EncoderBooksAPI):
         want_metadata: bool = False,
         lease: Lease = "hits",
         wait_s: float | None = None,
+        claim_s: float = 0.0,
     ) -> UpdateResult:
         """Ask the server which hashes it holds, sending no data: queries counted
         as `get_and_update`'s, what is held leased for the engine's read. A miss
         is no error: `held[i]` False (send the data later with `resend`). An
         upload in flight elsewhere is waited for, `wait_s` at most (None: the
-        server's bounds); give your processing time. Usage::
+        server's bounds); give your processing time. `claim_s`: those still
+        missing are claimed for you for that long (you process and upload
+        them): another client's lookup of one waits for your upload, as for
+        one in flight (single flight, docs/wire.md). Usage::
 
             found = await client.lookup(hashes, want_metadata=True)
             for h, held, meta in zip(hashes, found.held, found.metadata): ...
         """
         call = lookup_call(
-            mm_hashes, modality, want_metadata=want_metadata, lease=lease, wait_s=wait_s
+            mm_hashes,
+            modality,
+            want_metadata=want_metadata,
+            lease=lease,
+            wait_s=wait_s,
+            claim_s=claim_s,
         )
         return await self._uploads.run(call)
 

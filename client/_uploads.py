@@ -29,6 +29,7 @@ __all__ = [
     "UpdateResult",
     "Uploads",
     "check_hashes",
+    "claim_ms_of",
     "inject_call",
     "lookup_call",
     "update_call",
@@ -46,11 +47,18 @@ def check_hashes(mm_hashes: Sequence[str]) -> None:
 
 def wait_ms_of(wait_s: float | None) -> int:
     """The wire's wait_ms: 0 leaves the server's bounds; any wait asked is 1 ms at least."""
-    if wait_s is None:
-        return 0
-    if wait_s < 0:
-        raise InvalidArgumentError(f"wait_s is {wait_s}: give seconds, 0 or more")
-    return max(1, min(ceil(wait_s * 1000), (1 << 32) - 1))
+    return 0 if wait_s is None else _ms("wait_s", wait_s)
+
+
+def claim_ms_of(claim_s: float) -> int:
+    """The wire's claim_ms: 0 claims nothing; a claim asked lasts 1 ms at least."""
+    return 0 if claim_s == 0 else _ms("claim_s", claim_s)
+
+
+def _ms(name: str, seconds: float) -> int:
+    if seconds < 0:
+        raise InvalidArgumentError(f"{name} is {seconds}: give seconds, 0 or more")
+    return max(1, min(ceil(seconds * 1000), (1 << 32) - 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +74,7 @@ class Call:
     resend: Sequence[bool] | None = None  # per item: data a lookup found missing
     missing_ok: bool = False  # a hash-only miss is an answer (lookup), not an error
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
+    claim_s: float = 0.0  # how long hash-only misses are claimed for the caller (0: not)
     processed: bool = False  # the caller processed the items: data sent, each a miss
 
 
@@ -99,6 +108,7 @@ def lookup_call(
     want_metadata: bool,
     lease: Lease,
     wait_s: float | None,
+    claim_s: float = 0.0,
 ) -> Call:
     """A lookup's call: the hashes alone, a miss no error."""
     n = len(mm_hashes)
@@ -111,6 +121,7 @@ def lookup_call(
         lease,
         missing_ok=True,
         wait_s=wait_s,
+        claim_s=claim_s,
     )
 
 
@@ -254,7 +265,11 @@ class Uploads:
             )
         ]
         reply = await self._send(
-            entries, self._mirror().take_touches(), mode, wait_ms=wait_ms_of(call.wait_s)
+            entries,
+            self._mirror().take_touches(),
+            mode,
+            wait_ms=wait_ms_of(call.wait_s),
+            claim_ms=claim_ms_of(call.claim_s),
         )
         outcomes = reply.outcomes
         self._counted(sum(o == Outcome.HIT for o in outcomes), len(outcomes))  # as the server
@@ -374,6 +389,7 @@ class Uploads:
         *,
         shm: bool = True,
         wait_ms: int = 0,
+        claim_ms: int = 0,
     ) -> Reply:
         """One round trip: the batch out (`shm`: larger payloads through the
         region, where there is one), the reply applied to the mirror."""
@@ -381,12 +397,14 @@ class Uploads:
         slots, spares = await self._co.slots_for(entries) if use_shm else ({}, [])
         if slots:
             try:
-                return await self._send_batch(entries, touches, lease, slots, spares, wait_ms)
+                return await self._send_batch(
+                    entries, touches, lease, slots, spares, wait_ms, claim_ms
+                )
             except InvalidArgumentError as exc:
                 # A slot that expired, or a server restarted since it gave them:
                 # the same batch as chunk frames (a bad batch fails again there).
                 _LOGGER.debug("upload through shared memory refused (%s): over gRPC", exc)
-        return await self._send_batch(entries, touches, lease, {}, [], wait_ms)
+        return await self._send_batch(entries, touches, lease, {}, [], wait_ms, claim_ms)
 
     async def _send_batch(
         self,
@@ -396,6 +414,7 @@ class Uploads:
         slots: dict[int, Slot],
         spares: list[Size],
         wait_ms: int = 0,
+        claim_ms: int = 0,
     ) -> Reply:
         region = self._co.region if slots else None
         mirror = self._mirror()
@@ -410,6 +429,7 @@ class Uploads:
                 shm=(b"" if region is None else region.token, slots),
                 spares=spares if region is not None else (),
                 wait_ms=wait_ms,
+                claim_ms=claim_ms,
             )
             raw = await self._rpc.get_and_update(
                 batch.header,

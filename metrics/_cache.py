@@ -97,6 +97,16 @@ class CacheMetrics:
             "Hash-only entries that waited for another call's upload of the same hash.",
             registry=registry,
         )
+        self.claims = Counter(
+            "mmcache_claims",
+            "Hashes a lookup claimed for its caller to process (single flight across clients).",
+            registry=registry,
+        )
+        self.claim_expiries = Counter(
+            "mmcache_claim_expiries",
+            "Claims whose time ran out with no upload of the hash (its claimer died or declined).",
+            registry=registry,
+        )
         self.feed_snapshots = Counter(
             "mmcache_feed_snapshots",
             "Snapshots sent to feed subscribers: on subscribing, or after lagging behind.",

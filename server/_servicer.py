@@ -241,7 +241,7 @@ class CacheServicer:
         deadline, said_wait = times_of(request, context.time_remaining())
         try:
             async with self._cache.prepare(
-                request.shm_token, batch.entries, deadline, said_wait
+                request.shm_token, batch.entries, deadline, said_wait, request.claim_ms / 1000
             ) as ready:
                 result = await self._receive(batch, ready)
         except TruncatedUploadError:

@@ -637,6 +637,62 @@ async def test_a_lookup_waits_for_an_upload_in_flight_no_longer_than_it_says(
     assert sample(samples, "mmcache_upload_waits_total") == 1
 
 
+async def test_a_new_item_claimed_by_one_frontend_is_processed_once() -> None:
+    """Single flight: the first lookup that misses claims the item for its
+    caller; another frontend's lookup waits for that caller's upload and hits,
+    instead of processing the item a second time. The claim is not on the
+    feed: the claimer's own mirror never takes it for an upload in flight."""
+    item = image_item(3, numel=20_000)
+    async with serving() as server:
+        async with connected(server) as a, connected(server) as b:
+            mine = await a.lookup(["new"], modality="image", wait_s=0.2, claim_s=5.0)
+            assert mine.held == [False]  # a processes it
+            await asyncio.sleep(0.05)  # a feed message would have come by now
+            assert not a.mirror.is_pending("new") and not b.mirror.is_pending("new")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            waiting = asyncio.create_task(b.lookup(["new"], modality="image", wait_s=3.0))
+            await asyncio.sleep(0.2)
+            assert not waiting.done()  # b waits for a's upload
+            stored = await a.get_and_update([item], ["new"], resend=[True], processed=True)
+            assert stored.held == [True]
+            found = await waiting
+            assert found.held == [True] and loop.time() - started < 2.0
+            assert (await b.fetch(["new"]))[0] == item
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_claims_total") == 1
+    assert sample(samples, "mmcache_claim_expiries_total") == 0
+    assert sample(samples, "mmcache_upload_waits_total") == 1
+    # a's lookup and upload are one query (a miss); b's, a hit.
+    assert sample(samples, "mmcache_queries_total", modality="image") == 2
+    assert sample(samples, "mmcache_hits_total", modality="image") == 1
+
+
+async def test_a_claim_nobody_uploads_costs_a_waiter_its_own_bound_then_ends() -> None:
+    """A claimer that died or declined: a waiter waits its own `wait_s` at
+    most, and the claim ends with its time; the next lookup claims it anew."""
+    async with serving() as server:
+        async with connected(server) as a, connected(server) as b:
+            assert (await a.lookup(["gone"], claim_s=5.0)).held == [False]
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            assert (await b.lookup(["gone"], wait_s=0.1)).held == [False]
+            assert 0.08 <= loop.time() - started < 1.0  # its 100 ms, not the claim's 5 s
+            assert (await a.lookup(["short"], claim_s=0.2)).held == [False]
+            started = loop.time()
+            assert (await b.lookup(["short"], wait_s=3.0, claim_s=1.0)).held == [False]
+            assert loop.time() - started < 1.5  # the claim's 200 ms ran out first
+            # b claimed it in turn: a's next lookup waits for b now.
+            started = loop.time()
+            assert (await a.lookup(["short"], wait_s=0.1)).held == [False]
+            assert loop.time() - started >= 0.08
+            with pytest.raises(InvalidArgumentError, match="claim_s"):
+                await a.lookup(["x"], claim_s=-1.0)
+            samples = await scrape(server.metrics_port)
+    assert sample(samples, "mmcache_claims_total") == 3
+    assert sample(samples, "mmcache_claim_expiries_total") == 1
+
+
 async def test_a_stalled_upload_costs_a_waiter_a_resend_not_a_hang() -> None:
     item = image_item(5, numel=1000)
     encoded = encode_item(item)

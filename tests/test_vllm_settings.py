@@ -44,6 +44,13 @@ def test_the_environment_gives_the_plugins_settings(tmp_path: Path) -> None:
         Settings.from_env({"MMCACHE_DEADLINE_S": "soon"})
     with pytest.raises(ValueError, match="MMCACHE_DEADLINE_S is a number of seconds more than 0"):
         Settings.from_env({"MMCACHE_DEADLINE_S": "0"})
+    # Single flight: unset or auto leaves it to the API-server count.
+    assert Settings.from_env({}).single_flight is None
+    assert Settings.from_env({"MMCACHE_SINGLE_FLIGHT": "auto"}).single_flight is None
+    assert Settings.from_env({"MMCACHE_SINGLE_FLIGHT": "on"}).single_flight is True
+    assert Settings.from_env({"MMCACHE_SINGLE_FLIGHT": "0"}).single_flight is False
+    with pytest.raises(ValueError, match="MMCACHE_SINGLE_FLIGHT='sometimes': give on, off"):
+        Settings.from_env({"MMCACHE_SINGLE_FLIGHT": "sometimes"})
 
 
 def test_the_ec_connectors_extra_config_goes_over_the_environment() -> None:

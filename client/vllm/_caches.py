@@ -85,6 +85,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         local_gb: float = VLLM_CACHE_GB,
         # Which hashes are the fleet's (the factory's: vLLM's own digests, _digests.py).
         shareable: Callable[[str], bool] = lambda mm_hash: True,
+        # Claim new images at the sidecar so that one process processes each (_p0_lookup.py).
+        single_flight: bool = False,
     ) -> None:
         super().__init__()
         self.sync = sync  # the process's client, which every call goes through
@@ -92,7 +94,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
         self._known = KnownUpdates(model)
         self._processing = ProcessingTime()  # measured by Sharing, read by Lookup
-        context = P0Context(sync, self.key, self._known, self._processing, shareable)
+        context = P0Context(sync, self.key, self._known, self._processing, shareable, single_flight)
         self._lookup = Lookup(context, self._own)
         self._sharing = Sharing(context)
         self._ledgers = Ledgers()

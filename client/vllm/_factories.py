@@ -58,12 +58,17 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     # Beside the sidecar, the cache vLLM alone would keep, of the same memory (_local.py).
     multimodal = vllm_config.model_config.get_multimodal_config()
     algorithm = str(getattr(multimodal, "mm_hasher_algorithm", "blake3"))
+    single_flight = settings.single_flight
+    if single_flight is None:  # on where several API processes share the sidecar
+        parallel = getattr(vllm_config, "parallel_config", None)
+        single_flight = int(getattr(parallel, "_api_process_count", 1) or 1) > 1
     return MMCacheProcessorCache(
         process_client(settings),
         scope,
         model,
         multimodal.mm_processor_cache_gb,
         shareable=lambda mm_hash: is_digest(mm_hash, algorithm),  # not a client's uuid
+        single_flight=single_flight,
     )
 
 

@@ -21,3 +21,4 @@ class P0Context:
     known: KnownUpdates  # prompt updates of what this process processed
     processing: ProcessingTime  # measured by Sharing, read by Lookup
     shareable: Callable[[str], bool]  # which hashes are the fleet's (_digests.py)
+    single_flight: bool = False  # claim new images at the sidecar (_p0_lookup.py)

@@ -15,6 +15,15 @@ hit as vLLM alone's cache would hand it over (`take`).
   requests, which vLLM processes on one thread.
   Only confirmed hits with usable prompt updates are cached: vLLM skips the
   processor for them and sends no data, and the engine's read finds them.
+- Single flight (`P0Context.single_flight`: several API processes on one
+  sidecar): an item that neither the mirror nor this process's cache knows is
+  asked about too, in the same call, and the server claims what it lacks for
+  this process, which processes it and uploads it. Another process that asks
+  for it meanwhile waits for that upload (as above: at most about its own
+  processing time), so a new image is processed once, not once per process
+  that sees it before its upload ends. The cost: one round trip on requests
+  with a new image; the claim is the server's alone (not on the feed), and
+  ends with any upload of the item or with its time (`claim_s`).
   A server that does not answer in time confirms nothing (fail-open).
 - This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
   same memory, told every call vLLM alone would make on its cache, with the
@@ -44,6 +53,8 @@ __all__ = ["Lookup"]
 
 _LOGGER = logging.getLogger(__name__)
 
+CLAIM_MARGIN_S = 1.0  # a claim's time past three processings: the upload's
+
 
 class Lookup:
     """The hits of a P0 cache on its sidecar and on its own cache `own`."""
@@ -72,6 +83,19 @@ class Lookup:
             for i, held in enumerate(known)
             if held and mm_hashes[i] not in ledger.looked_up and mm_hashes[i] not in ledger.local
         ]
+        claim = False
+        if self._p0.single_flight and client.following and self._p0.known.undescribed is None:
+            new = [
+                i
+                for i, held in enumerate(known)
+                if not held
+                and shared[i]
+                and mm_hashes[i] not in ledger.looked_up
+                and mm_hashes[i] not in ledger.local
+                and not self._own.is_cached_item(mm_hashes[i])
+            ]
+            claim = bool(new)
+            candidates = sorted(candidates + new)
         ask = candidates
         if self._p0.known.undescribed is not None:
             # Updates that cannot travel: only what this process processed can
@@ -84,7 +108,7 @@ class Lookup:
             except MMCacheError as exc:  # a hash no server takes: the lookup says so
                 _LOGGER.debug("mmcache lease with no call failed: %s", exc)
         if ask:
-            self._look_up(ledger, mm_hashes, keys, ask)
+            self._look_up(ledger, mm_hashes, keys, ask, claim)
         # What the sidecar did not confirm (slow, full, down, never sent it)
         # and this process's own cache holds is a hit all the same.
         self._own_hits(ledger, mm_hashes, known)
@@ -140,20 +164,25 @@ class Lookup:
             ledger.filled[mm_hashes[i]] = to_vllm(stored)
 
     def _look_up(
-        self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int]
+        self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int], claim: bool
     ) -> None:
         """Ask the server about the hashes at `ask` (one call): those held with
-        updates usable here are confirmed; a failure leaves them misses."""
+        updates usable here are confirmed; a failure leaves them misses.
+        `claim`: those it lacks are claimed for this process (single flight)."""
         client = self._p0.sync.client
         try:
             # Waiting for an upload in flight elsewhere saves a processing
             # only for an item this process's own cache lacks.
             own = self._own
-            wait_s = self._p0.processing.wait_for(
-                sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
-            )
+            lacked = sum(not own.is_cached_item(mm_hashes[i]) for i in ask)
+            wait_s = self._p0.processing.wait_for(lacked)
+            # Held until this process's upload of them ends: its processing
+            # and the upload, with room for a slow one (the server caps it).
+            claim_s = CLAIM_MARGIN_S + 3 * self._p0.processing.per_item * lacked if claim else 0.0
             found = self._p0.sync.call(
-                client.lookup([keys[i] for i in ask], want_metadata=True, wait_s=wait_s)
+                client.lookup(
+                    [keys[i] for i in ask], want_metadata=True, wait_s=wait_s, claim_s=claim_s
+                )
             )
         except MMCacheError as exc:
             _LOGGER.debug("mmcache lookup failed, items are misses: %s", exc)

@@ -43,6 +43,10 @@ class Settings:
     # MMCACHE_VLLM_METRICS_PORT: the plugin's counters served from this process
     # (one with no /metrics of its own: Dynamo's frontend); 0: off
     metrics_port: int = 0
+    # MMCACHE_SINGLE_FLIGHT: a new image is processed by one API process while
+    # the others wait for its upload (docs/vllm.md); on/off, unset: on where
+    # vLLM runs several API servers
+    single_flight: bool | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -61,6 +65,7 @@ class Settings:
             shm=env.get("MMCACHE_SHM", "on").strip().lower() not in _OFF,
             untested=env.get(UNTESTED_ENV, "") == "1",
             metrics_port=_port("MMCACHE_VLLM_METRICS_PORT", env.get("MMCACHE_VLLM_METRICS_PORT")),
+            single_flight=_switch("MMCACHE_SINGLE_FLIGHT", env.get("MMCACHE_SINGLE_FLIGHT")),
         )
 
     def client_options(self) -> dict[str, Any]:
@@ -130,6 +135,18 @@ def _seconds(name: str, value: Any) -> float:
     if not seconds > 0:  # a call that may take no time fails open every time
         raise ValueError(f"{name} is a number of seconds more than 0, not {value!r}")
     return seconds
+
+
+def _switch(name: str, value: str | None) -> bool | None:
+    """on/off, or None where unset ("auto")."""
+    said = (value or "").strip().lower()
+    if said in ("", "auto"):
+        return None
+    if said in _OFF:
+        return False
+    if said in ("1", "on", "true", "yes"):
+        return True
+    raise ValueError(f"{name}={value!r}: give on, off or auto (or leave it unset)")
 
 
 def _port(name: str, value: str | None) -> int:

@@ -146,6 +146,7 @@ def update_header(
     shm_token: bytes = b"",
     spares: Sequence[tuple[int, int]] = (),
     wait_ms: int = 0,
+    claim_ms: int = 0,
 ) -> bytes:
     """A serialised UpdateRequest: a GetAndUpdate's header.
 
@@ -159,6 +160,7 @@ def update_header(
         shm_spare_lengths=[length for length, _ in spares],
         shm_spare_trailers=[trailer for _, trailer in spares],
         wait_ms=wait_ms,
+        claim_ms=claim_ms,
     )
     for entry in entries:
         wire = request.entries.add(

@@ -198,7 +198,7 @@ class ItemCache:
         self._placement = parts.placement
         self._l2 = parts.tier
         self._lifecycle = lifecycle
-        self._pending = PendingUploads(parts.changes)
+        self._pending = PendingUploads(parts.changes, parts.metrics.claim_expiries.inc)
         self._reports = parts.reports
         self.metrics = parts.metrics
         self.changes = parts.changes  # what it holds, as it changes: subscribe to it
@@ -264,12 +264,15 @@ class ItemCache:
         entries: Sequence[EntryHeader],
         deadline: Deadline,
         said_wait_s: float | None,
+        claim_s: float = 0.0,
     ) -> AsyncIterator[PreparedUpdate]:
         """Everything an upload waits for, in order: its region slots checked
         and claimed (before anything waits, so none expires), other calls'
-        uploads of the hashes it sends alone, its own hashes marked pending,
-        the L2 tier's reads of those it sends alone, room for its bytes in
-        flight. What it yields commits; leaving undoes what was not."""
+        uploads (and claims) of the hashes it sends alone, its own hashes
+        marked pending, the L2 tier's reads of those it sends alone, the
+        claims it asks for (`claim_s`: on those still missing, _pending.py),
+        room for its bytes in flight. What it yields commits; leaving undoes
+        what was not."""
         self.drain_reports()  # leases given back before anything is evicted
         claimed = self._placement.claim(token, entries)
         try:
@@ -280,6 +283,8 @@ class ItemCache:
             marked = self._pending.mark([e.key for e in entries if e.chunks is not None])
             try:
                 pulled = await self.read_through(alone, deadline, wait_s=said_wait_s)
+                if claim_s > 0:
+                    self._claim(alone, pulled, claim_s)
                 # Nothing is stored until every byte has arrived and been checked,
                 # so a cancelled or malformed upload leaves the cache as it was.
                 payload = sum(e.payload for e in entries if e.chunks is not None)
@@ -289,6 +294,15 @@ class ItemCache:
                 self._pending.settle(marked)
         finally:
             self._placement.unclaim(claimed)  # those a failed call never read
+
+    def _claim(
+        self, alone: Sequence[str], pulled: Sequence[tuple[str, StoredItem]], seconds: float
+    ) -> None:
+        read = {key for key, _ in pulled}
+        missing = [k for k in dict.fromkeys(alone) if k not in self._store and k not in read]
+        claimed = self._pending.claim(missing, seconds)
+        if claimed:
+            self.metrics.claims.inc(claimed)
 
     def spares(
         self, token: bytes, sizes: Sequence[tuple[int, int]], batch: Sequence[str]

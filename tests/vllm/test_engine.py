@@ -186,6 +186,9 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
         assert served["mmcache_feed_subscribers"] == 3  # two API processes and the engine
+        # Single flight is on with two API servers: each new image was claimed
+        # by the process that processed it, and uploaded before its claim ran out.
+        assert (served["mmcache_claims_total"], served["mmcache_claim_expiries_total"]) == (2, 0)
         # Red and blue were uploaded once each; the engine read both hits; an
         # API process that hit an image it never processed copied it once into
         # its own cache (docs/vllm.md, "Never fewer hits"): at most one copy each.

@@ -18,6 +18,8 @@ types, and the sidecar is a real server process.
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -136,7 +138,12 @@ def run_trace(
     data = [vllm_item(i, size) for i, size in enumerate(trace.sizes)]
     total = sum(item_bytes(d) for d in data)
     local_gb = trace.local_share * total / 2**30
-    p0s = [MMCacheProcessorCache(sync, scope, local_gb=local_gb) for sync in syncs]
+    # Single flight on, as with several API servers: its waits and claims
+    # must not cost a hit either.
+    p0s = [
+        MMCacheProcessorCache(sync, scope, local_gb=local_gb, single_flight=True)
+        for sync in syncs
+    ]
     alone = [VllmAlone(local_gb * 2**30) for _ in syncs]
     runs = runs_alone = 0
     for n, (process, images) in enumerate(trace.requests):
@@ -230,6 +237,47 @@ def test_small_images_first_then_large_repeats_are_hits_in_every_process(
     probe = [(p, [0]) for p in range(4)]
     chats = [(n % 4, [1 + (n % 7)]) for n in range(40)]
     trace = Trace(["64x64"] + ["1024x1024"] * 7, 0.5, probe + chats)
-    runs, runs_alone, _ = run_trace(trace, syncs, settle=True, sidecar=server)
+    before = sidecar_counts(server)
+    runs, runs_alone, (queries, hits) = run_trace(trace, syncs, settle=True, sidecar=server)
     assert runs == 8  # the probe's image and the 7 large ones, once each
     assert runs_alone > runs  # vLLM alone processes each image once per process
+    eventually(lambda: sidecar_counts(server) == (before[0] + queries, before[1] + hits))
+
+
+def test_processes_that_see_a_new_image_at_once_process_it_once(
+    shared: tuple[Sidecar, list[SyncClient]],
+) -> None:
+    """Single flight: four API processes get the same new image at the same
+    moment (four chats starting together). One claims it at the sidecar and
+    processes it; the others' lookups wait for its upload and hit. vLLM's
+    counts stay exact: the sidecar's queries and hits are theirs."""
+    server, syncs = shared
+    scope = uuid.uuid4().hex
+    p0s = [MMCacheProcessorCache(sync, scope, single_flight=True) for sync in syncs]
+    images = [vllm_item(i, "448x448") for i in range(3)]
+    start = threading.Barrier(len(p0s))
+    runs: list[str] = []
+
+    def serve(p0: MMCacheProcessorCache) -> None:
+        for i, data in enumerate(images):
+            h = f"img{i}"
+            start.wait()
+            (hit,) = p0.is_cached([h])
+            p0.touch_sender_cache_item(h)
+            if not hit:
+                runs.append(h)
+                time.sleep(0.01)  # the processor
+            p0.get_and_update_item(None if hit else (data, updates()), h)
+            p0.release_sender_touches()
+
+    before = sidecar_counts(server)
+    threads = [threading.Thread(target=serve, args=(p0,)) for p0 in p0s]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(runs) == ["img0", "img1", "img2"]  # once each, not once per process
+    stats = [p0.make_stats() for p0 in p0s]
+    queries, hits = sum(s.total for s in stats), sum(s.hits for s in stats)
+    assert (queries, hits) == (12, 9)
+    eventually(lambda: sidecar_counts(server) == (before[0] + queries, before[1] + hits))

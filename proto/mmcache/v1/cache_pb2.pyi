@@ -601,6 +601,7 @@ class UpdateRequest(_message.Message):
     BATCH_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     WAIT_MS_FIELD_NUMBER: _builtins.int
+    CLAIM_MS_FIELD_NUMBER: _builtins.int
     lease: Global___LeaseMode.ValueType
     shm_token: _builtins.bytes
     """The shared-memory region's token, when an entry names a slot or spares
@@ -625,6 +626,15 @@ class UpdateRequest(_message.Message):
     in ms; 0: the server's own bounds (500 ms; --l2-wait-ms). A frontend
     says its processing time: past it, processing the item itself is as
     quick, and the entry answers MISSING.
+    """
+    claim_ms: _builtins.int
+    """Single flight across the clients of this server (docs/wire.md): hash-only
+    entries that this server neither holds nor sees uploaded are claimed for
+    the caller, for this many ms (0: none; at most 10 s), as it is about to
+    process them and upload them. Another call's hash-only entry of a claimed
+    hash waits for that upload as for one in flight (within its wait_ms); an
+    upload of the hash, stored or not, or the time running out, ends the claim.
+    Claims are not announced on the feed.
     """
     @_builtins.property
     def touches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -655,10 +665,11 @@ class UpdateRequest(_message.Message):
         batch_id: _builtins.bytes = ...,
         timeout_ms: _builtins.int = ...,
         wait_ms: _builtins.int = ...,
+        claim_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "timeout_ms", b"timeout_ms", "touches", b"touches", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "claim_ms", b"claim_ms", "entries", b"entries", "lease", b"lease", "shm_spare_lengths", b"shm_spare_lengths", "shm_spare_trailers", b"shm_spare_trailers", "shm_token", b"shm_token", "timeout_ms", b"timeout_ms", "touches", b"touches", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
