@@ -141,8 +141,7 @@ def run_trace(
     # Single flight on, as with several API servers: its waits and claims
     # must not cost a hit either.
     p0s = [
-        MMCacheProcessorCache(sync, scope, local_gb=local_gb, single_flight=True)
-        for sync in syncs
+        MMCacheProcessorCache(sync, scope, local_gb=local_gb, single_flight=True) for sync in syncs
     ]
     alone = [VllmAlone(local_gb * 2**30) for _ in syncs]
     runs = runs_alone = 0
