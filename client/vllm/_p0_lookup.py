@@ -19,11 +19,13 @@ hit as vLLM alone's cache would hand it over (`take`).
   sidecar): an item that neither the mirror nor this process's cache knows is
   asked about too, in the same call, and the server claims what it lacks for
   this process, which processes it and uploads it. Another process that asks
-  for it meanwhile waits for that upload (as above: at most about its own
-  processing time), so a new image is processed once, not once per process
-  that sees it before its upload ends. The cost: one round trip on requests
-  with a new image; the claim is the server's alone (not on the feed), and
-  ends with any upload of the item or with its time (`claim_s`).
+  for it meanwhile waits for that upload, up to the server's bound (0.5 s)
+  rather than its own processing time: the claimer began first, so its
+  upload normally ends sooner than a processing here would. So a new image
+  is processed once, not once per process that sees it before its upload
+  ends. The cost: one round trip on requests with a new image; the claim is
+  the server's alone (not on the feed), and ends with any upload of the
+  item or with its time (`claim_s`).
   A server that does not answer in time confirms nothing (fail-open).
 - This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
   same memory, told every call vLLM alone would make on its cache, with the

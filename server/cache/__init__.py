@@ -13,7 +13,8 @@
 - `_tier` with `_l2`: the L2 tier's rules; `_backends`: the backend a URL
   names (`_l2_redis`, `_redis_nodes` and `_resp_reads`: Redis Cluster;
   `_l2_memory`: in memory);
-- `_pending`, `_inflight`: uploads in flight, and the bytes they may hold;
+- `_pending`, `_inflight`: uploads in flight and claims (single flight), and
+  the bytes they may hold;
 - `_deadline`: one call's time, for everything in it that waits;
 - `_types`, `_entries`: the package's own types (it reads no protobuf: the
   servicer converts), and the one check of an item's frames.

@@ -277,7 +277,9 @@ class ItemCache:
         claimed = self._placement.claim(token, entries)
         try:
             alone = [e.key for e in entries if e.spec is None]
-            waited = await self._pending.wait(alone, deadline.upload_wait(said_wait_s))
+            waited = await self._pending.wait(
+                alone, deadline.upload_wait(said_wait_s), deadline.upload_wait(None)
+            )
             if waited:
                 self.metrics.upload_waits.inc(waited)
             marked = self._pending.mark([e.key for e in entries if e.chunks is not None])

@@ -9,10 +9,11 @@ a mark another call may be waiting for: no two calls can wait on each other.
 Claims, single flight across this server's clients: a lookup that asks to
 (`claim_ms`) claims the hashes it sent alone that nobody holds or uploads,
 as its caller is about to process them. A claim is waited for as an upload
-in flight is, but is not on the feed (the claimer's own mirror must not take
-it for an upload and send the hash alone). It ends when any upload of the
-hash ends, stored or not, or when its time runs out (a claimer that died or
-declined): a waiter loses at most its own wait, then processes the item.
+in flight is (past the waiter's own bound, up to the server's: `wait`), but
+is not on the feed (the claimer's own mirror must not take it for an upload
+and send the hash alone). It ends when any upload of the hash ends, stored
+or not, or when its time runs out (a claimer that died or declined): a
+waiter loses at most the server's bound (0.5 s), then processes the item.
 """
 
 from __future__ import annotations
@@ -43,15 +44,25 @@ class PendingUploads:
         """Hashes being uploaded now."""
         return list(self._ends)
 
-    async def wait(self, mm_hashes: Iterable[str], timeout: float | None) -> int:
-        """Wait (at most `timeout` s) for the uploads of these hashes; how many there were."""
+    async def wait(
+        self, mm_hashes: Sequence[str], timeout: float | None, claim_timeout: float | None
+    ) -> int:
+        """Wait for the uploads of these hashes, at most `timeout` s, or
+        `claim_timeout` s where one is claimed; how many there were. A claim
+        is waited for longer than the caller's own processing time: its
+        claimer began processing first, so its upload normally ends sooner
+        than a processing here would; the longer bound only binds where the
+        claimer died or declined, or takes longer than it."""
         if not self._ends and not self._claims:
             return 0
-        ends = {self._ends[h] for h in mm_hashes if h in self._ends}
-        ends.update(self._claims[h][0] for h in mm_hashes if h in self._claims)
-        if ends:
-            await asyncio.wait(ends, timeout=timeout)
-        return len(ends)
+        waiting = {h for h in mm_hashes if h in self._ends or h in self._claims}
+        ends = {self._ends[h] for h in waiting if h in self._ends}
+        claims = {self._claims[h][0] for h in waiting if h in self._claims}
+        if claims and timeout is not None:
+            timeout = None if claim_timeout is None else max(timeout, claim_timeout)
+        if waiting:
+            await asyncio.wait(ends | claims, timeout=timeout)
+        return len(waiting)
 
     def mark(self, mm_hashes: Sequence[str]) -> list[str]:
         """Mark the hashes nobody uploads yet; the ones marked, to `settle` when done."""

@@ -62,6 +62,8 @@ CONTRACT_METRICS: Mapping[str, frozenset[str]] = {
         "mmcache_leased_bytes": set(),
         "mmcache_lease_expiries_total": set(),
         "mmcache_upload_waits_total": set(),
+        "mmcache_claims_total": set(),
+        "mmcache_claim_expiries_total": set(),
         "mmcache_feed_subscribers": set(),
         "mmcache_feed_snapshots_total": {"reason"},
         "mmcache_namespaces": set(),

@@ -12,7 +12,9 @@ least recently used out first, an item over the whole cache never kept). Per
 request, every item vLLM alone hits is a hit with the plugin; with the
 sidecar serving every process and holding every image, the processor runs at
 most 1.1x the unique images; with the sidecar small or stopped mid-trace,
-still never fewer hits than vLLM alone. No engine: the items are vLLM's real
+still never fewer hits than vLLM alone (single flight on throughout, as
+with several API servers). And four processes that get one new image at
+the same moment process it once. No engine: the items are vLLM's real
 types, and the sidecar is a real server process.
 """
 
