@@ -5,12 +5,9 @@ hit as vLLM alone's cache would hand it over (`take`).
   item is one: another node's sidecar may hold it). Those resident in the
   sidecar's shared memory are leased there, on vLLM's thread, with no call
   (client/_resident.py), their prompt updates this process's own or the
-  metadata stored with them in the region. Of the rest, those this process's
-  own cache holds are hits with no call, their data inline (the engine would
-  read them with a call: items under 1 MiB live in the sidecar's heap); one
-  `lookup` round trip confirms the others with the server, leases them for
-  the engine's read (hits only) and brings the prompt updates of those this
-  process never processed.
+  metadata stored with them in the region; one `lookup` round trip confirms
+  the rest with the server, leases them for the engine's read (hits only)
+  and brings the prompt updates of those this process never processed.
   A candidate whose upload is still in flight (another API process's) is
   waited for at most about what processing it here takes (this process's
   processor time per item, measured on its own requests): past that it is
@@ -112,21 +109,12 @@ class Lookup:
                 ask = self._lease_resident(ledger, mm_hashes, keys, ask)
             except MMCacheError as exc:  # a hash no server takes: the lookup says so
                 _LOGGER.debug("mmcache lease with no call failed: %s", exc)
-        # Not resident in the sidecar's shared memory (under 1 MiB, or no
-        # room there): where this process's own cache holds it, it is a hit
-        # with no call and its data goes inline, where a lookup would cost a
-        # call here and the engine's read another.
-        ask = [i for i in ask if not self._usable_here(mm_hashes[i])]
         if ask:
             self._look_up(ledger, mm_hashes, keys, ask, claim)
         # What the sidecar did not confirm (slow, full, down, never sent it)
         # and this process's own cache holds is a hit all the same.
         self._own_hits(ledger, mm_hashes, known)
         self._fill(ledger, mm_hashes, keys)
-
-    def _usable_here(self, mm_hash: str) -> bool:
-        entry = self._own.peek(mm_hash)
-        return entry is not None and bool(entry[1])
 
     def _own_hits(self, ledger: Ledger, mm_hashes: list[str], known: list[bool]) -> None:
         """This process's cache's hits the sidecar did not confirm: kept for the
@@ -140,7 +128,7 @@ class Lookup:
             # An injected item (inject_into_mm_cache gives none) has no prompt
             # updates to apply: a processor's hit on it would fail the request,
             # as it would in vLLM alone, so it is processed again instead.
-            if entry is not None and entry[1]:  # as _usable_here
+            if entry is not None and entry[1]:
                 ledger.local[mm_hash] = entry
                 # Not in the sidecar, by its mirror or by its answer just now.
                 if (

@@ -203,16 +203,13 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         sidecar.start()
         assert [chat(port, c) for c in ("red", "red", "blue")] == [200] * 3
 
-        # Gone: requests go on, their data inline. Red and blue are in their
-        # processes' own caches (hits with no call); green, new, is looked up
-        # (single flight) and uploaded: those calls fail open.
-        sidecar.stop()
+        sidecar.stop()  # gone: requests go on, their data inline
         start = time.monotonic()
-        assert [chat(port, c) for c in ("red", "blue", "green", "red")] == [200] * 4
+        assert [chat(port, c) for c in ("red", "blue", "red")] == [200] * 3
         assert time.monotonic() - start < 30
         assert metrics(vllm_metrics).get("mmcache_vllm_fail_opens_total", 0) >= 1
         # The requests were spread over both API processes (the OS hands out
-        # connections; all eleven on one would be a 1-in-1000 chance).
+        # connections; all ten on one would be a 1-in-500 chance).
         assert len(vllm_serve.processes_that_served()) == 2
         # Each process said at start, once, that mmcache is its cache, where and
         # under which key scope: the two API servers and the engine.
