@@ -80,21 +80,19 @@ class Lookup:
         else:
             held = client.is_cached(keys, pending=True)
             known = [h and s for h, s in zip(held, shared, strict=True)]
-        candidates = [
+        unasked = [
             i
-            for i, held in enumerate(known)
-            if held and mm_hashes[i] not in ledger.looked_up and mm_hashes[i] not in ledger.local
+            for i, h in enumerate(mm_hashes)
+            if h not in ledger.looked_up and h not in ledger.local
         ]
+        candidates = [i for i in unasked if known[i]]
         claim = False
         if self._p0.single_flight and client.following and self._p0.known.undescribed is None:
+            # New here and to the mirror: asked too, and claimed where missing.
             new = [
                 i
-                for i, held in enumerate(known)
-                if not held
-                and shared[i]
-                and mm_hashes[i] not in ledger.looked_up
-                and mm_hashes[i] not in ledger.local
-                and not self._own.is_cached_item(mm_hashes[i])
+                for i in unasked
+                if not known[i] and shared[i] and not self._own.is_cached_item(mm_hashes[i])
             ]
             claim = bool(new)
             candidates = sorted(candidates + new)

@@ -27,7 +27,7 @@ from ._types import Change
 __all__ = ["MOST_CLAIM_S", "PendingUploads"]
 
 # The longest a claim lasts, whatever its caller asks: a claimer that died
-# holds nobody up for longer (each waiter waits its own wait_ms at most).
+# leaves it at most this long (each waiter waits the server's bound at most).
 MOST_CLAIM_S = 10.0
 
 
