@@ -293,9 +293,18 @@ def main() -> None:
     parser.add_argument("--data-parallel", action="store_true", help="also 2 engines (DP)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--fresh", action="store_true", help="a deployment per trace")
+    parser.add_argument("--traces", default="", help="only these, comma-separated (same seeds)")
     args = parser.parse_args()
-    shapes = [s for s in FAMILY if not args.short or s.name in SHORT]
-    traces = [draw(shape, args.seed + n) for n, shape in enumerate(shapes)]
+    named = set(args.traces.split(",")) - {""}
+    unknown = named - {s.name for s in FAMILY}
+    if unknown:
+        parser.error(f"no trace {sorted(unknown)} in the family: {[s.name for s in FAMILY]}")
+    # Seeds follow the family's order, so a trace run alone is the same trace.
+    traces = [
+        draw(shape, args.seed + n)
+        for n, shape in enumerate(FAMILY)
+        if (not args.short or shape.name in SHORT) and (not named or shape.name in named)
+    ]
     counts = [1, 4] if args.short else [int(x) for x in args.api_servers.split(",")]
     configs = [(f"{n} API", n, 1) for n in counts]
     if args.data_parallel:

@@ -109,6 +109,11 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         """The server's key for vLLM's hash: scoped to model and processor."""
         return scoped_key(self._scope, mm_hash)
 
+    def hits_as_keys(self) -> None:
+        """Every sidecar hit goes as its key (no small one inline): for a
+        transport whose worker reads keys from its own sidecar (Dynamo's)."""
+        self._lookup.hits_as_keys()
+
     @property
     def uploads_in_flight(self) -> int:
         """Uploads started and not ended (`close` waits for them)."""

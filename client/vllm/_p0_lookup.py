@@ -45,7 +45,9 @@ from typing import Any
 from vllm.multimodal.cache import MultiModalCacheMissError
 
 from mmcache._errors import MMCacheError
+from mmcache.client.colocated import SHM_MIN_BYTES
 
+from ._costs import item_nbytes
 from ._ledger import Ledger
 from ._local import LocalCache
 from ._p0_context import P0Context
@@ -56,6 +58,9 @@ __all__ = ["Lookup"]
 _LOGGER = logging.getLogger(__name__)
 
 CLAIM_MARGIN_S = 1.0  # a claim's time past three processings: the upload's
+# The sidecar keeps items under this outside its shared memory, so the
+# engine's read of one is a call: such a hit goes inline where its data is here.
+INLINE_BELOW_BYTES = SHM_MIN_BYTES
 
 
 class Lookup:
@@ -64,6 +69,13 @@ class Lookup:
     def __init__(self, context: P0Context, own: LocalCache) -> None:
         self._p0 = context
         self._own = own
+        # Hits smaller than this whose data is here go inline (0: none do).
+        self._inline_bytes = INLINE_BELOW_BYTES
+
+    def hits_as_keys(self) -> None:
+        """Every sidecar hit goes as its key, whatever its size: for a
+        transport that carries keys to a worker that reads them (Dynamo's)."""
+        self._inline_bytes = 0
 
     def ask(self, ledger: Ledger, mm_hashes: list[str]) -> None:
         """Confirm, into `ledger`, which of `mm_hashes` are hits."""
@@ -113,6 +125,7 @@ class Lookup:
         # and this process's own cache holds is a hit all the same.
         self._own_hits(ledger, mm_hashes, known)
         self._fill(ledger, mm_hashes, keys)
+        self._go_inline(ledger, mm_hashes, keys)
 
     def _own_hits(self, ledger: Ledger, mm_hashes: list[str], known: list[bool]) -> None:
         """This process's cache's hits the sidecar did not confirm: kept for the
@@ -158,10 +171,52 @@ class Lookup:
             _LOGGER.debug("mmcache read into this process's cache failed: %s", exc)
             for i in need:
                 del ledger.confirmed[mm_hashes[i]]
-            self._p0.sync.submit(client.release(wanted))
+            leased = [keys[i] for i in need if mm_hashes[i] in ledger.leased]
+            if leased:
+                self._p0.sync.submit(client.release(leased))
             return
         for i, stored in zip(need, items, strict=True):
             ledger.filled[mm_hashes[i]] = to_vllm(stored)
+
+    def _go_inline(self, ledger: Ledger, mm_hashes: list[str], keys: list[str]) -> None:
+        """The sidecar's small hits whose data this process holds go to the
+        engine inline, as vLLM's processor-only cache sends its hits: the
+        engine's read of an item the sidecar keeps outside its shared memory
+        would be a call, on the engine's thread; sending it is a copy. Their
+        leases, where the lookup took any, are given back in one call, in the
+        background."""
+        if not self._inline_bytes:
+            return
+        leased: list[str] = []
+        for mm_hash, key in zip(mm_hashes, keys, strict=True):
+            if mm_hash not in ledger.confirmed or mm_hash in ledger.resident:
+                continue  # a miss, or resident: the engine reads it with no call
+            data = ledger.filled.get(mm_hash)
+            if data is None:
+                entry = self._own.peek(mm_hash)
+                data = None if entry is None else entry[0]
+            if data is None or mm_hash in ledger.inline:
+                continue
+            if item_nbytes(data) >= self._inline_bytes:
+                continue
+            ledger.inline[mm_hash] = data
+            if mm_hash in ledger.leased:
+                ledger.leased.discard(mm_hash)
+                leased.append(key)
+        if leased:
+            self._p0.sync.submit(self._p0.sync.client.release(leased))
+
+    def _goes_inline(self, mm_hash: str, key: str) -> bool:
+        """Whether a hit on `mm_hash` would go inline, judged before the lookup:
+        small, by this process's copy or by the mirror's size of the
+        sidecar's. Where every hit of a call would, it takes no leases."""
+        if not self._inline_bytes:
+            return False
+        entry = self._own.peek(mm_hash)
+        if entry is not None:
+            return item_nbytes(entry[0]) < self._inline_bytes
+        size = self._p0.sync.client.mirror.size_of(key)
+        return size is not None and size < self._inline_bytes
 
     def _look_up(
         self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int], claim: bool
@@ -179,9 +234,16 @@ class Lookup:
             # Held until this process's upload of them ends: its processing
             # and the upload, with room for a slow one (the server caps it).
             claim_s = CLAIM_MARGIN_S + 3 * self._p0.processing.per_item * lacked if claim else 0.0
+            # Leased for the engine's read, unless every hit goes inline (a
+            # read into this process's cache follows the lookup at once).
+            lease = not all(self._goes_inline(mm_hashes[i], keys[i]) for i in ask)
             found = self._p0.sync.call(
                 client.lookup(
-                    [keys[i] for i in ask], want_metadata=True, wait_s=wait_s, claim_s=claim_s
+                    [keys[i] for i in ask],
+                    want_metadata=True,
+                    lease="hits" if lease else False,
+                    wait_s=wait_s,
+                    claim_s=claim_s,
                 )
             )
         except MMCacheError as exc:
@@ -197,9 +259,12 @@ class Lookup:
             if updates is None and blob is not None:
                 updates = decode_updates(blob)
             if updates is None:  # held, but not usable here: process it
-                unusable.append(keys[i])
-            else:
-                ledger.confirmed[mm_hash] = updates
+                if lease:
+                    unusable.append(keys[i])
+                continue
+            ledger.confirmed[mm_hash] = updates
+            if lease:
+                ledger.leased.add(mm_hash)
         if unusable:
             self._p0.sync.submit(client.release(unusable))
 
@@ -226,6 +291,8 @@ class Lookup:
                 mm_hash = mm_hashes[ask[j]]
                 ledger.looked_up.add(mm_hash)
                 ledger.confirmed[mm_hash] = updates[j]
+                ledger.leased.add(mm_hash)
+                ledger.resident.add(mm_hash)
         return [i for i in ask if mm_hashes[i] not in ledger.confirmed]
 
     def take(self, ledger: Ledger, mm_hash: str) -> tuple[Any, Any]:
@@ -234,6 +301,10 @@ class Lookup:
         process's own (its data inline; offered to a sidecar that lacks it)."""
         updates = ledger.confirmed.get(mm_hash)
         if updates is not None:
+            inline = ledger.inline.get(mm_hash)
+            if inline is not None:  # small: its data goes, the engine reads nothing
+                item, _ = self._own.get_and_update_item((inline, updates), mm_hash)
+                return item, updates
             filled = ledger.filled.get(mm_hash)
             if filled is not None or self._own.is_cached_item(mm_hash):
                 taken = None if filled is None else (filled, updates)

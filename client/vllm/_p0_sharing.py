@@ -22,13 +22,11 @@ from collections.abc import Awaitable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
-import torch
 from vllm.logger import init_logger
-from vllm.multimodal.inputs import MultiModalKwargsItem
 
 from mmcache.client import MMCacheClient
 
-from ._costs import fits
+from ._costs import fits, item_nbytes
 from ._ledger import Ledger, Upload
 from ._metrics import plugin_metrics
 from ._p0_context import P0Context
@@ -102,7 +100,7 @@ class Sharing:
         self._observe(ledger)
         uploads, ledger.uploads = ledger.uploads, []
         client = self._p0.sync.client
-        sizes = [_nbytes(upload[2]) for upload in uploads]
+        sizes = [item_nbytes(upload[2]) for upload in uploads]
         capacity = client.capacity_bytes
         going = [u for u, go in zip(uploads, fits(sizes, capacity), strict=True) if go]
         cpu = self._p0.sync.loop_cpu()
@@ -188,14 +186,3 @@ async def _held(call: Awaitable[Any]) -> int:
 def stamp() -> tuple[float, float]:
     """Now: wall seconds, and this thread's CPU seconds."""
     return time.perf_counter(), time.thread_time()
-
-
-def _nbytes(data: Any) -> int:
-    """The tensor bytes of an item (or of a field's nested tensors)."""
-    if isinstance(data, torch.Tensor):
-        return data.nbytes
-    if isinstance(data, MultiModalKwargsItem):
-        return sum(_nbytes(elem.data) for elem in data.values())
-    if isinstance(data, list | tuple):
-        return sum(_nbytes(part) for part in data)
-    return 0

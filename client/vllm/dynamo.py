@@ -206,7 +206,7 @@ def _sender_class() -> type:
     return MMCacheSender
 
 
-def _patch_frontend(processor: Any, sender: type, cache_type: type) -> None:
+def _patch_frontend(processor: Any, sender: type, cache_type: type[Any]) -> None:
     """Dynamo's frontend processor sends through `sender` when vLLM's cache is mmcache's."""
     original_init = processor.__init__
     original_prepare = processor._prepare_mm_routing
@@ -217,6 +217,7 @@ def _patch_frontend(processor: Any, sender: type, cache_type: type) -> None:
         cache = getattr(renderer, "mm_processor_cache", None)
         if isinstance(cache, cache_type) and self.nixl_mm_enabled:
             if self.use_shm_transfer:
+                cache.hits_as_keys()  # the worker reads them from its sidecar
                 self._sender = sender(cache)
                 _LOGGER.info("mmcache: Dynamo's multimodal transport is mmcache")
             else:

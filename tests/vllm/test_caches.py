@@ -200,22 +200,55 @@ def test_a_position_of_another_kind_stays_local_and_says_why() -> None:
     assert "PromptIndex" in (undescribed(index_update(mine)) or "")
 
 
+def leases(sync: SyncClient) -> int:
+    return sync.call(sync.client.transport.info()).leases
+
+
 def test_a_hit_in_a_process_that_never_processed_the_item(
     clients: Callable[[], SyncClient],
 ) -> None:
     p0_a = MMCacheProcessorCache(clients(), SCOPE)
     p0_b = MMCacheProcessorCache(clients(), SCOPE)  # another API server
     p1 = MMCacheReceiverCache(clients(), SCOPE)
-    red = item(1)
+    red = item(1, numel=1 << 20)  # 4 MiB: in the sidecar's shared memory
     (out,) = request(p0_a, [("red", red)])
     assert out[0] is red  # a miss: the data goes to the engine inline
     eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("red")]) == [True])
     (out,) = request(p0_b, [("red", red)])
     assert out[0] is None and same_updates(list(out[1]), updates())  # no tensor re-shipped
+    assert leases(p1.sync) == 1  # held for the engine's read
     features = p1.get_and_update_features([feature("red", None)])
     assert features[0].data == red  # the engine read through
     stats_a, stats_b = p0_a.make_stats(), p0_b.make_stats()
     assert (stats_a.hits, stats_a.total, stats_b.hits, stats_b.total) == (0, 1, 1, 1)
+    eventually(lambda: leases(p1.sync) == 0)
+
+
+@pytest.mark.parametrize("first_here", [False, True])
+def test_a_small_hit_goes_inline_and_leaves_no_lease(
+    clients: Callable[[], SyncClient], sidecar: Sidecar, first_here: bool
+) -> None:
+    """Under 1 MiB the sidecar keeps an item outside its shared memory, so
+    the engine's read of it would be a call on the engine's thread: the hit
+    goes with its data (read into this process's cache, or already there),
+    as vLLM's processor-only cache sends it, and no lease is left behind.
+    (Read again, the sidecar moves it into shared memory: later hits are
+    read there by the engine with no call.)
+    The hit is the sidecar's all the same: counted there, as vLLM counts it."""
+    p0_a = MMCacheProcessorCache(clients(), SCOPE)
+    p0_b = MMCacheProcessorCache(clients(), SCOPE)
+    icon = item(1, numel=4096)  # 16 KiB
+    request(p0_a, [("icon", icon)])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("icon")]) == [True])
+    if first_here:  # B has it too (processed before the sidecar had it)
+        p0_b.get_and_update_item((icon, updates()), "icon")
+        eventually(lambda: p0_b.uploads_in_flight == 0)
+    (out,) = request(p0_b, [("icon", item(9, numel=4096))])
+    assert out[0] == icon and same_updates(list(out[1]), updates())  # the sidecar's data
+    assert leases(p0_b.sync) == 0  # none taken: the lookup knew it would go inline
+    stats = p0_b.make_stats()
+    assert (stats.hits, stats.total) == ((1, 2) if first_here else (1, 1))
+    eventually(lambda: sidecar_counts(sidecar) == (2 + first_here, 1))
 
 
 def test_p1_names_every_missing_hash_in_request_order(clients: Callable[[], SyncClient]) -> None:
@@ -385,7 +418,7 @@ def test_an_image_not_shared_while_the_sidecar_was_down_is_shared_when_it_comes_
     eventually(lambda: client.is_cached([p0.key("red")]) == [True])  # and now shared
     other = MMCacheProcessorCache(clients(), SCOPE)
     (shared,) = request(other, [("red", item(9))])
-    assert shared[0] is None  # a hit in a process that never processed it
+    assert shared[0] == item(1)  # a hit in a process that never processed it (small: inline)
     assert not_uploaded() == before + 1
 
 
@@ -526,7 +559,7 @@ def test_a_hit_in_another_process_for_an_update_at_a_position(
     assert p0_b.is_cached(["pali"]) == [True]
     data, got = p0_b.get_and_update_item(None, "pali")
     p0_b.release_sender_touches()
-    assert data is None and got[0].target.get_match_index([2, 5], 0) == 1
+    assert data == item(4) and got[0].target.get_match_index([2, 5], 0) == 1  # small: inline
 
 
 def test_updates_that_cannot_travel_are_said_once_and_cost_no_lookup(
@@ -614,10 +647,10 @@ def test_behind_an_l2_tier_an_item_another_node_processed_is_a_hit() -> None:
         assert out[0] is red  # processed on A, uploaded, written behind to L2
         first = f"http://127.0.0.1:{nodes[0].metrics_port}/metrics"
         eventually(lambda: metrics(first).get("mmcache_l2_written_bytes_total", 0) > 0)
-        (out,) = request(p0_b, [("red", red)])
-        assert out[0] is None and same_updates(list(out[1]), updates())  # a hit on B
-        p1_b = MMCacheReceiverCache(syncs[1], SCOPE)
-        assert p1_b.get_and_update_features([feature("red", None)])[0].data == red
+        (out,) = request(p0_b, [("red", item(9))])
+        # A hit on B: read through from L2 into B's cache, and sent inline (small).
+        assert out[0] == red and same_updates(list(out[1]), updates())
+        eventually(lambda: leases(syncs[1]) == 0)  # its lease given back
         (out,) = request(p0_b, [("blue", item(2))])
         assert out[0] is not None  # held nowhere: processed on B
 
