@@ -13,12 +13,8 @@ of an earlier upload enters the rule.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
-import torch
-from vllm.multimodal.inputs import MultiModalKwargsItem
-
-__all__ = ["ProcessingTime", "fits", "item_nbytes"]
+__all__ = ["ProcessingTime", "fits"]
 
 FIRST_GUESS_S = 0.05  # the processor's time per item before any was measured
 LEAST_WAIT_S = 0.002
@@ -59,14 +55,3 @@ def fits(sizes: list[int], capacity: int) -> list[bool]:
     """Which items of `sizes` bytes a sidecar of `capacity` bytes could hold
     (0: not known yet, all): one larger than the whole sidecar could never hit."""
     return [not capacity or size <= capacity for size in sizes]
-
-
-def item_nbytes(data: Any) -> int:
-    """The tensor bytes of an item (or of a field's nested tensors)."""
-    if isinstance(data, torch.Tensor):
-        return data.nbytes
-    if isinstance(data, MultiModalKwargsItem):
-        return sum(item_nbytes(elem.data) for elem in data.values())
-    if isinstance(data, list | tuple):
-        return sum(item_nbytes(part) for part in data)
-    return 0

@@ -47,11 +47,10 @@ from vllm.multimodal.cache import MultiModalCacheMissError
 from mmcache._errors import MMCacheError
 from mmcache.client.colocated import SHM_MIN_BYTES
 
-from ._costs import item_nbytes
 from ._ledger import Ledger
 from ._local import LocalCache
 from ._p0_context import P0Context
-from .convert import decode_updates, to_vllm
+from .convert import decode_updates, item_nbytes, to_vllm
 
 __all__ = ["Lookup"]
 
@@ -190,14 +189,16 @@ class Lookup:
         leased: list[str] = []
         for mm_hash, key in zip(mm_hashes, keys, strict=True):
             if mm_hash not in ledger.confirmed or mm_hash in ledger.resident:
-                continue  # a miss, or resident: the engine reads it with no call
-            data = ledger.filled.get(mm_hash)
+                # A miss, or resident: the engine reads it with no call.
+                ledger.inline.pop(mm_hash, None)
+                continue
+            data = ledger.inline.get(mm_hash)  # this process's copy, kept by _goes_inline
+            if data is None:
+                data = ledger.filled.get(mm_hash)
             if data is None:
                 entry = self._own.peek(mm_hash)
                 data = None if entry is None else entry[0]
-            if data is None or mm_hash in ledger.inline:
-                continue
-            if item_nbytes(data) >= self._inline_bytes:
+            if data is None or item_nbytes(data) >= self._inline_bytes:
                 continue
             ledger.inline[mm_hash] = data
             if mm_hash in ledger.leased:
@@ -206,17 +207,21 @@ class Lookup:
         if leased:
             self._p0.sync.submit(self._p0.sync.client.release(leased))
 
-    def _goes_inline(self, mm_hash: str, key: str) -> bool:
+    def _goes_inline(self, ledger: Ledger, mm_hash: str, key: str) -> bool:
         """Whether a hit on `mm_hash` would go inline, judged before the lookup:
-        small, by this process's copy or by the mirror's size of the
-        sidecar's. Where every hit of a call would, it takes no leases."""
+        small, by this process's copy (kept for the request: another request
+        may evict it meanwhile) or by the mirror's size of the sidecar's.
+        Where every hit of a call would, the call takes no leases."""
         if not self._inline_bytes:
             return False
         entry = self._own.peek(mm_hash)
-        if entry is not None:
-            return item_nbytes(entry[0]) < self._inline_bytes
-        size = self._p0.sync.client.mirror.size_of(key)
-        return size is not None and size < self._inline_bytes
+        if entry is None:
+            size = self._p0.sync.client.mirror.size_of(key)
+            return size is not None and size < self._inline_bytes
+        if item_nbytes(entry[0]) >= self._inline_bytes:
+            return False
+        ledger.inline[mm_hash] = entry[0]
+        return True
 
     def _look_up(
         self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int], claim: bool
@@ -236,7 +241,7 @@ class Lookup:
             claim_s = CLAIM_MARGIN_S + 3 * self._p0.processing.per_item * lacked if claim else 0.0
             # Leased for the engine's read, unless every hit goes inline (a
             # read into this process's cache follows the lookup at once).
-            lease = not all(self._goes_inline(mm_hashes[i], keys[i]) for i in ask)
+            lease = not all([self._goes_inline(ledger, mm_hashes[i], keys[i]) for i in ask])
             found = self._p0.sync.call(
                 client.lookup(
                     [keys[i] for i in ask],

@@ -26,11 +26,11 @@ from vllm.logger import init_logger
 
 from mmcache.client import MMCacheClient
 
-from ._costs import fits, item_nbytes
+from ._costs import fits
 from ._ledger import Ledger, Upload
 from ._metrics import plugin_metrics
 from ._p0_context import P0Context
-from .convert import encode_updates, from_vllm
+from .convert import encode_updates, from_vllm, item_nbytes
 
 __all__ = ["MAX_UPLOADS_IN_FLIGHT", "Sharing", "stamp"]
 

@@ -51,7 +51,14 @@ from vllm.multimodal.processing.processor import (
 from mmcache._errors import InvalidArgumentError
 from mmcache._items import BatchedField, Field, FieldElem, FlatField, Item, MMItem, SharedField
 
-__all__ = ["decode_updates", "encode_updates", "from_vllm", "to_vllm", "undescribed"]
+__all__ = [
+    "decode_updates",
+    "encode_updates",
+    "from_vllm",
+    "item_nbytes",
+    "to_vllm",
+    "undescribed",
+]
 
 SCHEMA_VERSION = 1
 
@@ -64,6 +71,17 @@ def from_vllm(item: MultiModalKwargsItem, modality: str) -> MMItem:
             for key, elem in item.items()
         }
     )
+
+
+def item_nbytes(data: Any) -> int:
+    """The tensor bytes of vLLM's item (or of a field's nested tensors)."""
+    if isinstance(data, torch.Tensor):
+        return data.nbytes
+    if isinstance(data, MultiModalKwargsItem):
+        return sum(item_nbytes(elem.data) for elem in data.values())
+    if isinstance(data, list | tuple):
+        return sum(item_nbytes(part) for part in data)
+    return 0
 
 
 def to_vllm(item: Item) -> MultiModalKwargsItem:
