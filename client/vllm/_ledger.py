@@ -40,8 +40,8 @@ class Ledger:
     # Sidecar hits this process's cache lacked: the data read for it.
     filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
     # Sidecar hits leased for the engine's read (those resident in its shared
-    # memory too), and the small ones whose data goes inline instead (their
-    # leases given back).
+    # memory too), and the small ones read into this process's cache, whose
+    # data goes inline instead (their leases given back).
     leased: set[str] = field(default_factory=set)
     resident: set[str] = field(default_factory=set)
     inline: dict[str, MultiModalKwargsItem] = field(default_factory=dict)

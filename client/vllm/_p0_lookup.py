@@ -178,27 +178,22 @@ class Lookup:
             ledger.filled[mm_hashes[i]] = to_vllm(stored)
 
     def _go_inline(self, ledger: Ledger, mm_hashes: list[str], keys: list[str]) -> None:
-        """The sidecar's small hits whose data this process holds go to the
-        engine inline, as vLLM's processor-only cache sends its hits: the
+        """The sidecar's small hits just read into this process's cache go to
+        the engine inline, as vLLM's processor-only cache sends its hits: the
         engine's read of an item the sidecar keeps outside its shared memory
-        would be a call, on the engine's thread; sending it is a copy. Their
-        leases, where the lookup took any, are given back in one call, in the
-        background."""
+        would be a call on the engine's thread, for data that is here. (A hit
+        this process held before goes as its key: the engine's read of it
+        moves it into the sidecar's shared memory, where later hits cost no
+        call at all.) Their leases, where the lookup took any, are given back
+        in one call, in the background."""
         if not self._inline_bytes:
             return
         leased: list[str] = []
         for mm_hash, key in zip(mm_hashes, keys, strict=True):
-            if mm_hash not in ledger.confirmed or mm_hash in ledger.resident:
-                # A miss, or resident: the engine reads it with no call.
-                ledger.inline.pop(mm_hash, None)
+            data = ledger.filled.get(mm_hash)
+            if data is None or mm_hash in ledger.resident or mm_hash in ledger.inline:
                 continue
-            data = ledger.inline.get(mm_hash)  # this process's copy, kept by _goes_inline
-            if data is None:
-                data = ledger.filled.get(mm_hash)
-            if data is None:
-                entry = self._own.peek(mm_hash)
-                data = None if entry is None else entry[0]
-            if data is None or item_nbytes(data) >= self._inline_bytes:
+            if item_nbytes(data) >= self._inline_bytes:
                 continue
             ledger.inline[mm_hash] = data
             if mm_hash in ledger.leased:
@@ -207,21 +202,14 @@ class Lookup:
         if leased:
             self._p0.sync.submit(self._p0.sync.client.release(leased))
 
-    def _goes_inline(self, ledger: Ledger, mm_hash: str, key: str) -> bool:
+    def _goes_inline(self, mm_hash: str, key: str) -> bool:
         """Whether a hit on `mm_hash` would go inline, judged before the lookup:
-        small, by this process's copy (kept for the request: another request
-        may evict it meanwhile) or by the mirror's size of the sidecar's.
-        Where every hit of a call would, the call takes no leases."""
-        if not self._inline_bytes:
+        not in this process's cache (so read into it), and small by the
+        mirror's size. Where every hit of a call would, it takes no leases."""
+        if not self._inline_bytes or self._own.is_cached_item(mm_hash):
             return False
-        entry = self._own.peek(mm_hash)
-        if entry is None:
-            size = self._p0.sync.client.mirror.size_of(key)
-            return size is not None and size < self._inline_bytes
-        if item_nbytes(entry[0]) >= self._inline_bytes:
-            return False
-        ledger.inline[mm_hash] = entry[0]
-        return True
+        size = self._p0.sync.client.mirror.size_of(key)
+        return size is not None and size < self._inline_bytes
 
     def _look_up(
         self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int], claim: bool
@@ -239,9 +227,9 @@ class Lookup:
             # Held until this process's upload of them ends: its processing
             # and the upload, with room for a slow one (the server caps it).
             claim_s = CLAIM_MARGIN_S + 3 * self._p0.processing.per_item * lacked if claim else 0.0
-            # Leased for the engine's read, unless every hit goes inline (a
+            # Leased for the engine's read, unless every hit goes inline (the
             # read into this process's cache follows the lookup at once).
-            lease = not all([self._goes_inline(ledger, mm_hashes[i], keys[i]) for i in ask])
+            lease = not all(self._goes_inline(mm_hashes[i], keys[i]) for i in ask)
             found = self._p0.sync.call(
                 client.lookup(
                     [keys[i] for i in ask],
@@ -302,12 +290,13 @@ class Lookup:
 
     def take(self, ledger: Ledger, mm_hash: str) -> tuple[Any, Any]:
         """A hit `ask` confirmed, on this process's cache as vLLM alone's
-        would take it: the sidecar's (None: the engine reads it there), or this
+        would take it: the sidecar's (None: the engine reads it there; a small
+        one just read into this process's cache goes inline), or this
         process's own (its data inline; offered to a sidecar that lacks it)."""
         updates = ledger.confirmed.get(mm_hash)
         if updates is not None:
             inline = ledger.inline.get(mm_hash)
-            if inline is not None:  # small: its data goes, the engine reads nothing
+            if inline is not None:  # small and read here: the engine reads nothing
                 item, _ = self._own.get_and_update_item((inline, updates), mm_hash)
                 return item, updates
             filled = ledger.filled.get(mm_hash)

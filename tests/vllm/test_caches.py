@@ -225,18 +225,18 @@ def test_a_hit_in_a_process_that_never_processed_the_item(
 
 
 @pytest.mark.parametrize("first_here", [False, True])
-def test_a_small_hit_goes_inline_and_leaves_no_lease(
+def test_a_small_hit_read_here_goes_inline_one_held_here_as_its_key(
     clients: Callable[[], SyncClient], sidecar: Sidecar, first_here: bool
 ) -> None:
     """Under 1 MiB the sidecar keeps an item outside its shared memory, so
-    the engine's read of it would be a call on the engine's thread: the hit
-    goes with its data (read into this process's cache, or already there),
-    as vLLM's processor-only cache sends it, and no lease is left behind.
-    (Read again, the sidecar moves it into shared memory: later hits are
-    read there by the engine with no call.)
-    The hit is the sidecar's all the same: counted there, as vLLM counts it."""
+    the engine's read of it would be a call on the engine's thread. A hit
+    read into this process's cache (it lacked it) goes with that data, as
+    vLLM's processor-only cache sends it, and leaves no lease; one this
+    process held goes as its key, and the engine's read of it moves it into
+    shared memory, where later hits cost no call. Counted alike, as vLLM does."""
     p0_a = MMCacheProcessorCache(clients(), SCOPE)
     p0_b = MMCacheProcessorCache(clients(), SCOPE)
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
     icon = item(1, numel=4096)  # 16 KiB
     request(p0_a, [("icon", icon)])
     eventually(lambda: p0_b.sync.client.is_cached([p0_b.key("icon")]) == [True])
@@ -244,8 +244,14 @@ def test_a_small_hit_goes_inline_and_leaves_no_lease(
         p0_b.get_and_update_item((icon, updates()), "icon")
         eventually(lambda: p0_b.uploads_in_flight == 0)
     (out,) = request(p0_b, [("icon", item(9, numel=4096))])
-    assert out[0] == icon and same_updates(list(out[1]), updates())  # the sidecar's data
-    assert leases(p0_b.sync) == 0  # none taken: the lookup knew it would go inline
+    assert same_updates(list(out[1]), updates())
+    if first_here:
+        assert out[0] is None and leases(p1.sync) == 1  # the engine reads it, leased
+        assert p1.get_and_update_features([feature("icon", None)])[0].data == icon
+        eventually(lambda: leases(p1.sync) == 0)
+    else:
+        assert out[0] == icon  # the sidecar's data, read here
+        assert leases(p1.sync) == 0  # none taken: the lookup knew it would go inline
     stats = p0_b.make_stats()
     assert (stats.hits, stats.total) == ((1, 2) if first_here else (1, 1))
     eventually(lambda: sidecar_counts(sidecar) == (2 + first_here, 1))
