@@ -27,6 +27,9 @@ hit as vLLM alone's cache would hand it over (`take`).
   the server's alone (not on the feed), and ends with any upload of the
   item or with its time (`claim_s`).
   A server that does not answer in time confirms nothing (fail-open).
+- A small hit (under 1 MiB: outside the sidecar's shared memory) that
+  `_fill` just read into this process's cache goes to the engine inline,
+  rather than be read again by a call on the engine's thread (`_go_inline`).
 - This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
   same memory, told every call vLLM alone would make on its cache, with the
   data. What it holds and the sidecar does not (a sidecar slow, full or
@@ -58,7 +61,7 @@ _LOGGER = logging.getLogger(__name__)
 
 CLAIM_MARGIN_S = 1.0  # a claim's time past three processings: the upload's
 # The sidecar keeps items under this outside its shared memory, so the
-# engine's read of one is a call: such a hit goes inline where its data is here.
+# engine's read of one is a call: such a hit just read here goes inline.
 INLINE_BELOW_BYTES = SHM_MIN_BYTES
 
 
@@ -68,7 +71,7 @@ class Lookup:
     def __init__(self, context: P0Context, own: LocalCache) -> None:
         self._p0 = context
         self._own = own
-        # Hits smaller than this whose data is here go inline (0: none do).
+        # Hits smaller than this just read here go inline (0: none do).
         self._inline_bytes = INLINE_BELOW_BYTES
 
     def hits_as_keys(self) -> None:

@@ -51,14 +51,7 @@ from vllm.multimodal.processing.processor import (
 from mmcache._errors import InvalidArgumentError
 from mmcache._items import BatchedField, Field, FieldElem, FlatField, Item, MMItem, SharedField
 
-__all__ = [
-    "decode_updates",
-    "encode_updates",
-    "from_vllm",
-    "item_nbytes",
-    "to_vllm",
-    "undescribed",
-]
+__all__ = ["decode_updates", "encode_updates", "from_vllm", "to_vllm", "undescribed"]
 
 SCHEMA_VERSION = 1
 
