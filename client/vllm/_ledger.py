@@ -40,11 +40,11 @@ class Ledger:
     # Sidecar hits this process's cache lacked: the data read for it.
     filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
     # Sidecar hits leased for the engine's read (those resident in its shared
-    # memory too), and the small ones read into this process's cache, whose
-    # data goes inline instead (their leases given back).
+    # memory too), and the small ones of `filled` whose data goes inline
+    # instead (their leases given back).
     leased: set[str] = field(default_factory=set)
     resident: set[str] = field(default_factory=set)
-    inline: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
+    inline: set[str] = field(default_factory=set)
     # Modalities of misses the server has not counted yet: processed items
     # neither looked up nor uploaded (sent with the request's uploads).
     misses: list[str] = field(default_factory=list)

@@ -198,7 +198,7 @@ class Lookup:
                 continue
             if item_nbytes(data) >= self._inline_bytes:
                 continue
-            ledger.inline[mm_hash] = data
+            ledger.inline.add(mm_hash)
             if mm_hash in ledger.leased:
                 ledger.leased.discard(mm_hash)
                 leased.append(key)
@@ -298,15 +298,12 @@ class Lookup:
         process's own (its data inline; offered to a sidecar that lacks it)."""
         updates = ledger.confirmed.get(mm_hash)
         if updates is not None:
-            inline = ledger.inline.get(mm_hash)
-            if inline is not None:  # small and read here: the engine reads nothing
-                item, _ = self._own.get_and_update_item((inline, updates), mm_hash)
-                return item, updates
             filled = ledger.filled.get(mm_hash)
             if filled is not None or self._own.is_cached_item(mm_hash):
                 taken = None if filled is None else (filled, updates)
                 self._own.get_and_update_item(taken, mm_hash)
-            return None, updates
+            # Small and read here: its data goes, the engine reads nothing.
+            return (filled if mm_hash in ledger.inline else None), updates
         entry = ledger.local.get(mm_hash)
         if entry is None:  # vLLM sends None only where is_cached said True
             raise MultiModalCacheMissError([mm_hash])
