@@ -13,18 +13,24 @@ request's images) before it runs. The family crosses:
 - an all-distinct phase (every image new) followed by repeats, whose
   popularity is reversed (the later images become the popular ones);
 - multi-turn chats of 1-6 turns, each turn re-sending the chat's earlier
-  images (the last 4), four chats at a time.
+  images (the last 4), four chats at a time;
+- laps: a trace whose one draw replays in about a second draws its chats
+  again, from the same image sizes but with new images, several times over
+  (the probes only first), so its requests/s is measured over seconds.
 
 Per trace and configuration (`--api-server-count` 1, 2, 4; 2 engines with
 `--data-parallel-size 2`), vLLM alone and mmcache in turn, a fresh
 deployment each round that serves the traces one after the other (`--fresh`:
 a deployment per trace): vLLM's hits of its queries, processor runs (queries less
 hits) against the trace's unique images, requests/s, API and engine CPU ms
-per request (read from /proc: bench/vllm.py), all the CPU a request cost
+per request (read from /proc: bench/vllm.py), the prompt tokens the
+engines found in their prefix caches (`vllm:prefix_cache_hits_total`: what
+the engines did not compute again), all the CPU a request cost
 (the sidecar's too), and the plugin's uploads made
 and declined (`mmcache_vllm_uploaded_items_total`,
 `mmcache_vllm_not_uploaded_items_total`). With `--repeats` the median of
-the runs is printed; after the table, the family's median and worst trace
+the runs is printed, and beside requests/s the least and most of each
+round's own ratio (rounds run in turn); after the table, the family's median and worst trace
 for each measure. `--short` (in `make bench`): two traces, one and four API
 servers, one run.
 """
@@ -67,17 +73,29 @@ class Shape:
     distinct_first: bool  # an all-distinct phase before the repeats
     pool: int = 8
     chats: int = 8
+    # The shape drawn again this many times, each lap with images of its own
+    # (the probes only in the first): a trace whose replay would last about
+    # a second is replayed for several, so requests/s is measured, not its
+    # first requests' luck.
+    laps: int = 1
 
 
 FAMILY = (
-    Shape("probe-then-1024-zipf", ("1024x1024",), "probe-first", "zipf", False),
+    Shape("probe-then-1024-zipf", ("1024x1024",), "probe-first", "zipf", False, laps=2),
     Shape("probe-then-mixed-uniform", tuple(SIZES), "probe-first", "uniform", False),
-    Shape("mixed-shuffled-zipf", tuple(SIZES), "shuffled", "zipf", False),
+    Shape("mixed-shuffled-zipf", tuple(SIZES), "shuffled", "zipf", False, laps=2),
     Shape(
-        "large-first-uniform", ("64x64", "448x448", "1920x1080"), "large-first", "uniform", False
+        "large-first-uniform",
+        ("64x64", "448x448", "1920x1080"),
+        "large-first",
+        "uniform",
+        False,
+        laps=6,
     ),
-    Shape("distinct-then-repeat-zipf", tuple(SIZES), "probe-first", "zipf", True),
+    Shape("distinct-then-repeat-zipf", tuple(SIZES), "probe-first", "zipf", True, laps=4),
     Shape("distinct-then-repeat-uniform", ("64x64", "1920x1080"), "shuffled", "uniform", True),
+    # Sharing's worst case: items as cheap to process as to share, new first.
+    Shape("icons-distinct-then-repeat", ("64x64",), "shuffled", "zipf", True, laps=4),
 )
 SHORT = ("probe-then-1024-zipf", "distinct-then-repeat-zipf")
 PROBES = 4
@@ -102,16 +120,31 @@ class Trace:
     def describe(self) -> str:
         sizes = {f"{s}": f"{w}x{h}" for turns in self.chats for t in turns for s, (w, h) in t}
         chats = [[[seed for seed, _ in turn] for turn in turns] for turns in self.chats]
-        return f"trace {self.name} seed={self.seed} sizes={sizes} chats={chats}"
+        return (
+            f"trace {self.name} seed={self.seed} requests={self.requests} "
+            f"unique={self.unique} sizes={sizes} chats={chats}"
+        )
 
 
 def draw(shape: Shape, seed: int) -> Trace:
-    """A trace of `shape`, the same for the same seed."""
+    """A trace of `shape`, the same for the same seed: its laps one after
+    the other (the first lap is the trace a one-lap shape of this seed draws)."""
     rng = random.Random(seed)
     sizes = [SIZES[rng.choice(shape.mix)] for _ in range(shape.pool)]
     if shape.order == "large-first":  # popularity ranks: the largest lead
         sizes.sort(key=lambda s: s[0] * s[1], reverse=True)
-    base = seed * 1000  # image seeds: distinct per trace, so no deployment saw them
+    chats: list[list[list[Image]]] = []
+    for lap in range(shape.laps):
+        # Image seeds: distinct per trace and lap, so no deployment saw them;
+        # each lap draws its chats anew from the same sizes.
+        base = seed * 1000 + lap * 1_000_000
+        chats += _lap(shape, rng, sizes, base, probes=lap == 0)
+    return Trace(shape.name, seed, chats)
+
+
+def _lap(
+    shape: Shape, rng: random.Random, sizes: list[Size], base: int, probes: bool
+) -> list[list[list[Image]]]:
     pool = [(base + n, size) for n, size in enumerate(sizes)]
     weights = [1 / (rank + 1) ** 1.1 for rank in range(len(pool))]
     if shape.popularity == "uniform":
@@ -133,9 +166,9 @@ def draw(shape: Shape, seed: int) -> Trace:
                 images.append(image)
             turns.append(images[-MOST_IMAGES:])
         chats.append(turns)
-    if shape.order == "probe-first":  # one small image a request, before the rest
+    if shape.order == "probe-first" and probes:  # one small image a request, first
         chats[:0] = [[[(base + 990 + n, SIZES["64x64"])]] for n in range(PROBES)]
-    return Trace(shape.name, seed, chats)
+    return chats
 
 
 @dataclass
@@ -149,6 +182,10 @@ class Run:
     total_ms: float  # API, engine and the sidecar: all a request cost the machine
     uploaded: float
     declined: float
+    # Prompt tokens the engines found in their prefix caches: with data
+    # parallelism a chat's next turn that lands on the other engine finds
+    # none, and its images are encoded again (engine CPU neither side chose).
+    prefix_hits: float
 
 
 def run(served: Deployment, trace: Trace) -> Run:
@@ -178,6 +215,7 @@ def run(served: Deployment, trace: Trace) -> Run:
         used.total * 1e3,
         delta("mmcache_vllm_uploaded_items_total"),
         delta("mmcache_vllm_not_uploaded_items_total"),
+        delta("vllm:prefix_cache_hits_total"),
     )
 
 
@@ -185,15 +223,17 @@ def median(runs: list[Run]) -> Run:
     return Run(*(statistics.median(getattr(r, f) for r in runs) for f in Run.__dataclass_fields__))
 
 
-def row(trace: Trace, label: str, alone: Run, cached: Run) -> str:
+def row(trace: Trace, label: str, alone: Run, cached: Run, spread: tuple[float, float]) -> str:
     return (
         f"| {trace.name} ({trace.seed}) | {label} "
         f"| {cached.hits:.0f} / {alone.hits:.0f} ({cached.queries:.0f}) "
         f"| {cached.queries - cached.hits:.0f} / {alone.queries - alone.hits:.0f} "
         f"/ {trace.unique} "
         f"| {cached.requests / cached.seconds:.2f} / {alone.requests / alone.seconds:.2f} "
+        f"({spread[0]:.2f}-{spread[1]:.2f}x) "
         f"| {cached.api_ms:.0f} / {alone.api_ms:.0f} "
         f"| {cached.engine_ms:.0f} / {alone.engine_ms:.0f} "
+        f"| {cached.prefix_hits / 1e3:.1f} / {alone.prefix_hits / 1e3:.1f} "
         f"| {cached.total_ms:.0f} / {alone.total_ms:.0f} "
         f"| {cached.uploaded:.0f} / {cached.declined:.0f} |"
     )
@@ -261,11 +301,12 @@ def table(
     trace gets a deployment of its own."""
     print(
         "| trace | config | hits: mmcache / vLLM alone (of queries) | processor runs: "
-        "mmcache / alone / unique images | requests/s: mmcache / alone | API CPU ms/req: "
-        "mmcache / alone | engine CPU ms/req: mmcache / alone | all CPU ms/req (the sidecar's "
-        "too): mmcache / alone | uploads made / declined |"
+        "mmcache / alone / unique images | requests/s: mmcache / alone (each round's ratio, "
+        "least-most) | API CPU ms/req: mmcache / alone | engine CPU ms/req: mmcache / alone "
+        "| engine prefix-cache hits, k tokens: mmcache / alone | all CPU ms/req (the "
+        "sidecar's too): mmcache / alone | uploads made / declined |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     found = []
     for label, api_servers, dp in configs:
         runs: dict[tuple[str, bool], list[Run]] = {}
@@ -279,8 +320,14 @@ def table(
                                 run(served, trace)
                             )
         for trace in traces:
-            alone, cached = median(runs[trace.name, False]), median(runs[trace.name, True])
-            print(row(trace, label, alone, cached), flush=True)
+            alones, cacheds = runs[trace.name, False], runs[trace.name, True]
+            alone, cached = median(alones), median(cacheds)
+            # Rounds ran in turn (alone, then mmcache): each round's own ratio.
+            each = [
+                (c.requests / c.seconds) / (a.requests / a.seconds)
+                for a, c in zip(alones, cacheds, strict=True)
+            ]
+            print(row(trace, label, alone, cached, (min(each), max(each))), flush=True)
             found.append(ratios(trace, label, alone, cached))
     return found
 

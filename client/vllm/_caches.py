@@ -42,6 +42,7 @@ from mmcache._errors import MMCacheError
 from mmcache._spec import check_name
 
 from ._costs import ProcessingTime
+from ._digests import Shape
 from ._keys import scoped_key
 from ._ledger import Ledgers
 from ._local import LocalCache
@@ -49,6 +50,7 @@ from ._p0_context import P0Context
 from ._p0_lookup import Lookup
 from ._p0_releases import RequestEnds
 from ._p0_sharing import Sharing, stamp
+from ._small import SmallImages, no_shape
 from ._updates import KnownUpdates
 from .runtime import SyncClient
 
@@ -87,6 +89,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         shareable: Callable[[str], bool] = lambda mm_hash: True,
         # Claim new images at the sidecar so that one process processes each (_p0_lookup.py).
         single_flight: bool = False,
+        # An image's dimensions by its hash (the factory's: _digests.py), so
+        # that small ones stay here (_small.py); the default knows none.
+        shape_of: Callable[[str], Shape | None] = no_shape,
     ) -> None:
         super().__init__()
         self.sync = sync  # the process's client, which every call goes through
@@ -94,7 +99,15 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         self._own = LocalCache(local_gb)  # vLLM alone's cache: _local.py
         self._known = KnownUpdates(model)
         self._processing = ProcessingTime()  # measured by Sharing, read by Lookup
-        context = P0Context(sync, self.key, self._known, self._processing, shareable, single_flight)
+        context = P0Context(
+            sync,
+            self.key,
+            self._known,
+            self._processing,
+            shareable,
+            SmallImages(shape_of),
+            single_flight,
+        )
         self._lookup = Lookup(context, self._own)
         self._sharing = Sharing(context)
         self._ledgers = Ledgers()
@@ -184,7 +197,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
     @override
     def touch_sender_cache_item(self, mm_hash: str) -> None:
         self._own.touch_sender_cache_item(mm_hash)  # as vLLM alone's cache is touched
-        self.sync.client.touch(self.key(mm_hash))
+        if mm_hash not in self._ledgers.current().kept:  # (kept: the sidecar's no concern)
+            self.sync.client.touch(self.key(mm_hash))
 
     @override
     def release_sender_touches(self) -> None:

@@ -49,7 +49,8 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
     if not _caching_enabled(vllm_config):
         return None
     from ._caches import MMCacheProcessorCache
-    from ._digests import is_digest
+    from ._digests import input_shape, is_digest
+    from ._small import no_shape
 
     settings = Settings.from_env()
     model = str(getattr(getattr(vllm_config, "model_config", None), "model", "") or "")
@@ -69,6 +70,7 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
         multimodal.mm_processor_cache_gb,
         shareable=lambda mm_hash: is_digest(mm_hash, algorithm),  # not a client's uuid
         single_flight=single_flight,
+        shape_of=no_shape if settings.share_small else input_shape,
     )
 
 

@@ -37,6 +37,10 @@ class Ledger:
     # is_cached answered (another request may evict it before vLLM takes it).
     local: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     unshared: set[str] = field(default_factory=set)  # local hits the sidecar lacks
+    # Small images this request keeps here, as vLLM alone would (_small.py):
+    # decided once, at is_cached, so what the request learns meanwhile does
+    # not leave a claim it made without its upload.
+    kept: set[str] = field(default_factory=set)
     # Sidecar hits this process's cache lacked: the data read for it.
     filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
     # Sidecar hits leased for the engine's read (those resident in its shared

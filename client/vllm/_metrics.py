@@ -6,7 +6,8 @@ once per process, on first use: a second client (the EC connector's) shares
 them. What they tell: how often the sidecar failed open, and what a hit
 saves against what an upload costs, in CPU seconds of the API processes
 (the processor's CPU on the items they processed; the CPU of the uploads
-they sent), and what was not shared (client/vllm/_costs.py, `Uploads`).
+they sent), and what was not shared (client/vllm/_costs.py, `Uploads`),
+or kept in its process by design (client/vllm/_small.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class PluginMetrics:
     uploaded: Any
     upload_cpu: Any
     not_uploaded: Any
+    kept_small: Any
 
 
 _lock = threading.Lock()
@@ -70,6 +72,12 @@ def plugin_metrics() -> PluginMetrics:
                 Counter(
                     "mmcache_vllm_not_uploaded_items",
                     "Items not shared: larger than the sidecar, uploads backed up, or failed.",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_kept_small_items",
+                    "Small images processed and kept in their API process, as vLLM alone "
+                    "keeps them: cheaper to process than to share (docs/vllm.md).",
                     registry=REGISTRY,
                 ),
             )

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._costs import ProcessingTime
+from ._small import SmallImages
 from ._updates import KnownUpdates
 from .runtime import SyncClient
 
@@ -21,4 +22,5 @@ class P0Context:
     known: KnownUpdates  # prompt updates of what this process processed
     processing: ProcessingTime  # measured by Sharing, read by Lookup
     shareable: Callable[[str], bool]  # which hashes are the fleet's (_digests.py)
+    small: SmallImages  # images kept here as vLLM alone keeps them (_small.py)
     single_flight: bool = False  # claim new images at the sidecar (_p0_lookup.py)

@@ -73,11 +73,14 @@ class Lookup:
         self._own = own
         # Hits smaller than this just read here go inline (0: none do).
         self._inline_bytes = INLINE_BELOW_BYTES
+        self._keep_small = True  # small images stay here (_small.py)
 
     def hits_as_keys(self) -> None:
-        """Every sidecar hit goes as its key, whatever its size: for a
-        transport that carries keys to a worker that reads them (Dynamo's)."""
+        """Every sidecar hit goes as its key, whatever its size, and every
+        item is shared: for a transport that carries keys to a worker that
+        reads them (Dynamo's)."""
         self._inline_bytes = 0
+        self._keep_small = False
 
     def ask(self, ledger: Ledger, mm_hashes: list[str]) -> None:
         """Confirm, into `ledger`, which of `mm_hashes` are hits."""
@@ -88,7 +91,14 @@ class Lookup:
         # hash is asked about (the server reads the tier through), in the same call.
         # Only items named by their content (vLLM's digest, not a client's uuid)
         # are the fleet's: the others stay in this process's cache (_digests.py).
-        shared = [self._p0.shareable(h) for h in mm_hashes]
+        # Small images are kept here as vLLM alone keeps them (_small.py),
+        # but one this request asked about (maybe claimed) before another
+        # request taught this process its shape: its upload follows.
+        if self._keep_small:
+            ledger.kept.update(
+                h for h in mm_hashes if h not in ledger.looked_up and self._p0.small.is_small(h)
+            )
+        shared = [self._p0.shareable(h) and h not in ledger.kept for h in mm_hashes]
         if client.shared_tier and client.following:  # (not while out of touch)
             known = shared
         else:
@@ -148,6 +158,7 @@ class Lookup:
                     (not held or mm_hash in ledger.looked_up)
                     and self._p0.known.undescribed is None
                     and self._p0.shareable(mm_hash)
+                    and mm_hash not in ledger.kept
                 ):
                     ledger.unshared.add(mm_hash)
 

@@ -64,6 +64,11 @@ class Sharing:
         ):
             ledger.misses.append(modality)  # asked of no server
             return False  # the sidecar has it: its updates are now known here
+        self._p0.small.processed(mm_hash, item_nbytes(item))
+        if mm_hash in ledger.kept:  # small: kept here, as vLLM alone keeps it
+            ledger.misses.append(modality)
+            self._metrics.kept_small.inc()
+            return False
         if not self._p0.shareable(mm_hash):  # a client's uuid: never the fleet's
             ledger.misses.append(modality)
             self._metrics.not_uploaded.inc()

@@ -47,6 +47,9 @@ class Settings:
     # the others wait for its upload (docs/vllm.md); on/off, unset: on where
     # vLLM runs several API servers
     single_flight: bool | None = None
+    # MMCACHE_SHARE_SMALL: on shares small images too; off (the default) keeps
+    # them in their API process, as vLLM alone does (client/vllm/_small.py)
+    share_small: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -66,6 +69,7 @@ class Settings:
             untested=env.get(UNTESTED_ENV, "") == "1",
             metrics_port=_port("MMCACHE_VLLM_METRICS_PORT", env.get("MMCACHE_VLLM_METRICS_PORT")),
             single_flight=_switch("MMCACHE_SINGLE_FLIGHT", env.get("MMCACHE_SINGLE_FLIGHT")),
+            share_small=bool(_switch("MMCACHE_SHARE_SMALL", env.get("MMCACHE_SHARE_SMALL"))),
         )
 
     def client_options(self) -> dict[str, Any]:

@@ -20,6 +20,15 @@ import pytest
 MMCACHE = str(Path(sys.executable).with_name("mmcache"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The tests' images are 100x80: small, so the plugin would keep each in
+    the API process that processed it (client/vllm/_small.py). These tests
+    are about what is shared, so everything is, in every vLLM they start;
+    the rule's own tests turn it back on (test_caches.py, test_engine.py).
+    (A hook, not an import-time setting: the benches import this module.)"""
+    os.environ.setdefault("MMCACHE_SHARE_SMALL", "on")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

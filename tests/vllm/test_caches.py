@@ -694,3 +694,53 @@ def test_only_vllms_own_digests_reach_the_sidecar_a_clients_uuid_stays_here(
     url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
     eventually(lambda: metrics(url)["mmcache_queries_total"] == 4)  # the sidecar's equal them
     assert metrics(url)["mmcache_hits_total"] == 2
+
+
+def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """An image of at most 256x256 pixels whose item came out under 1 MiB the
+    last time this process processed one of its dimensions is kept as vLLM
+    alone keeps it (client/vllm/_small.py): processed here, hit here, never
+    claimed nor uploaded. The first of a shape is shared (nothing was known
+    of it), and a larger image is shared whatever its item's size. Counted
+    as vLLM counts them, at P0 and at the sidecar."""
+    from PIL import Image
+    from vllm.multimodal.hasher import MultiModalHasher
+
+    from mmcache.client.vllm._digests import input_shape, record_digests
+
+    record_digests()
+
+    def digest(size: tuple[int, int], color: str) -> str:
+        image: Any = Image.new("RGB", size, color)
+        with contextlib.suppress(ImportError):  # as vLLM 0.32's loader gives it
+            from vllm.multimodal.media import MediaWithBytes
+
+            image = MediaWithBytes(image, f"{color} {size}".encode(), None)
+        return str(MultiModalHasher.hash_kwargs("blake3", model_id="m", image=image))
+
+    first, icon, photo, other = (
+        digest((64, 64), "red"),
+        digest((64, 64), "blue"),
+        digest((512, 512), "red"),
+        digest((512, 512), "blue"),
+    )
+    assert input_shape(icon) == (64, 64, "")
+    p0 = MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape, single_flight=True)
+    client, url = p0.sync.client, f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
+    request(p0, [(first, item(1)), (photo, item(2))])  # nothing known yet: both shared
+    eventually(lambda: client.is_cached([p0.key(first), p0.key(photo)]) == [True, True])
+    # Known now: a 64x64 image makes a 4 KiB item here; 512x512 is too large.
+    request(p0, [(icon, item(3)), (other, item(4))])
+    eventually(lambda: client.is_cached([p0.key(other)]) == [True])
+    (hit,) = request(p0, [(icon, item(9))])  # this process's own hit, its data inline
+    assert hit[0] == item(3) and same_updates(list(hit[1]), updates())
+    assert client.is_cached([p0.key(icon)]) == [False]  # never reached the sidecar
+    assert REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") == kept + 1
+    stats = p0.make_stats()
+    assert (stats.hits, stats.total) == (1, 5)
+    eventually(lambda: metrics(url)["mmcache_queries_total"] == 5)
+    assert metrics(url)["mmcache_hits_total"] == 1
+    assert metrics(url)["mmcache_items"] == 3  # first, photo, other

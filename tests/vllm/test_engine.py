@@ -80,6 +80,24 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     assert served["mmcache_shm_client_cpu_seconds_total"] > 0
 
 
+def test_small_images_stay_in_the_engines_process_with_vllm_alones_hits(
+    model: Path, sidecar: Sidecar
+) -> None:
+    """The plugin's default (client/vllm/_small.py): the first 100x80 image
+    is shared (nothing was known of its shape); after it, images of that
+    shape are kept as vLLM alone keeps them: the repeats of red hit this
+    process's own cache, blue is processed and never uploaded. The same
+    answers, hits and counts as without the rule."""
+    alone = offline(model)
+    kept = offline(model, MMCACHE_TARGET=sidecar.target, MMCACHE_SHARE_SMALL="off")
+    assert kept["tokens"] == alone["tokens"]
+    assert kept["metrics"] == {"vllm:mm_cache_queries": 4, "vllm:mm_cache_hits": 2}
+    served = sidecar_metrics(sidecar.metrics_port)
+    assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
+    assert served["mmcache_items"] == 1  # red alone was uploaded
+    assert served["mmcache_leases"] == 0
+
+
 def test_a_small_image_first_then_large_repeats_hit_at_least_as_vllm_alone(
     tmp_path_factory: pytest.TempPathFactory, sidecar: Sidecar
 ) -> None:

@@ -1,0 +1,83 @@
+"""Small images are kept as vLLM alone keeps them: cheaper to process than to share.
+
+Sharing an item costs calls: the lookup that claims it, its upload, and in
+every other API process a lookup and a read of it. A call costs about
+0.5 ms of an API process's CPU and as much of the sidecar's (docs/vllm.md).
+An icon (64x64: a 75 KB item on Qwen2-VL) costs its processor about that
+much, so on a trace of new icons sharing made vLLM slower (issue 42's
+icons-distinct-then-repeat: 0.73x requests/s), however many hits it gave.
+
+The rule: an image of at most `SMALL_PIXELS` pixels whose item came out
+under `SMALL_BYTES` the last time this process processed an image of the
+same dimensions and settings is **kept as vLLM alone keeps it**: in this
+process's own cache (`LocalCache`), never asked about, claimed or uploaded;
+a hit of that cache goes inline, a miss is processed here. Both sizes are
+facts, not estimates: the input's from its header (`input_shape`, recorded as
+vLLM hashes it), the item's measured here on the same input shape. So:
+
+- for such an image, hits and processor runs are exactly vLLM alone's, and it
+  costs no call (its counts reach the sidecar in the next report);
+- every other item is shared as before, and the first image of each shape a
+  process sees is shared too (nothing is known of it yet): a model that
+  enlarges small images (PaliGemma, LLaVA) makes large items of them, which
+  stay shared;
+- an image named by a client's uuid, or hashed by no hasher here, has no
+  shape: shared by the rules it had (_digests.py).
+
+`MMCACHE_SHARE_SMALL=on` shares every item as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from mmcache.client.colocated import SHM_MIN_BYTES
+
+from ._digests import Shape
+
+__all__ = ["SMALL_BYTES", "SMALL_PIXELS", "SmallImages"]
+
+SMALL_PIXELS = 256 * 256
+# Under this the sidecar keeps an item in its heap, where every read of it by
+# another process is a call (docs/shm.md).
+SMALL_BYTES = SHM_MIN_BYTES
+_SHAPES = 4096  # shapes remembered, newest kept: images come in few sizes
+
+
+class SmallImages:
+    """Which images this process keeps to itself: thread-safe (vLLM's pool
+    runs requests on several threads)."""
+
+    def __init__(self, shape_of: Callable[[str], Shape | None]) -> None:
+        self._shape_of = shape_of
+        self._small: OrderedDict[Shape, bool] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def processed(self, mm_hash: str, nbytes: int) -> None:
+        """Learn from an item processed here: its input's shape makes items of
+        `nbytes`."""
+        shape = self._shape_of(mm_hash)
+        if shape is None:
+            return
+        small = shape[0] * shape[1] <= SMALL_PIXELS and nbytes < SMALL_BYTES
+        with self._lock:
+            self._small[shape] = small
+            self._small.move_to_end(shape)
+            if len(self._small) > _SHAPES:
+                self._small.popitem(last=False)
+
+    def is_small(self, mm_hash: str) -> bool:
+        """Whether the image under `mm_hash` stays here: its shape made a small
+        item here before."""
+        shape = self._shape_of(mm_hash)
+        if shape is None:
+            return False
+        with self._lock:
+            return self._small.get(shape, False)
+
+
+def no_shape(mm_hash: str) -> Shape | None:
+    """Shapes unknown: every item is shared (`MMCACHE_SHARE_SMALL=on`, Dynamo)."""
+    return None
