@@ -727,6 +727,11 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
         digest((512, 512), "blue"),
     )
     assert input_shape(icon) == (64, 64, "")
+    # Per-request processor settings are part of the shape: they change the item.
+    salted = MultiModalHasher.hash_kwargs(
+        "blake3", model_id="m", image=Image.new("RGB", (64, 64)), mm_processor_kwargs={"a": 9}
+    )
+    assert input_shape(salted) == (64, 64, "mm_processor_kwargs={'a': 9}")
     p0 = MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape, single_flight=True)
     client, url = p0.sync.client, f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
     kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
