@@ -181,6 +181,8 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             hit = self._lookup.take(ledger, mm_hash)
             with self._lock:
                 self._hits += 1
+            if self._ends.per_item():  # vLLM 0.31: counts (own hits) leave as they come
+                self._sharing.send(ledger)
             return hit
         # vLLM alone's cache takes every item it is given: so does this process's.
         self._own.get_and_update_item(mm_item, mm_hash)
