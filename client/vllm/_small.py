@@ -79,5 +79,6 @@ class SmallImages:
 
 
 def no_shape(mm_hash: str) -> Shape | None:
-    """Shapes unknown: every item is shared (`MMCACHE_SHARE_SMALL=on`, Dynamo)."""
+    """Shapes unknown: every item is shared (`MMCACHE_SHARE_SMALL=on`; Dynamo's
+    frontend turns the rule off with `hits_as_keys` instead)."""
     return None
