@@ -261,6 +261,7 @@ class MMCacheClient(EncoderBooksAPI):
         lease: Lease = True,
         resend: Sequence[bool] | None = None,
         processed: bool = False,
+        resident: bool = False,
     ) -> UpdateResult:
         """Upload what the server lacks; None where it already holds the item.
 
@@ -276,10 +277,13 @@ class MMCacheClient(EncoderBooksAPI):
         is a miss. `processed`: the caller processed every item given (vLLM's
         P0 sharing its misses), so each carries its data and is a miss, even
         where the mirror knows another client stored it meanwhile (else its
-        hash goes alone: a hit, and None in the result).
+        hash goes alone: a hit, and None in the result). `resident`: every
+        payload goes through the co-located region, where one is mapped (else
+        from 1 MiB up), so that the items are resident at once and every
+        client on the host reads them with no call (docs/shm.md).
         """
         call = update_call(
-            items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed
+            items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed, resident
         )
         return await self._uploads.run(call)
 

@@ -76,6 +76,9 @@ class Call:
     wait_s: float | None = None  # the longest wait for an upload in flight elsewhere
     claim_s: float = 0.0  # how long hash-only misses are claimed for the caller (0: not)
     processed: bool = False  # the caller processed the items: data sent, each a miss
+    # Payloads of any size through the co-located region (else from
+    # SHM_MIN_BYTES up): resident at once, read by every client there with no call.
+    resident: bool = False
 
 
 def update_call(
@@ -87,6 +90,7 @@ def update_call(
     lease: Lease,
     resend: Sequence[bool] | None,
     processed: bool = False,
+    resident: bool = False,
 ) -> Call:
     """A get_and_update's call."""
     if metadata is not None and len(metadata) != len(items):
@@ -97,7 +101,15 @@ def update_call(
     blobs = [b"" if m is None else m for m in metadata or [None] * len(items)]
     modalities = [modality] * len(mm_hashes)
     return Call(
-        items, mm_hashes, modalities, blobs, want_metadata, lease, resend, processed=processed
+        items,
+        mm_hashes,
+        modalities,
+        blobs,
+        want_metadata,
+        lease,
+        resend,
+        processed=processed,
+        resident=resident,
     )
 
 
@@ -270,6 +282,7 @@ class Uploads:
             mode,
             wait_ms=wait_ms_of(call.wait_s),
             claim_ms=claim_ms_of(call.claim_s),
+            resident=call.resident,
         )
         outcomes = reply.outcomes
         self._counted(sum(o == Outcome.HIT for o in outcomes), len(outcomes))  # as the server
@@ -390,11 +403,13 @@ class Uploads:
         shm: bool = True,
         wait_ms: int = 0,
         claim_ms: int = 0,
+        resident: bool = False,
     ) -> Reply:
         """One round trip: the batch out (`shm`: larger payloads through the
-        region, where there is one), the reply applied to the mirror."""
+        region, where there is one; `resident`: every payload), the reply
+        applied to the mirror."""
         use_shm = shm and self._co.region is not None
-        slots, spares = await self._co.slots_for(entries) if use_shm else ({}, [])
+        slots, spares = await self._co.slots_for(entries, resident) if use_shm else ({}, [])
         if slots:
             try:
                 return await self._send_batch(

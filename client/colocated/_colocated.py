@@ -160,16 +160,20 @@ class CoLocated:
 
     # -- uploads -----------------------------------------------------------
 
-    async def slots_for(self, entries: Sequence[Entry]) -> tuple[dict[int, Slot], list[Size]]:
-        """Slots holding the payloads of this batch's larger uploads (none: all
-        over gRPC), by entry index; and the spares to ask for with its reply."""
+    async def slots_for(
+        self, entries: Sequence[Entry], every: bool = False
+    ) -> tuple[dict[int, Slot], list[Size]]:
+        """Slots holding the payloads of this batch's larger uploads (`every`:
+        all of them, so that they are resident at once; none: all over gRPC),
+        by entry index; and the spares to ask for with its reply."""
         region = self.region
         if region is None or not self.usable(region):
             return {}, []
+        least = 0 if every else SHM_MIN_BYTES
         sizes = {
             i: size_of(e.data.size.payload, self._trailer(e))
             for i, e in enumerate(entries)
-            if e.data is not None and not e.withheld and e.data.size.payload >= SHM_MIN_BYTES
+            if e.data is not None and not e.withheld and e.data.size.payload >= least
         }
         slots: dict[int, Slot] = {}
         for index, size in sizes.items():

@@ -76,8 +76,9 @@ def plugin_metrics() -> PluginMetrics:
                 ),
                 Counter(
                     "mmcache_vllm_kept_small_items",
-                    "Small images processed and kept in their API process, as vLLM alone "
-                    "keeps them: cheaper to process than to share (docs/vllm.md).",
+                    "Small images processed and not uploaded, kept in their API process as "
+                    "vLLM alone keeps them: one API server, or the sidecar held them already "
+                    "(docs/vllm.md).",
                     registry=REGISTRY,
                 ),
             )

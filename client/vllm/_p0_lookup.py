@@ -98,6 +98,8 @@ class Lookup:
             ledger.kept.update(
                 h for h in mm_hashes if h not in ledger.looked_up and self._p0.small.is_small(h)
             )
+        if ledger.kept and self._p0.single_flight:
+            self._kept_from_region(ledger, mm_hashes, keys)
         shared = [self._p0.shareable(h) and h not in ledger.kept for h in mm_hashes]
         if client.shared_tier and client.following:  # (not while out of touch)
             known = shared
@@ -138,6 +140,29 @@ class Lookup:
         self._own_hits(ledger, mm_hashes, known)
         self._fill(ledger, mm_hashes, keys)
         self._go_inline(ledger, mm_hashes, keys)
+
+    def _kept_from_region(self, ledger: Ledger, mm_hashes: list[str], keys: list[str]) -> None:
+        """Small images kept here that another API process shared through the
+        sidecar's shared memory (_small.py): leased there with no call, and
+        read there by the engine, with no call either. One not resident
+        there, or held by this process's own cache, is this process's alone,
+        as vLLM alone's: no call is made for it."""
+        own, client = self._own, self._p0.sync.client
+        ask = [
+            i
+            for i, h in enumerate(mm_hashes)
+            if h in ledger.kept
+            and h not in ledger.looked_up
+            and self._p0.shareable(h)
+            and not own.is_cached_item(h)
+        ]
+        held = client.is_cached([keys[i] for i in ask])
+        ask = [i for i, h in zip(ask, held, strict=True) if h]
+        if ask:
+            try:
+                self._lease_resident(ledger, mm_hashes, keys, ask)
+            except MMCacheError as exc:
+                _LOGGER.debug("mmcache lease with no call failed: %s", exc)
 
     def _own_hits(self, ledger: Ledger, mm_hashes: list[str], known: list[bool]) -> None:
         """This process's cache's hits the sidecar did not confirm: kept for the

@@ -65,17 +65,30 @@ class Sharing:
             ledger.misses.append(modality)  # asked of no server
             return False  # the sidecar has it: its updates are now known here
         self._p0.small.processed(mm_hash, item_nbytes(item))
-        if mm_hash in ledger.kept:  # small: kept here, as vLLM alone keeps it
-            ledger.misses.append(modality)
-            self._metrics.kept_small.inc()
-            return False
         if not self._p0.shareable(mm_hash):  # a client's uuid: never the fleet's
             ledger.misses.append(modality)
             self._metrics.not_uploaded.inc()
             return False
+        if mm_hash in ledger.kept:  # small: kept here, as vLLM alone keeps it
+            if not self._shares_kept(mm_hash):
+                ledger.misses.append(modality)
+                self._metrics.kept_small.inc()
+                return False
+            ledger.into_region = True  # other processes lease it there with no call
         ledger.uploads.append((mm_hash, modality, item, updates))
         ledger.processed += 1
         return True
+
+    def _shares_kept(self, mm_hash: str) -> bool:
+        """Whether a small image kept here goes up all the same: where other
+        API processes share the sidecar (single flight on), into its shared
+        memory, so that their hits of it cost no call; not where the sidecar
+        holds it already, or is uploading it (_small.py)."""
+        if not self._p0.single_flight:
+            return False
+        client = self._p0.sync.client
+        held = client.is_cached([self._p0.key(mm_hash)], pending=True)[0]
+        return client.region is not None and not held
 
     def send(self, ledger: Ledger) -> None:
         """The request's uploads so far leave, in one call, in the background;
@@ -104,6 +117,7 @@ class Sharing:
             return
         self._observe(ledger)
         uploads, ledger.uploads = ledger.uploads, []
+        resident, ledger.into_region = ledger.into_region, False
         client = self._p0.sync.client
         sizes = [item_nbytes(upload[2]) for upload in uploads]
         capacity = client.capacity_bytes
@@ -111,7 +125,7 @@ class Sharing:
         cpu = self._p0.sync.loop_cpu()
         try:
             went = bool(going) and self._uploads.start(  # not when backed up, or closed
-                lambda: self._update(client, going, ledger),
+                lambda: self._update(client, going, ledger, resident),
                 lambda done: self._upload_done(done, cpu, len(going)),
             )
         except Exception as exc:  # its data would not convert: not shared, still cached here
@@ -126,10 +140,11 @@ class Sharing:
         ledger.misses += [m for h, m, _, _ in uploads if h not in told and not ledger.counted(h)]
 
     def _update(
-        self, client: MMCacheClient, uploads: list[Upload], ledger: Ledger
+        self, client: MMCacheClient, uploads: list[Upload], ledger: Ledger, resident: bool
     ) -> Coroutine[Any, Any, int]:
         """One upload of `uploads`, its data converted now, on vLLM's thread;
-        it comes to the number the sidecar then holds."""
+        it comes to the number the sidecar then holds. `resident`: all of it
+        into the sidecar's shared memory (a small image kept here among them)."""
         hashes, modalities, items, updates = zip(*uploads, strict=True)
         call = client.get_and_update(
             [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
@@ -138,6 +153,7 @@ class Sharing:
             # Looked up, or a hit of this process's own: counted already.
             resend=[ledger.counted(h) for h in hashes],
             lease=False,  # the engine has this data inline
+            resident=resident,
             # Processed here: each a miss, as vLLM counts it, even where
             # another process uploaded it meanwhile (its data goes anyway).
             processed=True,

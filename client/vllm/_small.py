@@ -1,22 +1,35 @@
-"""Small images are kept as vLLM alone keeps them: cheaper to process than to share.
+"""Small images are kept as vLLM alone keeps them: cheaper to process than to share by call.
 
 Sharing an item costs calls: the lookup that claims it, its upload, and in
 every other API process a lookup and a read of it. A call costs about
 0.5 ms of an API process's CPU and as much of the sidecar's (docs/vllm.md).
 An icon (64x64: a 75 KB item on Qwen2-VL) costs its processor about that
-much, so on a trace of new icons sharing made vLLM slower (issue 42's
-icons-distinct-then-repeat: 0.73x requests/s), however many hits it gave.
+much, so on a trace of new icons sharing by calls made vLLM slower (issue
+42's icons-distinct-then-repeat: 0.73x requests/s), however many hits it gave.
 
 The rule: an image of at most `SMALL_PIXELS` pixels whose item came out
 under `SMALL_BYTES` the last time this process processed an image of the
 same dimensions and settings is **kept as vLLM alone keeps it**: in this
-process's own cache (`LocalCache`), never asked about, claimed or uploaded;
-a hit of that cache goes inline, a miss is processed here. Both sizes are
+process's own cache (`LocalCache`), never looked up by call nor claimed; a
+hit of that cache goes inline, a miss is processed here. Both sizes are
 facts, not estimates: the input's from its header (`input_shape`, recorded as
-vLLM hashes it), the item's measured here on the same input shape. So:
+vLLM hashes it), the item's measured here on the same input shape. Where
+other API processes share the sidecar (single flight on: several API
+servers), a kept image is shared all the same, through the sidecar's shared
+memory alone, where nothing costs a call but its upload:
 
-- for such an image, hits and processor runs are exactly vLLM alone's, and it
-  costs no call (its counts reach the sidecar in the next report);
+- a processed one the sidecar lacks goes up with the request's upload (in
+  the background, through a write slot, so it is resident at once);
+- one another process shared is leased there with no call (_p0_lookup.py's
+  `_kept_from_region`) and the engine reads it there with no call; one not
+  resident there (moved out to the heap) is processed here, with no call.
+
+So:
+
+- for such an image the hits are at least vLLM alone's (its own cache is
+  vLLM alone's) and it never costs a lookup, claim or read by call; with one
+  API server it costs no call at all (its counts reach the sidecar in the
+  next report);
 - every other item is shared as before, and the first image of each shape a
   process sees is shared too (nothing is known of it yet): a model that
   enlarges small images (PaliGemma, LLaVA) makes large items of them, which
@@ -24,7 +37,7 @@ vLLM hashes it), the item's measured here on the same input shape. So:
 - an image named by a client's uuid, or hashed by no hasher here, has no
   shape: shared by the rules it had (_digests.py).
 
-`MMCACHE_SHARE_SMALL=on` shares every item as before.
+`MMCACHE_SHARE_SMALL=on` shares every item by the common rules.
 """
 
 from __future__ import annotations
@@ -40,8 +53,8 @@ from ._digests import Shape
 __all__ = ["SMALL_BYTES", "SMALL_PIXELS", "SmallImages"]
 
 SMALL_PIXELS = 256 * 256
-# Under this the sidecar keeps an item in its heap, where every read of it by
-# another process is a call (docs/shm.md).
+# Under this an upload goes over gRPC into the sidecar's heap, where every read
+# of it by another process is a call (docs/shm.md), unless sent resident.
 SMALL_BYTES = SHM_MIN_BYTES
 _SHAPES = 4096  # shapes remembered, newest kept: images come in few sizes
 

@@ -14,6 +14,7 @@ import contextlib
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.multimodal.cache import MultiModalCacheMissError
 from vllm.multimodal.inputs import (
     MultiModalBatchedField,
@@ -696,35 +698,43 @@ def test_only_vllms_own_digests_reach_the_sidecar_a_clients_uuid_stays_here(
     assert metrics(url)["mmcache_hits_total"] == 2
 
 
+def digest_of(size: tuple[int, int], color: str) -> str:
+    """vLLM's digest of a plain image of `size` (the shape recorded as vLLM
+    hashes it: client/vllm/_digests.py)."""
+    from PIL import Image
+    from vllm.multimodal.hasher import MultiModalHasher
+
+    from mmcache.client.vllm._digests import record_digests
+
+    record_digests()
+    image: Any = Image.new("RGB", size, color)
+    with contextlib.suppress(ImportError):  # as vLLM 0.32's loader gives it
+        from vllm.multimodal.media import MediaWithBytes
+
+        image = MediaWithBytes(image, f"{color} {size}".encode(), None)
+    return str(MultiModalHasher.hash_kwargs("blake3", model_id="m", image=image))
+
+
 def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     clients: Callable[[], SyncClient], sidecar: Sidecar
 ) -> None:
     """An image of at most 256x256 pixels whose item came out under 1 MiB the
     last time this process processed one of its dimensions is kept as vLLM
-    alone keeps it (client/vllm/_small.py): processed here, hit here, never
-    claimed nor uploaded. The first of a shape is shared (nothing was known
-    of it), and a larger image is shared whatever its item's size. Counted
-    as vLLM counts them, at P0 and at the sidecar."""
+    alone keeps it (client/vllm/_small.py): with one API process on the
+    sidecar, processed here, hit here, never claimed nor uploaded. The first
+    of a shape is shared (nothing was known of it), and a larger image is
+    shared whatever its item's size. Counted as vLLM counts them, at P0 and
+    at the sidecar."""
     from PIL import Image
     from vllm.multimodal.hasher import MultiModalHasher
 
-    from mmcache.client.vllm._digests import input_shape, record_digests
-
-    record_digests()
-
-    def digest(size: tuple[int, int], color: str) -> str:
-        image: Any = Image.new("RGB", size, color)
-        with contextlib.suppress(ImportError):  # as vLLM 0.32's loader gives it
-            from vllm.multimodal.media import MediaWithBytes
-
-            image = MediaWithBytes(image, f"{color} {size}".encode(), None)
-        return str(MultiModalHasher.hash_kwargs("blake3", model_id="m", image=image))
+    from mmcache.client.vllm._digests import input_shape
 
     first, icon, photo, other = (
-        digest((64, 64), "red"),
-        digest((64, 64), "blue"),
-        digest((512, 512), "red"),
-        digest((512, 512), "blue"),
+        digest_of((64, 64), "red"),
+        digest_of((64, 64), "blue"),
+        digest_of((512, 512), "red"),
+        digest_of((512, 512), "blue"),
     )
     assert input_shape(icon) == (64, 64, "")
     # Per-request processor settings are part of the shape: they change the item.
@@ -732,7 +742,7 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
         "blake3", model_id="m", image=Image.new("RGB", (64, 64)), mm_processor_kwargs={"a": 9}
     )
     assert input_shape(salted) == (64, 64, "mm_processor_kwargs={'a': 9}")
-    p0 = MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape, single_flight=True)
+    p0 = MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape)
     client, url = p0.sync.client, f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
     kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
     request(p0, [(first, item(1)), (photo, item(2))])  # nothing known yet: both shared
@@ -749,3 +759,58 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     eventually(lambda: metrics(url)["mmcache_queries_total"] == 5)
     assert metrics(url)["mmcache_hits_total"] == 1
     assert metrics(url)["mmcache_items"] == 3  # first, photo, other
+
+
+def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the_sidecar(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """With several API processes on the sidecar (single flight on), a small
+    image kept in its process goes up all the same, into the sidecar's shared
+    memory: another process that keeps images of its shape hits it there
+    with no call (leased in the region, not processed), and its engine reads
+    it there. Counted as vLLM counts them."""
+    from mmcache.client.vllm._digests import input_shape
+
+    def shm_bytes(direction: str) -> float:
+        return sidecar_shm_bytes(sidecar, direction)
+
+    first_a, first_b, icon = (digest_of((64, 64), c) for c in ("red", "green", "blue"))
+    p0_a, p0_b = (
+        MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape, single_flight=True)
+        for _ in range(2)
+    )
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    for sync in (p0_a.sync, p0_b.sync, p1.sync):
+        eventually(lambda sync=sync: sync.client.region is not None)
+    kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
+    # Each process learns, from its first icon, that icons make small items.
+    request(p0_a, [(first_a, item(1))])
+    request(p0_b, [(first_b, item(2))])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(first_a)]) == [True])
+    written = shm_bytes("write")
+    (out,) = request(p0_a, [(icon, item(3))])  # kept in A, processed: goes up into the region
+    assert out[0] is not None  # processed, sent inline
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(icon)]) == [True])
+    assert shm_bytes("write") > written  # through a write slot, resident at once
+    (hit,) = request(p0_b, [(icon, item(9))])  # B keeps icons too: hit there, not processed
+    assert hit[0] is None and same_updates(list(hit[1]), updates())  # the engine reads it
+    assert leases(p1.sync) == 1
+    assert p1.get_and_update_features([feature(icon, None)])[0].data == item(3)
+    eventually(lambda: leases(p1.sync) == 0)
+    assert REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") == kept
+    stats = p0_b.make_stats()
+    assert (stats.hits, stats.total) == (1, 2)
+    eventually(lambda: sidecar_counts(sidecar) == (4, 1))
+
+
+def sidecar_shm_bytes(sidecar: Sidecar, direction: str) -> float:
+    """Payload bytes through the sidecar's shared-memory region, one way."""
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "mmcache_shm_bytes_total" and sample.labels["direction"] == direction
+    )
