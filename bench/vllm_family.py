@@ -294,8 +294,8 @@ def table(
     repeats: int,
     fresh: bool,
 ) -> list[Ratios]:
-    """Per configuration, `repeats` rounds of vLLM alone then mmcache (in turn:
-    the machine's drift hits both alike). A round's deployment serves the
+    """Per configuration, `repeats` rounds of vLLM alone and mmcache in turn
+    (each first in every other round: the machine's drift hits both alike). A round's deployment serves the
     traces one after the other (their images are distinct, so a trace finds
     only the earlier traces' items taking room), or, with `fresh`, each
     trace gets a deployment of its own."""
@@ -310,8 +310,10 @@ def table(
     found = []
     for label, api_servers, dp in configs:
         runs: dict[tuple[str, bool], list[Run]] = {}
-        for _ in range(repeats):
-            for with_mmcache in (False, True):
+        for round_ in range(repeats):
+            # Each side goes first in every other round, so that a drift of
+            # the machine within a round does not favour one side.
+            for with_mmcache in (False, True) if round_ % 2 == 0 else (True, False):
                 groups = [[t] for t in traces] if fresh else [traces]
                 for group in groups:
                     with deployment(model, api_servers, with_mmcache, dp) as served:
@@ -322,7 +324,7 @@ def table(
         for trace in traces:
             alones, cacheds = runs[trace.name, False], runs[trace.name, True]
             alone, cached = median(alones), median(cacheds)
-            # Rounds ran in turn (alone, then mmcache): each round's own ratio.
+            # Rounds ran in turn (alone and mmcache): each round's own ratio.
             each = [
                 (c.requests / c.seconds) / (a.requests / a.seconds)
                 for a, c in zip(alones, cacheds, strict=True)

@@ -147,6 +147,27 @@ async def test_resident_items_are_read_with_no_call_and_reported_after(
         assert await shm_bytes(shm_server, "read") == 4 * item["x"].nbytes
 
 
+async def test_a_small_item_sent_resident_is_read_by_another_client_with_no_call(
+    shm_server: MMCacheServer,
+) -> None:
+    """Under 1 MiB an upload goes over gRPC into the heap, where a read is a
+    call; `resident=True` sends it through a write slot, resident at once, so
+    another client on the host leases and reads it with no call."""
+    async with client(shm_server) as writer, client(shm_server) as reader:
+        small = {"x": tensor(torch.float32, 1024, 7)}  # 4 KiB
+        await writer.get_and_update([small], ["heap"], lease=False)
+        await writer.get_and_update([small], ["region"], lease=False, resident=True)
+        in_heap, resident = (store_of(shm_server).peek(k) for k in ("heap", "region"))
+        assert in_heap is not None and in_heap.resident is None and in_heap.frames
+        assert resident is not None and resident.resident is not None and resident.frames == ()
+        calls = await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch")
+        assert reader.lease_resident(["heap", "region"]).held == [False, True]
+        fetched = reader.fetch_resident(["region"])
+        assert fetched is not None and same(fetched[0], small)
+        assert await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch") == calls
+        await eventually(lambda: store_of(shm_server).leases == 0)
+
+
 async def test_an_item_uploaded_over_grpc_moves_into_the_region_on_its_first_read(
     shm_server: MMCacheServer,
 ) -> None:
