@@ -354,7 +354,8 @@ def main() -> None:
         for n, shape in enumerate(FAMILY)
         if (not args.short or shape.name in SHORT) and (not named or shape.name in named)
     ]
-    counts = [1, 4] if args.short else [int(x) for x in args.api_servers.split(",")]
+    # `--api-servers ""` with --data-parallel: the data-parallel rows alone.
+    counts = [1, 4] if args.short else [int(x) for x in args.api_servers.split(",") if x]
     configs = [(f"{n} API", n, 1) for n in counts]
     if args.data_parallel:
         configs.append(("2 engines (DP)", 0, 2))
