@@ -295,10 +295,10 @@ def table(
     fresh: bool,
 ) -> list[Ratios]:
     """Per configuration, `repeats` rounds of vLLM alone and mmcache in turn
-    (each first in every other round: the machine's drift hits both alike). A round's deployment serves the
-    traces one after the other (their images are distinct, so a trace finds
-    only the earlier traces' items taking room), or, with `fresh`, each
-    trace gets a deployment of its own."""
+    (each first in every other round: the machine's drift hits both alike).
+    A round's deployment serves the traces one after the other (their images
+    are distinct, so a trace finds only the earlier traces' items taking
+    room), or, with `fresh`, each trace gets a deployment of its own."""
     print(
         "| trace | config | hits: mmcache / vLLM alone (of queries) | processor runs: "
         "mmcache / alone / unique images | requests/s: mmcache / alone (each round's ratio, "
