@@ -109,6 +109,13 @@ async def test_get_writes_an_items_tensors_and_where_each_lies(tmp_path: Path) -
         assert code == 1 and "NOT_FOUND" in shown
 
 
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT as from a terminal. A test run in
+    a background job (`make test &`) starts with SIGINT ignored, which its
+    children inherit, and Python then never makes it a KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 async def test_a_persons_mistakes_get_one_line_and_no_traceback() -> None:
     """Ctrl-C in --watch, clear with nobody to ask, --watch 0: each a line, no traceback."""
     async with serving() as server:
@@ -116,6 +123,7 @@ async def test_a_persons_mistakes_get_one_line_and_no_traceback() -> None:
         watching = await asyncio.create_subprocess_exec(
             MMCACHE, "stats", target, "--watch", "0.1",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=_interruptible,
         )  # fmt: skip
         await asyncio.sleep(1.5)
         watching.send_signal(signal.SIGINT)

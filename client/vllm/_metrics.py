@@ -77,8 +77,8 @@ def plugin_metrics() -> PluginMetrics:
                 Counter(
                     "mmcache_vllm_kept_small_items",
                     "Small images processed and not uploaded, kept in their API process as "
-                    "vLLM alone keeps them: one API server, or the sidecar held them already "
-                    "(docs/vllm.md).",
+                    "vLLM alone keeps them: one API server, no shared memory or out of touch, "
+                    "or the sidecar held them already (docs/vllm.md).",
                     registry=REGISTRY,
                 ),
             )

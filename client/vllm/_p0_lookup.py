@@ -27,7 +27,7 @@ hit as vLLM alone's cache would hand it over (`take`).
   the server's alone (not on the feed), and ends with any upload of the
   item or with its time (`claim_s`).
   A server that does not answer in time confirms nothing (fail-open).
-- A small hit (under 1 MiB: outside the sidecar's shared memory) that
+- A small hit (under 1 MiB: uploaded over gRPC, outside the sidecar's shared memory) that
   `_fill` just read into this process's cache goes to the engine inline,
   rather than be read again by a call on the engine's thread (`_go_inline`).
 - This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
@@ -60,8 +60,9 @@ __all__ = ["Lookup"]
 _LOGGER = logging.getLogger(__name__)
 
 CLAIM_MARGIN_S = 1.0  # a claim's time past three processings: the upload's
-# The sidecar keeps items under this outside its shared memory, so the
-# engine's read of one is a call: such a hit just read here goes inline.
+# Uploads under this go over gRPC, outside the sidecar's shared memory (but a
+# small image's: _small.py), so the engine's read of one is a call: such a
+# hit just read here goes inline.
 INLINE_BELOW_BYTES = SHM_MIN_BYTES
 
 

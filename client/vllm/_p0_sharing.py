@@ -71,7 +71,8 @@ class Sharing:
             return False
         if mm_hash in ledger.kept:  # small: kept here, as vLLM alone keeps it
             if not self._shares_kept(mm_hash):
-                ledger.misses.append(modality)
+                if not ledger.counted(mm_hash):  # (a region lease whose read failed: counted)
+                    ledger.misses.append(modality)
                 self._metrics.kept_small.inc()
                 return False
             ledger.into_region = True  # other processes lease it there with no call
@@ -87,8 +88,9 @@ class Sharing:
         if not self._p0.single_flight:
             return False
         client = self._p0.sync.client
-        held = client.is_cached([self._p0.key(mm_hash)], pending=True)[0]
-        return client.region is not None and not held
+        if client.region is None or not client.following:  # out of touch: the mirror knows nothing
+            return False
+        return not client.is_cached([self._p0.key(mm_hash)], pending=True)[0]
 
     def send(self, ledger: Ledger) -> None:
         """The request's uploads so far leave, in one call, in the background;

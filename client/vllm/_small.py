@@ -27,7 +27,7 @@ memory alone, where nothing costs a call but its upload:
 So:
 
 - for such an image the hits are at least vLLM alone's (its own cache is
-  vLLM alone's) and it never costs a lookup, claim or read by call; with one
+  vLLM alone's) and it never costs a lookup or claim by call; with one
   API server it costs no call at all (its counts reach the sidecar in the
   next report);
 - every other item is shared as before, and the first image of each shape a
