@@ -41,9 +41,6 @@ class Ledger:
     # decided once, at is_cached, so what the request learns meanwhile does
     # not leave a claim it made without its upload.
     kept: set[str] = field(default_factory=set)
-    # One of them goes up all the same (several processes share the sidecar):
-    # the request's upload goes into the sidecar's shared memory whole.
-    into_region: bool = False
     # Sidecar hits this process's cache lacked: the data read for it.
     filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
     # Sidecar hits leased for the engine's read (those resident in its shared

@@ -69,13 +69,12 @@ class Sharing:
             ledger.misses.append(modality)
             self._metrics.not_uploaded.inc()
             return False
-        if mm_hash in ledger.kept:  # small: kept here, as vLLM alone keeps it
-            if not self._shares_kept(mm_hash):
-                if not ledger.counted(mm_hash):  # (a region lease whose read failed: counted)
-                    ledger.misses.append(modality)
-                self._metrics.kept_small.inc()
-                return False
-            ledger.into_region = True  # other processes lease it there with no call
+        # Small: kept here, as vLLM alone keeps it, unless shared through the region.
+        if mm_hash in ledger.kept and not self._shares_kept(mm_hash):
+            if not ledger.counted(mm_hash):  # (a region lease whose read failed: counted)
+                ledger.misses.append(modality)
+            self._metrics.kept_small.inc()
+            return False
         ledger.uploads.append((mm_hash, modality, item, updates))
         ledger.processed += 1
         return True
@@ -119,7 +118,9 @@ class Sharing:
             return
         self._observe(ledger)
         uploads, ledger.uploads = ledger.uploads, []
-        resident, ledger.into_region = ledger.into_region, False
+        # A small image kept here among them: all into the sidecar's shared
+        # memory, where other processes lease it with no call (_small.py).
+        resident = any(upload[0] in ledger.kept for upload in uploads)
         client = self._p0.sync.client
         sizes = [item_nbytes(upload[2]) for upload in uploads]
         capacity = client.capacity_bytes

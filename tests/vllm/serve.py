@@ -35,14 +35,16 @@ def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> No
             time.sleep(1)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every sample at `url`, summed over labels, by name."""
+def metrics(url: str, **labels: str) -> dict[str, float]:
+    """Every sample at `url` (those with `labels`, if given), summed over the
+    other labels, by name."""
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
 
 

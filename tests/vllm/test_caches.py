@@ -14,7 +14,6 @@ import contextlib
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 from vllm.multimodal.cache import MultiModalCacheMissError
 from vllm.multimodal.inputs import (
     MultiModalBatchedField,
@@ -771,8 +769,9 @@ def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the
     it there. Counted as vLLM counts them."""
     from mmcache.client.vllm._digests import input_shape
 
-    def shm_bytes(direction: str) -> float:
-        return sidecar_shm_bytes(sidecar, direction)
+    def shm_bytes(direction: str) -> float:  # payload bytes through the region, one way
+        url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+        return metrics(url, direction=direction).get("mmcache_shm_bytes_total", 0.0)
 
     first_a, first_b, icon = (digest_of((64, 64), c) for c in ("red", "green", "blue"))
     p0_a, p0_b = (
@@ -801,16 +800,3 @@ def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the
     stats = p0_b.make_stats()
     assert (stats.hits, stats.total) == (1, 2)
     eventually(lambda: sidecar_counts(sidecar) == (4, 1))
-
-
-def sidecar_shm_bytes(sidecar: Sidecar, direction: str) -> float:
-    """Payload bytes through the sidecar's shared-memory region, one way."""
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "mmcache_shm_bytes_total" and sample.labels["direction"] == direction
-    )
