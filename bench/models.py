@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import stop_on_sigterm
 from tests.vllm.conftest import Sidecar, free_port
 from tests.vllm.matrix import MATRIX
 from tests.vllm.serve import metrics, serve_command, wait_healthy
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--api-servers", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    stop_on_sigterm()  # the deployments stop with the bench
     sent = requests(args.requests, args.seed)
     repeats = len(sent) - len(set(sent))
     print(

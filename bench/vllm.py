@@ -59,6 +59,7 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from bench import stop_on_sigterm
 from bench.photos import SIZES, data_url
 from mmcache.client.vllm.runtime import THREAD_NAME
 from tests.vllm.conftest import Sidecar, free_port
@@ -648,6 +649,7 @@ def main() -> None:
     )
     parser.add_argument("--only", choices=("hit", "replay", "ec"), help="one table only")
     args = parser.parse_args()
+    stop_on_sigterm()  # the deployments stop with the bench
     chats = trace(args.conversations, args.seed)
     replay_sizes = _sizes(args.replay_sizes)
     with tempfile.TemporaryDirectory() as tmp:

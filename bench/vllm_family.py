@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import stop_on_sigterm
 from bench.vllm import Deployment, deployment
 from tests.vllm.tiny_model import REAL_PIXELS, build
 
@@ -344,6 +345,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="a deployment per trace")
     parser.add_argument("--traces", default="", help="only these, comma-separated (same seeds)")
     args = parser.parse_args()
+    stop_on_sigterm()  # the deployments stop with the bench
     named = set(args.traces.split(",")) - {""}
     unknown = named - {s.name for s in FAMILY}
     if unknown:
