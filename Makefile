@@ -64,6 +64,7 @@ bench: $(VENV)/.test
 	$(PY) -m bench.l2_reads
 	$(PY) -m bench.faults
 	$(PY) -m bench.feed
+	$(PY) -m bench.upload_cost
 	$(PY) -m bench.soak
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
