@@ -72,8 +72,9 @@ def test_a_key_is_the_identifier_in_its_scope() -> None:
     assert scoped_key("0123456789abcdef", "img-hash") == "0123456789abcdef:img-hash"
 
 
-def test_small_images_are_kept_in_their_process_unless_shared_by_setting() -> None:
-    assert Settings.from_env({}).share_small is False
+def test_small_images_are_shared_by_the_default_rule_unless_set_on_or_off() -> None:
+    assert Settings.from_env({}).share_small is None  # auto: client/vllm/_small.py
+    assert Settings.from_env({"MMCACHE_SHARE_SMALL": "auto"}).share_small is None
     assert Settings.from_env({"MMCACHE_SHARE_SMALL": "on"}).share_small is True
     assert Settings.from_env({"MMCACHE_SHARE_SMALL": "off"}).share_small is False
     with pytest.raises(ValueError, match="MMCACHE_SHARE_SMALL='big': give on, off"):

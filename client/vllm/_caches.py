@@ -92,6 +92,9 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # An image's dimensions by its hash (the factory's: _digests.py), so
         # that small ones stay here (_small.py); the default knows none.
         shape_of: Callable[[str], Shape | None] = no_shape,
+        # Whether small images kept here go up into the sidecar's shared memory
+        # where single flight is on (_p0_sharing.py); False: never uploaded.
+        share_kept: bool = True,
     ) -> None:
         super().__init__()
         self.sync = sync  # the process's client, which every call goes through
@@ -107,6 +110,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
             shareable,
             SmallImages(shape_of),
             single_flight,
+            share_kept,
         )
         self._lookup = Lookup(context, self._own)
         self._sharing = Sharing(context)

@@ -24,3 +24,6 @@ class P0Context:
     shareable: Callable[[str], bool]  # which hashes are the fleet's (_digests.py)
     small: SmallImages  # images kept here as vLLM alone keeps them (_small.py)
     single_flight: bool = False  # claim new images at the sidecar (_p0_lookup.py)
+    # Small images kept here go up into the sidecar's shared memory where
+    # single flight is on (_p0_sharing.py); False: never (MMCACHE_SHARE_SMALL=off).
+    share_kept: bool = True

@@ -83,8 +83,9 @@ class Sharing:
         """Whether a small image kept here goes up all the same: where other
         API processes share the sidecar (single flight on), into its shared
         memory, so that their hits of it cost no call; not where the sidecar
-        holds it already, or is uploading it (_small.py)."""
-        if not self._p0.single_flight:
+        holds it already, or is uploading it (_small.py); never where the
+        setting keeps them here (MMCACHE_SHARE_SMALL=off)."""
+        if not (self._p0.single_flight and self._p0.share_kept):
             return False
         client = self._p0.sync.client
         if client.region is None or not client.following:  # out of touch: the mirror knows nothing

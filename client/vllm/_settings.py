@@ -47,9 +47,12 @@ class Settings:
     # the others wait for its upload (docs/vllm.md); on/off, unset: on where
     # vLLM runs several API servers
     single_flight: bool | None = None
-    # MMCACHE_SHARE_SMALL: on shares small images too; off (the default) keeps
-    # them in their API process, as vLLM alone does (client/vllm/_small.py)
-    share_small: bool = False
+    # MMCACHE_SHARE_SMALL: on shares small images by the common rules; auto
+    # (None, the default) keeps them in their API process, as vLLM alone does,
+    # and where several API processes share the sidecar shares them through
+    # its shared memory alone; off keeps them in their process, never
+    # uploaded (client/vllm/_small.py)
+    share_small: bool | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -69,7 +72,7 @@ class Settings:
             untested=env.get(UNTESTED_ENV, "") == "1",
             metrics_port=_port("MMCACHE_VLLM_METRICS_PORT", env.get("MMCACHE_VLLM_METRICS_PORT")),
             single_flight=_switch("MMCACHE_SINGLE_FLIGHT", env.get("MMCACHE_SINGLE_FLIGHT")),
-            share_small=bool(_switch("MMCACHE_SHARE_SMALL", env.get("MMCACHE_SHARE_SMALL"))),
+            share_small=_switch("MMCACHE_SHARE_SMALL", env.get("MMCACHE_SHARE_SMALL")),
         )
 
     def client_options(self) -> dict[str, Any]:

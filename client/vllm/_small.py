@@ -37,7 +37,11 @@ So:
 - an image named by a client's uuid, or hashed by no hasher here, has no
   shape: shared by the rules it had (_digests.py).
 
-`MMCACHE_SHARE_SMALL=on` shares every item by the common rules.
+`MMCACHE_SHARE_SMALL=on` shares every item by the common rules; `off`
+keeps small images in their process with several API servers too, never
+uploaded: vLLM alone's work and hits on them, for traffic of small images
+alone, where an upload costs about what the processing it saves does
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -759,6 +759,39 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     assert metrics(url)["mmcache_items"] == 3  # first, photo, other
 
 
+def shm_bytes(sidecar: Sidecar, direction: str) -> float:
+    """Payload bytes through the sidecar's region so far, one way."""
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    return metrics(url, direction=direction).get("mmcache_shm_bytes_total", 0.0)
+
+
+def kept_small() -> float:
+    return REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
+
+
+def icon_processes(
+    clients: Callable[[], SyncClient], *, share_kept: bool = True
+) -> tuple[MMCacheProcessorCache, MMCacheProcessorCache]:
+    """Two API processes on one sidecar (single flight on, as with several API
+    servers), each of which learnt from a first icon of its own that icons
+    make small items."""
+    from mmcache.client.vllm._digests import input_shape
+
+    first_a, first_b = (digest_of((64, 64), c) for c in ("red", "green"))
+    p0_a, p0_b = (
+        MMCacheProcessorCache(
+            clients(), SCOPE, shape_of=input_shape, single_flight=True, share_kept=share_kept
+        )
+        for _ in range(2)
+    )
+    for sync in (p0_a.sync, p0_b.sync):
+        eventually(lambda sync=sync: sync.client.region is not None)
+    request(p0_a, [(first_a, item(1))])
+    request(p0_b, [(first_b, item(2))])
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(first_a)]) == [True])
+    return p0_a, p0_b
+
+
 def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the_sidecar(
     clients: Callable[[], SyncClient], sidecar: Sidecar
 ) -> None:
@@ -767,36 +800,47 @@ def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the
     memory: another process that keeps images of its shape hits it there
     with no call (leased in the region, not processed), and its engine reads
     it there. Counted as vLLM counts them."""
-    from mmcache.client.vllm._digests import input_shape
-
-    def shm_bytes(direction: str) -> float:  # payload bytes through the region, one way
-        url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-        return metrics(url, direction=direction).get("mmcache_shm_bytes_total", 0.0)
-
-    first_a, first_b, icon = (digest_of((64, 64), c) for c in ("red", "green", "blue"))
-    p0_a, p0_b = (
-        MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape, single_flight=True)
-        for _ in range(2)
-    )
+    p0_a, p0_b = icon_processes(clients)
     p1 = MMCacheReceiverCache(clients(), SCOPE)
-    for sync in (p0_a.sync, p0_b.sync, p1.sync):
-        eventually(lambda sync=sync: sync.client.region is not None)
-    kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
-    # Each process learns, from its first icon, that icons make small items.
-    request(p0_a, [(first_a, item(1))])
-    request(p0_b, [(first_b, item(2))])
-    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(first_a)]) == [True])
-    written = shm_bytes("write")
+    eventually(lambda: p1.sync.client.region is not None)
+    icon = digest_of((64, 64), "blue")
+    kept = kept_small()
+    written = shm_bytes(sidecar, "write")
     (out,) = request(p0_a, [(icon, item(3))])  # kept in A, processed: goes up into the region
     assert out[0] is not None  # processed, sent inline
     eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(icon)]) == [True])
-    assert shm_bytes("write") > written  # through a write slot, resident at once
+    assert shm_bytes(sidecar, "write") > written  # through a write slot, resident at once
     (hit,) = request(p0_b, [(icon, item(9))])  # B keeps icons too: hit there, not processed
     assert hit[0] is None and same_updates(list(hit[1]), updates())  # the engine reads it
     assert leases(p1.sync) == 1
     assert p1.get_and_update_features([feature(icon, None)])[0].data == item(3)
     eventually(lambda: leases(p1.sync) == 0)
-    assert REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") == kept
+    assert kept_small() == kept
     stats = p0_b.make_stats()
     assert (stats.hits, stats.total) == (1, 2)
     eventually(lambda: sidecar_counts(sidecar) == (4, 1))
+
+
+def test_a_small_image_stays_in_its_process_where_sharing_small_images_is_off(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """MMCACHE_SHARE_SMALL=off: with several API processes too, a small image
+    is kept in its process and never uploaded, as vLLM alone keeps it: its
+    repeat there hits this process's own cache, another process processes
+    it. Counted as vLLM counts them."""
+    p0_a, p0_b = icon_processes(clients, share_kept=False)
+    icon = digest_of((64, 64), "blue")
+    kept, written = kept_small(), shm_bytes(sidecar, "write")
+    (out,) = request(p0_a, [(icon, item(3))])  # kept in A, processed
+    assert out[0] is not None
+    (again,) = request(p0_a, [(icon, item(3))])  # A's own cache's hit: its data inline
+    assert again[0] == item(3)
+    (other,) = request(p0_b, [(icon, item(3))])  # B never heard of it: processed there
+    assert other[0] is not None
+    eventually(lambda: p0_a.uploads_in_flight == 0)
+    assert p0_b.sync.client.is_cached([p0_b.key(icon)]) == [False]
+    assert shm_bytes(sidecar, "write") == written
+    assert kept_small() == kept + 2  # processed in A and in B, uploaded by neither
+    stats = p0_a.make_stats()
+    assert (stats.hits, stats.total) == (1, 3)
+    eventually(lambda: sidecar_counts(sidecar) == (5, 1))

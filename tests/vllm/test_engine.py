@@ -89,7 +89,7 @@ def test_small_images_stay_in_the_engines_process_with_vllm_alones_hits(
     process's own cache, blue is processed and never uploaded. The same
     answers, hits and counts as without the rule."""
     alone = offline(model)
-    kept = offline(model, MMCACHE_TARGET=sidecar.target, MMCACHE_SHARE_SMALL="off")
+    kept = offline(model, MMCACHE_TARGET=sidecar.target, MMCACHE_SHARE_SMALL="auto")
     assert kept["tokens"] == alone["tokens"]
     assert kept["metrics"] == {"vllm:mm_cache_queries": 4, "vllm:mm_cache_hits": 2}
     served = sidecar_metrics(sidecar.metrics_port)
