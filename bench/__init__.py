@@ -15,6 +15,8 @@ def stop_on_sigterm() -> None:
     for SIGTERM ends the process at once and leaves them running."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        # Once: a second SIGTERM must not cut the cleanup the first began.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)

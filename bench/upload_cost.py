@@ -1,18 +1,19 @@
 """The CPU one upload of a small item costs, the vLLM plugin's way.
 
-    python -m bench.upload_cost [--uploads 600] [--rounds 3] [--followers 4]
+    python -m bench.upload_cost [--uploads 1500] [--rounds 3] [--followers 4]
 
-A sidecar (bench/_cache_server.py, its own process) and, in this process,
-the plugin's client runtime (`SyncClient`: a thread of its own runs the
-calls) uploading items one per call, as a request's background upload goes;
-`--followers` more clients follow the sidecar's feed as the other API
-processes and the engine do (each upload reaches each mirror). Per upload:
-the uploader's CPU (this process, the followers' client threads taken out;
-gRPC's own threads, which every client in the process shares, stay in it),
-the sidecar's (its process, every thread), and each follower's client thread.
-Over gRPC the item goes into the sidecar's heap; "resident" sends it through a
-write slot of the shared-memory region (`get_and_update(..., resident=True)`,
-what the plugin does for a small image it shares). The median of `--rounds`.
+A sidecar (bench/_cache_server.py, its own process), and in this process the
+plugin's client runtime (`SyncClient`: a thread of its own runs the calls)
+uploading items one per call, as a request's background upload goes; and
+`--followers` more clients, each in a process of its own, following the
+sidecar's feed as the other API processes and the engine do (each upload
+reaches each mirror). Per upload: the uploader's CPU (this process, every
+thread), the sidecar's, and a follower's (the median of theirs; each
+process's every thread, in clock ticks: 1500 uploads make a tick under
+7 µs per upload). Over gRPC the item goes into the sidecar's heap;
+"resident" sends it through a write slot of the shared-memory region
+(`get_and_update(..., resident=True)`, what the plugin does for a small image
+it shares). The median of `--rounds`.
 
 For scale: the processor's CPU on one 64x64 image (Qwen2-VL, 19 KiB
 processed) is about 2.3 ms (`mmcache_vllm_processing_cpu_seconds_total`
@@ -38,18 +39,23 @@ from mmcache.client.vllm.runtime import SyncClient
 
 KIB = 1 << 10
 SIZES = (4 * KIB, 19 * KIB, 256 * KIB)
+_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def process_cpu(pid: int) -> float:
-    """CPU seconds of every thread of `pid` so far (Linux)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                total += int(stat.read().split()[0])
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return total / 1e9
+    """CPU seconds of process `pid` so far, every thread (ended ones too; Linux)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
+
+
+def follow(target: str) -> None:
+    """A client following the feed until stdin closes (a follower's process)."""
+    sync = SyncClient(target, deadline_s=2.0)
+    sync.call(sync.client.wait_following())
+    print("following", flush=True)
+    sys.stdin.read()
+    sync.close()
 
 
 def item(nbytes: int) -> dict[str, torch.Tensor]:
@@ -61,19 +67,15 @@ def item(nbytes: int) -> dict[str, torch.Tensor]:
 
 
 def one_round(
-    uploader: SyncClient,
-    followers: list[SyncClient],
-    server: int,
-    nbytes: int,
-    resident: bool,
-    n: int,
+    uploader: SyncClient, server: int, followers: list[int], nbytes: int, resident: bool, n: int
 ) -> tuple[float, float, float]:
-    """Microseconds per upload: the uploader's, the sidecar's, each follower's."""
+    """Microseconds per upload: the uploader's, the sidecar's, a follower's
+    (the median of the processes `followers`)."""
     items = [item(nbytes) for _ in range(n)]
     keys = [uuid.uuid4().hex for _ in range(n)]
     client = uploader.client
-    followed = [f.loop_cpu() for f in followers]
     mine, theirs = time.process_time(), process_cpu(server)
+    following = [process_cpu(pid) for pid in followers]
     for data, key in zip(items, keys, strict=True):
         uploader.call(
             client.get_and_update(
@@ -81,55 +83,74 @@ def one_round(
             )
         )
     time.sleep(0.2)  # the feed's last changes reach the followers
-    follow = sum(f.loop_cpu() - b for f, b in zip(followers, followed, strict=True))
-    spent = time.process_time() - mine - follow
     per = 1e6 / n
-    each = follow / len(followers) if followers else 0.0
-    return spent * per, (process_cpu(server) - theirs) * per, each * per
+    spent = [process_cpu(pid) - before for pid, before in zip(followers, following, strict=True)]
+    return (
+        (time.process_time() - mine) * per,
+        (process_cpu(server) - theirs) * per,
+        (statistics.median(spent) if spent else 0.0) * per,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--uploads", type=int, default=600, help="per row and round")
+    parser.add_argument("--uploads", type=int, default=1500, help="per row and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--followers", type=int, default=4)
+    parser.add_argument("--follow", metavar="TARGET", help=argparse.SUPPRESS)  # (a follower)
     args = parser.parse_args()
+    if args.follow:
+        follow(args.follow)
+        return
     stop_on_sigterm()
     cmd = [sys.executable, "-m", "bench._cache_server", "--capacity-mib", "2048"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    followers: list[subprocess.Popen[str]] = []
     try:
         assert server.stdout is not None
         target = f"127.0.0.1:{int(server.stdout.readline())}"
+        follow_cmd = [sys.executable, "-m", "bench.upload_cost", "--follow", target]
+        for _ in range(args.followers):
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE}
+            followers.append(subprocess.Popen(follow_cmd, text=True, **pipes))
+        for proc in followers:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # following
         uploader = SyncClient(target, deadline_s=2.0)
-        followers = [SyncClient(target, deadline_s=2.0) for _ in range(args.followers)]
         try:
             if uploader.client.region is None:
                 sys.exit("no shared-memory region (is /dev/shm writable?): nothing to compare")
-            print(
-                f"\nOne upload, the plugin's way ({args.uploads} uploads of one item per row and "
-                f"round, median of {args.rounds} rounds; {args.followers} more clients follow "
-                "the feed)"
-            )
-            print(
-                "| item | path | uploader CPU µs/upload | sidecar CPU µs/upload "
-                "| each follower's client thread µs/upload |"
-            )
-            print("|---|---|---|---|---|")
-            for nbytes in SIZES:
-                for resident in (False, True):
-                    rounds = [
-                        one_round(uploader, followers, server.pid, nbytes, resident, args.uploads)
-                        for _ in range(args.rounds)
-                    ]
-                    up, side, each = (statistics.median(r[i] for r in rounds) for i in range(3))
-                    path = "resident (write slot)" if resident else "gRPC (heap)"
-                    print(f"| {nbytes // KIB} KiB | {path} | {up:.0f} | {side:.0f} | {each:.0f} |")
+            table(uploader, server.pid, [proc.pid for proc in followers], args)
         finally:
-            for sync in (*followers, uploader):
-                sync.close()
+            uploader.close()
     finally:
-        server.terminate()
-        server.wait(30)
+        for proc in (*followers, server):
+            proc.terminate()
+            proc.wait(30)
+
+
+def table(
+    uploader: SyncClient, server: int, followers: list[int], args: argparse.Namespace
+) -> None:
+    print(
+        f"\nOne upload, the plugin's way ({args.uploads} uploads of one item per row and "
+        f"round, median of {args.rounds} rounds; {args.followers} more clients follow "
+        "the feed, each in a process of its own)"
+    )
+    print(
+        "| item | path | uploader CPU µs/upload | sidecar CPU µs/upload "
+        "| a follower's CPU µs/upload |"
+    )
+    print("|---|---|---|---|---|")
+    for nbytes in SIZES:
+        for resident in (False, True):
+            rounds = [
+                one_round(uploader, server, followers, nbytes, resident, args.uploads)
+                for _ in range(args.rounds)
+            ]
+            up, side, each = (statistics.median(r[i] for r in rounds) for i in range(3))
+            path = "resident (write slot)" if resident else "gRPC (heap)"
+            print(f"| {nbytes // KIB} KiB | {path} | {up:.0f} | {side:.0f} | {each:.0f} |")
 
 
 if __name__ == "__main__":

@@ -267,23 +267,28 @@ def deployment(
 ) -> Iterator[Deployment]:
     """`vllm serve` (with `api_servers`, or vLLM's default with 0; with
     `data_parallel` engines), alone or with the plugin and a fresh sidecar."""
-    sidecar = None
-    if with_mmcache:
-        sidecar = Sidecar(capacity_gb=2, env={"MMCACHE_SHM_MB": "1024"})
-        sidecar.start()
+    sidecar = Sidecar(capacity_gb=2, env={"MMCACHE_SHM_MB": "1024"}) if with_mmcache else None
     port = free_port()
     env = {} if sidecar is None else {"MMCACHE_TARGET": sidecar.target}
     options = [*ENGINE_OPTIONS, "--data-parallel-size", str(data_parallel)]
     if api_servers:
         options += ["--api-server-count", str(api_servers)]
-    proc = subprocess.Popen(
-        serve_command(str(model), port, *options),
-        cwd=ROOT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", **env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    proc = None
+    try:  # (whatever stops the bench, a signal too, stops both)
+        if sidecar is not None:
+            sidecar.start()
+        proc = subprocess.Popen(
+            serve_command(str(model), port, *options),
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_LOGGING_LEVEL": "WARNING",
+                **env,
+            },
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_healthy(port, proc, timeout=300)
         served = Deployment(port, proc, sidecar)
         # Warm every API server's paths (the first request of a process pays
@@ -292,8 +297,9 @@ def deployment(
             served.chat([900_000_000 + n], (448, 448))
         yield served
     finally:
-        proc.terminate()
-        proc.wait(60)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
         if sidecar is not None:
             sidecar.stop()
 

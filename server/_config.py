@@ -673,7 +673,7 @@ OTHER_VARIABLES = frozenset(
     for name in (
         "TARGET", "DEADLINE_S", "NAMESPACE", "TOKEN", "TOKEN_FILE", "TLS_CA",
         "TLS_SERVER_NAME", "SHM", "VLLM_UNTESTED", "VLLM_METRICS_PORT", "TEST_ENCODER_CALLS",
-        "UID", "TLS_DIR",
+        "SINGLE_FLIGHT", "SHARE_SMALL", "UID", "TLS_DIR",
         "L2_MAXMEMORY", "IMAGE", "IMAGE_WORK", "BASE_IMAGE",
     )
 )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -263,6 +264,22 @@ def test_a_mistyped_variable_and_an_unusable_shm_dir_are_warnings(tmp_path: Path
     )
     assert "MMCACHE_TARGET" not in text  # the client's: no typo
     assert "WARNING mmcache.server.cache._open: shared memory off" in text
+
+
+def test_every_variable_the_client_and_plugin_read_is_no_typo_to_the_server() -> None:
+    """A sidecar started from the shell that runs vLLM sees the plugin's
+    variables too: none may be warned about as a typo."""
+    from mmcache.server._config import unknown_variables
+
+    root = Path(__file__).resolve().parents[1]
+    named = {
+        match
+        for path in (*root.glob("client/**/*.py"), *root.glob("scripts/*"))
+        if path.is_file()
+        for match in re.findall(r"MMCACHE_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="ignore"))
+    }
+    assert {"MMCACHE_TARGET", "MMCACHE_SHARE_SMALL", "MMCACHE_SINGLE_FLIGHT"} <= named
+    assert unknown_variables(dict.fromkeys(named, "1")) == []
 
 
 def test_reflection_lists_the_services(

@@ -93,7 +93,7 @@ class MMCacheProcessorCache(BaseMultiModalProcessorCache):  # type: ignore[misc]
         # that small ones stay here (_small.py); the default knows none.
         shape_of: Callable[[str], Shape | None] = no_shape,
         # Whether small images kept here go up into the sidecar's shared memory
-        # where single flight is on (_p0_sharing.py); False: never uploaded.
+        # where single flight is on (_p0_sharing.py); False: not uploaded.
         share_kept: bool = True,
     ) -> None:
         super().__init__()

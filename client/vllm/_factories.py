@@ -71,7 +71,7 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
         shareable=lambda mm_hash: is_digest(mm_hash, algorithm),  # not a client's uuid
         single_flight=single_flight,
         shape_of=no_shape if settings.share_small else input_shape,
-        share_kept=settings.share_small is None,  # off: never uploaded
+        share_kept=settings.share_small is not False,  # off: kept ones not uploaded
     )
 
 

@@ -50,8 +50,8 @@ class Settings:
     # MMCACHE_SHARE_SMALL: on shares small images by the common rules; auto
     # (None, the default) keeps them in their API process, as vLLM alone does,
     # and where several API processes share the sidecar shares them through
-    # its shared memory alone; off keeps them in their process, never
-    # uploaded (client/vllm/_small.py)
+    # its shared memory alone; off keeps them in their process, not
+    # uploaded, with several API servers too (client/vllm/_small.py)
     share_small: bool | None = None
 
     @classmethod

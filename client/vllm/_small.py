@@ -2,10 +2,11 @@
 
 Sharing an item costs calls: the lookup that claims it, its upload, and in
 every other API process a lookup and a read of it. A call costs about
-0.5 ms of an API process's CPU and as much of the sidecar's (docs/vllm.md).
-An icon (64x64: a 75 KB item on Qwen2-VL) costs its processor about that
-much, so on a trace of new icons sharing by calls made vLLM slower (issue
-42's icons-distinct-then-repeat: 0.73x requests/s), however many hits it gave.
+0.5-0.9 ms of an API process's CPU and as much of the sidecar's
+(docs/vllm.md, `python -m bench.upload_cost`). An icon (64x64) costs its
+processor about 2.3 ms, so on a trace of new icons sharing by calls made
+vLLM slower (issue 42's icons-distinct-then-repeat: 0.73x requests/s),
+however many hits it gave.
 
 The rule: an image of at most `SMALL_PIXELS` pixels whose item came out
 under `SMALL_BYTES` the last time this process processed an image of the
@@ -38,10 +39,10 @@ So:
   shape: shared by the rules it had (_digests.py).
 
 `MMCACHE_SHARE_SMALL=on` shares every item by the common rules; `off`
-keeps small images in their process with several API servers too, never
-uploaded: vLLM alone's work and hits on them, for traffic of small images
-alone, where an upload costs about what the processing it saves does
-(docs/benchmarks.md).
+keeps small images in their process with several API servers too, not
+uploaded (but the first of each dimensions, as above): vLLM alone's work
+and hits on them, for traffic of small images alone, where an upload costs
+about what the processing it saves does (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -60,10 +60,14 @@ class Sidecar:
         )
         deadline = time.monotonic() + 30
         probe = [MMCACHE, "health", f"127.0.0.1:{self.health_port}"]
-        while subprocess.run(probe, check=False, capture_output=True).returncode != 0:
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError("the mmcache sidecar did not start")
-            time.sleep(0.1)
+        try:
+            while subprocess.run(probe, check=False, capture_output=True).returncode != 0:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("the mmcache sidecar did not start")
+                time.sleep(0.1)
+        except BaseException:  # (a signal too): no sidecar left running
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -844,3 +844,46 @@ def test_a_small_image_stays_in_its_process_where_sharing_small_images_is_off(
     stats = p0_a.make_stats()
     assert (stats.hits, stats.total) == (1, 3)
     eventually(lambda: sidecar_counts(sidecar) == (5, 1))
+
+
+@pytest.mark.parametrize(
+    ("setting", "keeps", "shares_kept"),
+    [(None, True, True), ("auto", True, True), ("off", True, False), ("on", False, True)],
+)
+def test_the_factory_reads_the_small_image_setting(
+    sidecar: Sidecar,
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str | None,
+    keeps: bool,
+    shares_kept: bool,
+) -> None:
+    """vLLM's P0 cache as the plugin builds it, with 4 API servers: single
+    flight on; small images kept (their shapes known) but with `on`, and those
+    kept uploaded into the region but with `off`."""
+    from types import SimpleNamespace
+
+    from mmcache.client.vllm import _factories, runtime
+    from mmcache.client.vllm._small import no_shape
+
+    monkeypatch.setenv("MMCACHE_TARGET", sidecar.target)
+    if setting is None:
+        monkeypatch.delenv("MMCACHE_SHARE_SMALL", raising=False)
+    else:
+        monkeypatch.setenv("MMCACHE_SHARE_SMALL", setting)
+    multimodal = SimpleNamespace(mm_processor_cache_gb=1.0, mm_hasher_algorithm="blake3")
+    config = SimpleNamespace(  # the fields of vLLM's config the factory reads
+        model_config=SimpleNamespace(
+            model="tiny", supports_multimodal_inputs=True, get_multimodal_config=lambda: multimodal
+        ),
+        parallel_config=SimpleNamespace(_api_process_count=4),
+    )
+    try:
+        cache = _factories.processor_cache_from_config(config)
+        context = cache._lookup._p0
+        assert context.single_flight
+        assert (context.small._shape_of is not no_shape) == keeps
+        assert context.share_kept == shares_kept
+    finally:
+        made = runtime._process_clients.pop(sidecar.target, None)
+        if made is not None:
+            made.close()
