@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+
+from bench import cpu_seconds
 
 MIB = 1 << 20
 PROCESSES = 4
@@ -53,12 +54,6 @@ def status_bytes(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise KeyError(field)
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def key_of(n: int) -> str:

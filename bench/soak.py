@@ -78,6 +78,8 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING
 
+from bench import cpu_seconds
+
 if TYPE_CHECKING:  # the driver process needs no torch until its last check
     import torch
 
@@ -533,12 +535,6 @@ def total(samples: Samples, name: str, **labels: str) -> float:
         for (n, have), value in samples.items()
         if n == name and set(labels.items()) <= set(have)
     )
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -25,7 +25,6 @@ its feed and the sidecar's work cost: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -34,19 +33,11 @@ import uuid
 
 import torch
 
-from bench import stop_on_sigterm
+from bench import cpu_seconds, stop_on_sigterm
 from mmcache.client.vllm.runtime import SyncClient
 
 KIB = 1 << 10
 SIZES = (4 * KIB, 19 * KIB, 256 * KIB)
-_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds of process `pid` so far, every thread (ended ones too; Linux)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime
 
 
 def follow(target: str) -> None:
@@ -74,8 +65,8 @@ def one_round(
     items = [item(nbytes) for _ in range(n)]
     keys = [uuid.uuid4().hex for _ in range(n)]
     client = uploader.client
-    mine, theirs = time.process_time(), process_cpu(server)
-    following = [process_cpu(pid) for pid in followers]
+    mine, theirs = time.process_time(), cpu_seconds(server)
+    following = [cpu_seconds(pid) for pid in followers]
     for data, key in zip(items, keys, strict=True):
         uploader.call(
             client.get_and_update(
@@ -84,10 +75,10 @@ def one_round(
         )
     time.sleep(0.2)  # the feed's last changes reach the followers
     per = 1e6 / n
-    spent = [process_cpu(pid) - before for pid, before in zip(followers, following, strict=True)]
+    spent = [cpu_seconds(pid) - before for pid, before in zip(followers, following, strict=True)]
     return (
         (time.process_time() - mine) * per,
-        (process_cpu(server) - theirs) * per,
+        (cpu_seconds(server) - theirs) * per,
         (statistics.median(spent) if spent else 0.0) * per,
     )
 

@@ -713,6 +713,11 @@ def digest_of(size: tuple[int, int], color: str) -> str:
     return str(MultiModalHasher.hash_kwargs("blake3", model_id="m", image=image))
 
 
+def kept_small() -> float:
+    """Small images processed in this process and not uploaded, so far."""
+    return REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
+
+
 def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     clients: Callable[[], SyncClient], sidecar: Sidecar
 ) -> None:
@@ -742,7 +747,7 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     assert input_shape(salted) == (64, 64, "mm_processor_kwargs={'a': 9}")
     p0 = MMCacheProcessorCache(clients(), SCOPE, shape_of=input_shape)
     client, url = p0.sync.client, f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    kept = REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
+    kept = kept_small()
     request(p0, [(first, item(1)), (photo, item(2))])  # nothing known yet: both shared
     eventually(lambda: client.is_cached([p0.key(first), p0.key(photo)]) == [True, True])
     # Known now: a 64x64 image makes a 4 KiB item here; 512x512 is too large.
@@ -751,7 +756,7 @@ def test_a_small_image_stays_in_its_process_as_vllm_alone_keeps_it(
     (hit,) = request(p0, [(icon, item(9))])  # this process's own hit, its data inline
     assert hit[0] == item(3) and same_updates(list(hit[1]), updates())
     assert client.is_cached([p0.key(icon)]) == [False]  # never reached the sidecar
-    assert REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") == kept + 1
+    assert kept_small() == kept + 1
     stats = p0.make_stats()
     assert (stats.hits, stats.total) == (1, 5)
     eventually(lambda: metrics(url)["mmcache_queries_total"] == 5)
@@ -763,10 +768,6 @@ def shm_bytes(sidecar: Sidecar, direction: str) -> float:
     """Payload bytes through the sidecar's region so far, one way."""
     url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
     return metrics(url, direction=direction).get("mmcache_shm_bytes_total", 0.0)
-
-
-def kept_small() -> float:
-    return REGISTRY.get_sample_value("mmcache_vllm_kept_small_items_total") or 0.0
 
 
 def icon_processes(
