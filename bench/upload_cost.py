@@ -13,7 +13,9 @@ process's every thread, in clock ticks: 1500 uploads make a tick under
 7 µs per upload). Over gRPC the item goes into the sidecar's heap;
 "resident" sends it through a write slot of the shared-memory region
 (`get_and_update(..., resident=True)`, what the plugin does for a small image
-it shares). The median of `--rounds`.
+it shares): posted in the client's report ring with no call while it holds
+spare slots of the item's size, by call when they are spent (the reply
+brings more; docs/shm.md, "Uploads with no call"). The median of `--rounds`.
 
 For scale: the processor's CPU on one 64x64 image (Qwen2-VL, 19 KiB
 processed) is about 2.3 ms (`mmcache_vllm_processing_cpu_seconds_total`
@@ -73,7 +75,7 @@ def one_round(
                 [data], [key], lease=False, resident=resident, processed=True, metadata=[b"u" * 300]
             )
         )
-    time.sleep(0.2)  # the feed's last changes reach the followers
+    time.sleep(0.5)  # the last posted uploads are read (0.2 s), and reach the followers
     per = 1e6 / n
     spent = [cpu_seconds(pid) - before for pid, before in zip(followers, following, strict=True)]
     return (
@@ -140,7 +142,7 @@ def table(
                 for _ in range(args.rounds)
             ]
             up, side, each = (statistics.median(r[i] for r in rounds) for i in range(3))
-            path = "resident (write slot)" if resident else "gRPC (heap)"
+            path = "resident (write slot, posted)" if resident else "gRPC (heap)"
             print(f"| {nbytes // KIB} KiB | {path} | {up:.0f} | {side:.0f} | {each:.0f} |")
 
 

@@ -280,7 +280,12 @@ class MMCacheClient(EncoderBooksAPI):
         hash goes alone: a hit, and None in the result). `resident`: every
         payload goes through the co-located region, where one is mapped (else
         from 1 MiB up), so that the items are resident at once and every
-        client on the host reads them with no call (docs/shm.md).
+        client on the host reads them with no call (docs/shm.md). With
+        `processed` and `lease=False` as well, such an upload is posted in
+        the client's report ring with no call while it holds spare write
+        slots of the items' sizes: `held[i]` then says posted; the server
+        stores them within its next read of the ring (0.2 s at most), and
+        they come on the feed as any upload's.
         """
         call = update_call(
             items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed, resident

@@ -73,6 +73,16 @@ class CacheMetrics:
             "did in the shared-memory region with no call (reads, leases), as they report it.",
             registry=registry,
         )
+        self.posted_uploads = Counter(
+            "mmcache_posted_uploads",
+            "Uploads co-located clients posted in their report rings with no call, by "
+            "result: applied (as a GetAndUpdate would be), or refused (logged; the "
+            "items were not stored and their write slots end with their lease).",
+            ["result"],
+            registry=registry,
+        )
+        for result in ("applied", "refused"):
+            self.posted_uploads.labels(result)
         self.shm_copies = Counter(
             "mmcache_shm_item_copies",
             "Items the server copied between its heap and the shared-memory region, by "

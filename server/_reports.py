@@ -24,6 +24,7 @@ def report_of(request: pb.ReleaseRequest) -> Report:
         hits=dict(request.hits),
         shm_leases=[(lease.mm_hash, lease.generation) for lease in request.shm_leases],
         client_cpu_ns=request.client_cpu_ns,
+        upload=request.upload,
     )
 
 

@@ -6,12 +6,15 @@ are raw `bytes`: protobuf parses only the header (an upload's comes in the
 call's metadata when small, else as its first frame), and chunk frames are
 checked by hand and kept as they came (mmcache._frames, server._upload).
 GetAndUpdateOne is GetAndUpdate with its one frame (or none) as a unary
-request. Subscribe streams the feed's messages, serialised once by the feed
-for every subscriber. The other methods are ordinary protobuf.
+request. An upload a co-located client posts in its report ring with no call
+is applied as a GetAndUpdate with no frames, in a task of its own, with no
+reply (`posted`). Subscribe streams the feed's messages, serialised once by
+the feed for every subscriber. The other methods are ordinary protobuf.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -22,7 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from mmcache import __version__
-from mmcache._errors import CacheMissError, InvalidArgumentError
+from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._frames import MAX_CHUNK_BYTES, header_frame
 from mmcache.v1 import cache_pb2 as pb
 
@@ -37,6 +40,7 @@ from ._upload import (
     TruncatedUploadError,
     build_reply,
     check_no_surplus,
+    check_posted,
     frames_of,
     grace_for_cancel,
     parse_header,
@@ -52,6 +56,7 @@ from .cache import (
     ItemCache,
     Lease,
     PreparedUpdate,
+    Scope,
     StoredItem,
     Tier,
     upload_entry,
@@ -65,6 +70,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MMCache"].full_name
 SESSION_METHOD = f"/{SERVICE_NAME}/UpdateSession"  # its metrics count batches
 
 _TIERS = {Tier.NONE: pb.TIER_NONE, Tier.L1: pb.TIER_L1, Tier.L2: pb.TIER_L2}
+
+# A posted upload's bound when its header says no timeout_ms: its payloads are
+# in the region already, so only room for them (the in-flight budget) is waited for.
+POSTED_TIMEOUT_S = 5.0
 
 
 class CacheServicer:
@@ -83,6 +92,8 @@ class CacheServicer:
         self._instance_id = instance_id
         self._sessions = sessions
         self._replays = Replays()
+        self._posted: set[asyncio.Task[None]] = set()
+        cache.take_posted_uploads(self.posted)
 
     def _namespace(self, context: Context) -> Namespace:
         return self._namespaces.of_call(context.invocation_metadata())
@@ -133,7 +144,12 @@ class CacheServicer:
         region = stats.shm
         if region is not None:
             reply.shm.CopyFrom(
-                pb.ShmRegion(path=region.path, size_bytes=region.size, region_id=region.id)
+                pb.ShmRegion(
+                    path=region.path,
+                    size_bytes=region.size,
+                    region_id=region.id,
+                    posted_uploads=True,  # (posted): this servicer applies them
+                )
             )
         return reply
 
@@ -206,6 +222,26 @@ class CacheServicer:
         request, in_metadata = await read_request(context, frames)
         return await self._update(context, namespace, request, frames, in_metadata)
 
+    def posted(self, scope: Scope, header: bytes) -> None:
+        """An upload a co-located client posted in its report ring (read by a
+        drain, on the event loop): applied in a task of its own, as its
+        GetAndUpdate would be, with no frames and no reply."""
+        assert isinstance(scope, Namespace)  # the ring's, opened by open_report_ring
+        task = asyncio.get_running_loop().create_task(self._apply_posted(scope, header))
+        self._posted.add(task)  # kept until done: the loop holds tasks weakly
+        task.add_done_callback(self._posted.discard)
+
+    async def _apply_posted(self, namespace: Namespace, header: bytes) -> None:
+        result = "refused"
+        try:
+            request = check_posted(header)
+            await self._update(None, namespace, request, frames_of(b""), False)
+            result = "applied"
+        except MMCacheError as exc:  # its client's mistake, or a slot that expired
+            _LOGGER.warning("an upload posted in a report ring was refused: %s", exc)
+        finally:
+            self._cache.metrics.posted_uploads.labels(result).inc()
+
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(frames_of(frame), context)
 
@@ -215,7 +251,7 @@ class CacheServicer:
 
     async def _update(
         self,
-        context: Context,
+        context: Context | None,
         namespace: Namespace,
         request: pb.UpdateRequest,
         frames: AsyncIterator[bytes],
@@ -224,28 +260,30 @@ class CacheServicer:
         last: bool = True,
     ) -> bytes:
         """Apply one batch, once (server._replays); its serialised reply. `last`:
-        no frame may follow it."""
+        no frame may follow it. `context`: None for an upload posted with no call."""
         entries = parse_header(request, namespace.key)
         batch = Batch(namespace, request, entries, frames, in_metadata, last)
         key = batch_key(namespace.name, request.batch_id)
         apply = partial(self._apply, context, batch)
         return await (apply() if key is None else self._replays.once(key, apply, call=last))
 
-    async def _apply(self, context: Context, batch: Batch) -> bytes:
+    async def _apply(self, context: Context | None, batch: Batch) -> bytes:
         """Receive and store one batch, and build its reply with no await after
         the store changed (server._replays relies on it)."""
         request = batch.request
         spare_sizes = slot_sizes(
             "the upload's spares", request.shm_spare_lengths, request.shm_spare_trailers
         )
-        deadline, said_wait = times_of(request, context.time_remaining())
+        remaining = POSTED_TIMEOUT_S if context is None else context.time_remaining()
+        deadline, said_wait = times_of(request, remaining)
         try:
             async with self._cache.prepare(
                 request.shm_token, batch.entries, deadline, said_wait, request.claim_ms / 1000
             ) as ready:
                 result = await self._receive(batch, ready)
         except TruncatedUploadError:
-            await grace_for_cancel(context)
+            if context is not None:
+                await grace_for_cancel(context)
             raise
         return self._reply(batch, result, spare_sizes)
 

@@ -45,6 +45,7 @@ __all__ = [
     "TruncatedUploadError",
     "build_reply",
     "check_no_surplus",
+    "check_posted",
     "chunks_declared",
     "entry_header",
     "frames_of",
@@ -118,6 +119,29 @@ def request_of_frame(frame: bytes, what: str) -> pb.UpdateRequest:
         return pb.UpdateRequest.FromString(header_frame_body(frame, what))
     except DecodeError as exc:
         raise InvalidArgumentError(f"the header does not parse: {exc}") from None
+
+
+def check_posted(header: bytes) -> pb.UpdateRequest:
+    """The UpdateRequest of an upload posted in a report ring, checked for what
+    only a call could answer: every entry's payload in a write slot, nothing
+    leased, no spares, no claims (nobody reads a reply)."""
+    try:
+        request = pb.UpdateRequest.FromString(header)
+    except DecodeError as exc:
+        raise InvalidArgumentError(f"a posted upload's header does not parse: {exc}") from None
+    if request.lease != pb.LEASE_NONE or request.claim_ms or request.shm_spare_lengths:
+        raise InvalidArgumentError(
+            "a posted upload leases, claims or asks for spares, which only a reply could "
+            "answer: post it with lease LEASE_NONE and none of them, or send it by call"
+        )
+    for index, entry in enumerate(request.entries):
+        if not (entry.HasField("item") and entry.HasField("shm")):
+            raise InvalidArgumentError(
+                f"entry {index} ({entry.mm_hash!r}) of a posted upload has no item in a "
+                "write slot: a posted upload's payloads are all in the region (a hash "
+                "alone asks a question only a reply answers); send others by call"
+            )
+    return request
 
 
 def chunks_declared(frame: bytes) -> int:

@@ -57,6 +57,7 @@ class CoLocated:
         self._connect_timeout = connect_timeout
         self._touch = touch  # every call's bound on a request's path (docs/faults.md)
         self.region: ClientRegion | None = None
+        self._posts = False  # the mapped region's server applies posted uploads
         self.reports = Reports(
             lambda report: rpc().report(report, touch.call_timeout, touch.wait_for_ready),
             self.answered,
@@ -78,6 +79,7 @@ class CoLocated:
         self._lost = False  # what Info says is the whole answer, region or none
         if self._enabled and info.region is not None:
             self.region = attach(info.instance_id, info.region)
+            self._posts = info.region.posted_uploads
             if self.region is not None:  # a ring now: leases with no call need one
                 self.reports.open(self.region.token)
 
@@ -195,6 +197,37 @@ class CoLocated:
             _LOGGER.debug("upload over gRPC: %s", exc)  # the slots expire by themselves
             return {}, []
         return slots, self.write_slots.top_up(list(sizes.values()))
+
+    def spare_slots_for(self, entries: Sequence[Entry]) -> tuple[bytes, dict[int, Slot]] | None:
+        """For an upload posted with no call: every entry's payload written into
+        a spare write slot of its size, by entry index, with the region's
+        token; None (the spares kept) when there is no report ring or some
+        size has no spare left (the upload goes by call, and tops them up)."""
+        region = self.region
+        if region is None or not self._posts or not self.usable(region):
+            return None
+        if self.reports.ring(region.token) is None:
+            return None
+        sizes = [size_of(e.data.size.payload, self._trailer(e)) for e in entries if e.data]
+        if len(sizes) < len(entries) or any(e.withheld for e in entries):
+            return None
+        slots: list[Slot] = []
+        for size in sizes:
+            slot = self.write_slots.take(region, size)
+            if slot is None:
+                break
+            slots.append(slot)
+        if len(slots) < len(sizes):  # kept again, for the next
+            kept = self.write_slots.keep(slots, sizes[: len(slots)], asked=False)
+            self.give_back_slots(region, kept)
+            return None
+        try:
+            for slot, entry in zip(slots, entries, strict=True):
+                region.write(slot, entry.data)  # type: ignore[arg-type]
+        except ValueError as exc:  # expired while this client stalled: dropped
+            _LOGGER.debug("upload by call: %s", exc)
+            return None
+        return region.token, dict(enumerate(slots))
 
     async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[Slot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""

@@ -161,6 +161,13 @@ class Reports:
             with contextlib.suppress(RuntimeError):  # a loop closing meanwhile
                 loop.call_soon_threadsafe(self._merge, token, report)
 
+    def post_upload(self, token: bytes, header: bytes) -> bool:
+        """An upload's header (every payload in a write slot) into the ring of
+        the region of `token`, with no call; False when there is no ring or no
+        room in it (the caller sends the upload by call)."""
+        ring = self.ring(token)
+        return ring is not None and ring.write(report_bytes(Report(upload=header)))
+
     def _merge(self, token: bytes, report: Report) -> None:
         """On the loop: a report a caller's thread could not write in the ring."""
         self._hits = _folded(self._hits + Counter(report.hits))

@@ -5,10 +5,13 @@ GetAndUpdate naming them. A frontend uploads items of the same few sizes
 over and over (images resized to the model's input), so each ShmAllocate
 also asks for a few spare slots of the sizes it needed, and the next uploads
 of those sizes use them; each such upload asks for the spares it used back
-with its reply. In steady state an upload is one call. Spares are leased like
+with its reply. In steady state an upload is one call, and a resident upload
+of small items that leases nothing is none while spares last (posted in the
+report ring, client/_uploads.py). Spares are leased like
 any write slot: one that expired unused is dropped here, and the server
 reuses its memory; a client that closes gives its spares back. They hold at
-most SPARE_BYTES of the region per client, MAX_SPARES of one size.
+most SPARE_BYTES of the region per client, MAX_SPARES of one size (up to
+MAX_SMALL_SPARES of a small one: SMALL_SPARE_BYTES of it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ __all__ = ["SPARE_BYTES", "Size", "WriteSlots"]
 
 SPARE_BYTES = 32 << 20
 MAX_SPARES = 3  # of one size
+# Smaller items keep more, up to this many bytes of one size: each spare
+# is an upload posted with no call (client/_uploads.py), and the call that
+# tops them up comes once per that many uploads.
+MAX_SMALL_SPARES = 16
+SMALL_SPARE_BYTES = 1 << 20
 _ROOM_STEP = 512  # trailers round up to this: keys and specs of similar length share spares
 
 Size = tuple[int, int]  # payload bytes, room after it for the key and spec
@@ -30,6 +38,11 @@ Size = tuple[int, int]  # payload bytes, room after it for the key and spec
 
 def size_of(payload: int, trailer: int) -> Size:
     return payload, -(-trailer // _ROOM_STEP) * _ROOM_STEP
+
+
+def spares_of(size: Size) -> int:
+    """The spares kept of one size: MAX_SPARES, more of small ones."""
+    return max(MAX_SPARES, min(MAX_SMALL_SPARES, SMALL_SPARE_BYTES // sum(size)))
 
 
 class WriteSlots:
@@ -64,7 +77,7 @@ class WriteSlots:
         held = self._bytes()
         wanted: list[Size] = []
         for size in dict.fromkeys(used):
-            count = MAX_SPARES - len(self._spares.get(size, ())) - self._asked[size]
+            count = spares_of(size) - len(self._spares.get(size, ())) - self._asked[size]
             count = max(0, min(count, (SPARE_BYTES - held) // sum(size)))
             wanted += [size] * count
             self._asked[size] += count
@@ -84,7 +97,7 @@ class WriteSlots:
         surplus: list[int] = []
         for size, slot in zip(sizes, slots, strict=False):
             kept = self._spares.setdefault(size, [])
-            if self._closed or len(kept) >= MAX_SPARES or held + sum(size) > SPARE_BYTES:
+            if self._closed or len(kept) >= spares_of(size) or held + sum(size) > SPARE_BYTES:
                 surplus.append(slot.lease)
                 continue
             kept.append(slot)

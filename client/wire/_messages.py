@@ -74,7 +74,11 @@ _REPORT = tuple(f.name for f in dataclasses.fields(Report) if f.name != "shm_lea
 
 def info_of(reply: pb.InfoReply) -> ServerInfo:
     shm = reply.shm
-    region = RegionInfo(shm.path, shm.size_bytes, shm.region_id) if reply.HasField("shm") else None
+    region = (
+        RegionInfo(shm.path, shm.size_bytes, shm.region_id, shm.posted_uploads)
+        if reply.HasField("shm")
+        else None
+    )
     return ServerInfo(**{name: getattr(reply, name) for name in _INFO}, region=region)
 
 

@@ -59,6 +59,7 @@ class RegionInfo:
     path: str
     size_bytes: int
     region_id: bytes = b""
+    posted_uploads: bool = False  # the server applies uploads posted in report rings
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,7 @@ class Report:
     shm_leases: list[tuple[str, int]] = field(default_factory=list)  # (hash, generation)
     hits: Counter[str] = field(default_factory=Counter)
     client_cpu_ns: int = 0
+    upload: bytes = b""  # a ring's record only: a serialised UpdateRequest, posted with no call
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,15 @@
 """What co-located clients report: a Release call's, and the records their
 report rings carry with no call (_report_rings.py). Either ends leases,
 counts the lookups a client answered itself, and gives back its holds of
-the region's extents (placement's region: the rings live in it)."""
+the region's extents (placement's region: the rings live in it). A ring's
+record may also carry an upload posted with no call: handed to `posted`
+(the servicer's, which applies it as the GetAndUpdate it stands for)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from mmcache._errors import InvalidArgumentError
 from mmcache._spec import check_count, check_counts
 from mmcache.metrics import CacheMetrics
 
@@ -32,9 +35,17 @@ class CoLocatedReports:
         self._placement = placement
         self._parse_report = parse_report
         self.rings: ReportRings | None = None  # the region's, made at the first asked for
+        # Takes a ring record's upload (its namespace, the serialised header);
+        # unset (a cache with no servicer), such an upload is refused.
+        self.posted: Callable[[Scope, bytes], None] | None = None
 
     def release(self, namespace: Scope, keys: list[str], report: Report) -> int:
         """A Release call: the leases it ended."""
+        if report.upload:
+            raise InvalidArgumentError(
+                "a Release call carries an upload: post uploads in a report ring's record "
+                "only; by call, send them with GetAndUpdate"
+            )
         region = self._placement.region
         # Only a client that maps the region reports; one of a region gone is
         # too late, but its leases are still given back.
@@ -89,11 +100,19 @@ class CoLocatedReports:
                 region.end_orphan(key)
         return store.release(keys)
 
+    def _post(self, namespace: Scope, upload: bytes) -> None:
+        if self.posted is None:
+            self._metrics.posted_uploads.labels("refused").inc()
+            raise InvalidArgumentError("this server takes no uploads posted in report rings")
+        self.posted(namespace, upload)
+
     def _rings_of(self, region: Region) -> ReportRings:
         if self.rings is None or self.rings.region is not region:
 
             def apply(namespace: Scope, report: Report) -> None:
                 self._apply(namespace, namespace.checked_keys(report.mm_hashes), report, region)
+                if report.upload:  # after the record's releases: room it made is there
+                    self._post(namespace, report.upload)
 
             rings = self.rings = ReportRings(region, apply, self._parse_report)
 

@@ -451,6 +451,11 @@ class ItemCache:
         self.drain_reports()  # what came before this call, first
         return self._reports.release(namespace, keys, report)
 
+    def take_posted_uploads(self, posted: Callable[[Scope, bytes], None]) -> None:
+        """`posted` takes the uploads co-located clients post in their report
+        rings (a namespace, a serialised UpdateRequest), as they are read."""
+        self._reports.posted = posted
+
     def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
         """A report ring for a co-located client; None when there is no room."""
         return self._reports.open_ring(token, namespace)

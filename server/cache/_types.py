@@ -56,6 +56,7 @@ class Report:
     hits: Mapping[str, int] = field(default_factory=dict)  # by modality
     shm_leases: Sequence[tuple[str, int]] = ()  # (mm_hash, extent generation)
     client_cpu_ns: int = 0
+    upload: bytes = b""  # a ring's record only: an upload posted with no call (wire format)
 
 
 class Scope(Protocol):

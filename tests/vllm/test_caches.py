@@ -822,6 +822,37 @@ def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the
     eventually(lambda: sidecar_counts(sidecar) == (4, 1))
 
 
+def posted_uploads(sidecar: Sidecar) -> float:
+    """Uploads the sidecar applied from its clients' report rings (no call)."""
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    return metrics(url, result="applied").get("mmcache_posted_uploads_total", 0.0)
+
+
+def test_a_small_image_goes_up_with_no_call_once_its_process_holds_spare_slots(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """A's first shared icon goes by call, and its reply brings spare write
+    slots of its size; A's next icon is written into a spare and posted in
+    its report ring with no call. B hits it there, the engine reads it, and
+    the counts are vLLM's."""
+    p0_a, p0_b = icon_processes(clients)
+    p1 = MMCacheReceiverCache(clients(), SCOPE)
+    eventually(lambda: p1.sync.client.region is not None)
+    blue, yellow = (digest_of((64, 64), c) for c in ("blue", "yellow"))
+    request(p0_a, [(blue, item(3))])  # by call: spares of an icon's size come back
+    eventually(lambda: p0_a.uploads_in_flight == 0)
+    posted = posted_uploads(sidecar)
+    (out,) = request(p0_a, [(yellow, item(4))])
+    assert out[0] is not None  # processed, sent inline
+    eventually(lambda: posted_uploads(sidecar) == posted + 1)  # with no call
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(yellow)]) == [True])
+    (hit,) = request(p0_b, [(yellow, item(9))])  # B hits it in the region: not processed
+    assert hit[0] is None and same_updates(list(hit[1]), updates())
+    assert p1.get_and_update_features([feature(yellow, None)])[0].data == item(4)
+    eventually(lambda: leases(p1.sync) == 0)
+    eventually(lambda: sidecar_counts(sidecar) == (5, 1))
+
+
 def test_a_small_image_stays_in_its_process_where_sharing_small_images_is_off(
     clients: Callable[[], SyncClient], sidecar: Sidecar
 ) -> None:

@@ -972,19 +972,26 @@ class ShmRegion(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     REGION_ID_FIELD_NUMBER: _builtins.int
+    POSTED_UPLOADS_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     size_bytes: _builtins.int
     region_id: _builtins.bytes
+    posted_uploads: _builtins.bool
+    """The server applies uploads posted in report rings (ReleaseRequest.upload);
+    a client posts none to a server that does not say so (an older one
+    would drop them unread).
+    """
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         region_id: _builtins.bytes = ...,
+        posted_uploads: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "region_id", b"region_id", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "posted_uploads", b"posted_uploads", "region_id", b"region_id", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1319,6 +1326,7 @@ class ReleaseRequest(_message.Message):
     SHM_LEASES_FIELD_NUMBER: _builtins.int
     HITS_FIELD_NUMBER: _builtins.int
     CLIENT_CPU_NS_FIELD_NUMBER: _builtins.int
+    UPLOAD_FIELD_NUMBER: _builtins.int
     shm_token: _builtins.bytes
     """A co-located client's report, with its region's token: the payload bytes
     it read from items resident in the region, with no call, since its last
@@ -1329,6 +1337,16 @@ class ReleaseRequest(_message.Message):
     """CPU the client spent, on its own threads, on what it did with no call
     since its last report (reads and leases in the region): counted in
     mmcache_shm_client_cpu_seconds_total, so what a hit costs is seen whole.
+    """
+    upload: _builtins.bytes
+    """In a report ring's record only (a Release call carrying one is
+    INVALID_ARGUMENT): an upload posted with no call, a serialised
+    UpdateRequest whose every entry's payload is in a write slot the client
+    holds (ShmSlot), leasing nothing, asking no spares or claims. The server
+    applies it as it would the GetAndUpdate, after the record's other
+    fields, and answers nothing: the item comes on the feed once stored; a
+    refused one is logged and counted (mmcache_posted_uploads_total) and its
+    slots end with their lease (docs/shm.md, "Uploads with no call").
     """
     @_builtins.property
     def mm_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -1374,10 +1392,11 @@ class ReleaseRequest(_message.Message):
         shm_leases: _abc.Iterable[Global___ShmLease] | None = ...,
         hits: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         client_cpu_ns: _builtins.int = ...,
+        upload: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_cpu_ns", b"client_cpu_ns", "hits", b"hits", "misses", b"misses", "mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_leases", b"shm_leases", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_cpu_ns", b"client_cpu_ns", "hits", b"hits", "misses", b"misses", "mm_hashes", b"mm_hashes", "shm_done", b"shm_done", "shm_leases", b"shm_leases", "shm_read_bytes", b"shm_read_bytes", "shm_token", b"shm_token", "upload", b"upload"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,177 @@
+"""Uploads posted in a report ring with no call (docs/shm.md, "Uploads with no
+call"): real servers, real region files, real clients."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from mmcache.client import MMCacheClient
+from mmcache.client._batch import Entry, build_batch
+from mmcache.client._codec import encode_item
+from mmcache.client.colocated import size_of, spares_of
+from mmcache.client.wire import Slot
+from mmcache.server import MMCacheServer
+from mmcache.v1 import cache_pb2 as pb
+
+from .conftest import (
+    MIB,
+    eventually,
+    parse_samples,
+    region_of,
+    sample,
+    scrape,
+    scrape_text,
+    serving,
+    store_of,
+)
+from .test_shm import client, handled, same, shm_config, tensor
+
+
+@pytest.fixture
+async def shm_server(tmp_path: Path) -> AsyncIterator[MMCacheServer]:
+    async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server:
+        assert region_of(server) is not None
+        yield server
+
+
+def icon(seed: int) -> dict[str, torch.Tensor]:
+    return {"x": tensor(torch.float32, 1024, seed)}  # 4 KiB: a small image's item
+
+
+async def posted(server: MMCacheServer, result: str) -> float:
+    samples = await scrape(server.metrics_port)
+    return sample(samples, "mmcache_posted_uploads_total", result=result) or 0
+
+
+async def uploads_by_call(server: MMCacheServer) -> float:
+    """Upload batches the server answered, by any of the three methods."""
+    methods = ("GetAndUpdate", "GetAndUpdateOne", "UpdateSession")
+    return sum([await handled(server, method) for method in methods])
+
+
+async def with_ring(c: MMCacheClient) -> bytes:
+    """The region's token, once the client holds its report ring."""
+    region = c.region
+    assert region is not None
+    await eventually(lambda: c._co.reports.ring(region.token) is not None)
+    return region.token
+
+
+async def share(c: MMCacheClient, key: str, seed: int) -> list[bool]:
+    """An upload as vLLM's P0 shares a small image it processed."""
+    result = await c.get_and_update([icon(seed)], [key], lease=False, processed=True, resident=True)
+    return result.held
+
+
+async def test_small_processed_uploads_go_with_no_call_while_spares_last(
+    shm_server: MMCacheServer,
+) -> None:
+    """The first upload is a call and asks for spares of its size; each next
+    one of that size is written into a spare and posted in the ring, stored
+    by the server's next read of the rings, resident, on the feed, counted as
+    a miss; once the spares are spent the next goes by call again."""
+    async with (
+        MMCacheClient(f"127.0.0.1:{shm_server.port}") as writer,
+        client(shm_server) as reader,
+    ):
+        await with_ring(writer)
+        announced = (await writer.transport.info(timeout=5)).region
+        assert announced is not None and announced.posted_uploads  # else the client posts none
+        assert await share(writer, "k0", 0) == [True]
+        calls = await uploads_by_call(shm_server)
+        spares = spares_of(size_of(4096, 1))
+        assert spares == 16  # small: a run of them, not MAX_SPARES
+        keys = [f"k{i}" for i in range(1, spares + 1)]
+        for i, key in enumerate(keys, start=1):
+            assert await share(writer, key, i) == [True]
+        assert await uploads_by_call(shm_server) == calls  # no call at all
+        await eventually(lambda: all(store_of(shm_server).peek(k) is not None for k in keys))
+        for key in keys:
+            stored = store_of(shm_server).peek(key)
+            assert stored is not None and stored.resident is not None and stored.frames == ()
+        assert await posted(shm_server, "applied") == spares
+        assert await posted(shm_server, "refused") == 0
+        samples = await scrape(shm_server.metrics_port)  # each upload a miss, posted or called
+        assert sample(samples, "mmcache_queries_total", modality="unknown") == spares + 1
+        assert sample(samples, "mmcache_hits_total", modality="unknown") == 0
+        # Another client reads them in the region, with no call, bit-exact.
+        reads = await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch")
+        assert reader.lease_resident(keys).held == [True] * spares
+        fetched = reader.fetch_resident(keys)
+        assert fetched is not None
+        assert all(same(item, icon(i)) for i, item in enumerate(fetched, start=1))
+        assert await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch") == reads
+        # The writer's mirror learns them from the feed, as any upload's.
+        await eventually(lambda: all(writer.is_cached(keys)))
+        # Spares spent: the next goes by call (and tops them up).
+        assert await share(writer, "last", 99) == [True]
+        assert await uploads_by_call(shm_server) == calls + 1
+        await eventually(lambda: store_of(shm_server).leases == 0)
+
+
+async def test_a_posted_upload_that_leases_or_asks_is_not_posted(
+    shm_server: MMCacheServer,
+) -> None:
+    """Only what needs no reply is posted: an upload that leases, or of items
+    not all processed, goes by call with spares held."""
+    async with client(shm_server) as c:
+        await with_ring(c)
+        await share(c, "warm", 0)  # spares held from here
+        calls = await uploads_by_call(shm_server)
+        await c.get_and_update([icon(1)], ["leased"], lease=True, processed=True, resident=True)
+        await c.get_and_update([icon(2)], ["looked"], lease=False, resident=True)
+        assert await uploads_by_call(shm_server) == calls + 2
+        await c.release(["leased"])
+
+
+async def test_forged_posted_uploads_are_refused_and_nothing_is_lost(
+    shm_server: MMCacheServer,
+) -> None:
+    """A record the server cannot apply is logged and counted; what is stored
+    stays, the ring goes on, and the server answers."""
+    async with client(shm_server) as c:
+        token = await with_ring(c)
+        await share(c, "kept", 0)
+        stranger = Slot(4096, 4096, 123456789, 0)  # no slot this client holds
+        entry = Entry("forged", "", encode_item(icon(5)), False, b"")
+        forged = [
+            b"\xff\x00not a header",
+            pb.UpdateRequest(lease=pb.LEASE_HELD).SerializeToString(),
+            pb.UpdateRequest(entries=[pb.UpdateEntry(mm_hash="forged")]).SerializeToString(),
+            build_batch(
+                [entry], [], lease=False, chunk_bytes=MIB, shm=(token, {0: stranger})
+            ).header,
+        ]
+        for header in forged:
+            assert c._co.reports.post_upload(token, header)
+        await eventually(lambda: posted_now(shm_server, "refused", len(forged)))
+        assert store_of(shm_server).peek("kept") is not None
+        assert store_of(shm_server).peek("forged") is None
+        assert await share(c, "after", 1) == [True]  # the ring still carries uploads
+        await eventually(lambda: store_of(shm_server).peek("after") is not None)
+
+
+def posted_now(server: MMCacheServer, result: str, count: int) -> bool:
+    samples = parse_samples(scrape_text(server.metrics_port))
+    return sample(samples, "mmcache_posted_uploads_total", result=result) == count
+
+
+async def test_a_release_call_that_carries_an_upload_is_invalid_argument(
+    shm_server: MMCacheServer,
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{shm_server.port}") as channel:
+        release = channel.unary_unary(
+            "/mmcache.v1.MMCache/Release",
+            request_serializer=pb.ReleaseRequest.SerializeToString,
+            response_deserializer=pb.ReleaseReply.FromString,
+        )
+        upload = pb.UpdateRequest(touches=["x"]).SerializeToString()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await release(pb.ReleaseRequest(upload=upload))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "report ring" in (caught.value.details() or "")
