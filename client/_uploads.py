@@ -38,6 +38,10 @@ __all__ = [
 
 _LOGGER = logging.getLogger(__name__)
 
+# The largest header posted in the report ring (64 KiB, shared with the
+# client's leases and releases); a larger upload goes by call.
+MAX_POSTED_BYTES = 8 << 10
+
 
 def check_hashes(mm_hashes: Sequence[str]) -> None:
     check_count("mm_hashes", len(mm_hashes))
@@ -183,21 +187,27 @@ class UpdateResult(list[Item | None]):
     - `held[i]`: the server holds item i for the engine's `fetch` (leased,
       when the call leased); where False, deliver the item inline;
     - `metadata[i]`: the metadata the server holds for a held item, when
-      asked (`want_metadata=True`), else None.
+      asked (`want_metadata=True`), else None;
+    - `posted[i]`: item i went up with no call (docs/shm.md, "Uploads with no
+      call"): the server stores it when it next reads the client's ring, and
+      says so on the feed; `held[i]` is False, as no reply said it.
     """
 
     held: list[bool]
     metadata: list[bytes | None]
+    posted: list[bool]
 
     def __init__(
         self,
         results: Sequence[Item | None],
         held: Sequence[bool] | None = None,
         metadata: Sequence[bytes | None] | None = None,
+        posted: Sequence[bool] | None = None,
     ) -> None:
         super().__init__(results)
         self.held = [False] * len(results) if held is None else list(held)
         self.metadata = [None] * len(results) if metadata is None else list(metadata)
+        self.posted = [False] * len(results) if posted is None else list(posted)
 
 
 class Uploads:
@@ -278,8 +288,8 @@ class Uploads:
         ]
         touches = self._mirror().take_touches()
         if self._posted(call, mode, entries, touches):
-            self._counted(0, len(entries))  # each a miss, as the server counts it
-            return UpdateResult(items, [True] * len(items))
+            self._counted(0, len(entries))  # as a call's reply would: none a hit
+            return UpdateResult(items, posted=[True] * len(items))
         reply = await self._send(
             entries,
             touches,
@@ -327,9 +337,12 @@ class Uploads:
         batch = build_batch(
             entries, touches, lease=False, chunk_bytes=self._chunk_bytes, shm=(token, slots)
         )
-        if self._co.reports.post_upload(token, batch.header):
+        # A large header (much metadata) would crowd the ring's leases out: by call.
+        if len(batch.header) <= MAX_POSTED_BYTES and self._co.reports.post_upload(
+            token, batch.header
+        ):
             return True
-        region = self._co.region  # the ring full: by call, and these slots back to the server
+        region = self._co.region  # not posted: by call, and these slots back to the server
         if region is not None and region.token == token:
             self._co.give_back_slots(region, [slot.lease for slot in slots.values()])
         return False

@@ -95,7 +95,13 @@ class MMCacheServer:
             self._grpc_metrics.requests(SESSION_METHOD),
             authorize=self._check_session_batch,
         )
-        self._servicer = CacheServicer(cache, self.namespaces, self.instance_id, session_calls)
+        self._servicer = CacheServicer(
+            cache,
+            self.namespaces,
+            self.instance_id,
+            session_calls,
+            may_upload=lambda metadata: self._check_session_batch(metadata) is None,
+        )
         self.registry.register(_gauges(cache, self.namespaces, self.sessions))
         self.books = EncoderBooks()
         self.registry.register(EncoderBookCollector(self.books.stats))
@@ -142,6 +148,7 @@ class MMCacheServer:
                 opened.push_async_callback(self.events.stop)
             self.sessions.start()
             await opened.enter_async_context(self.cache)  # its region, L2 tier and timers
+            opened.push_async_callback(self._servicer.aclose)  # posted uploads, before the cache
             self._warn_if_tenants_share_the_region()
             await server.start()
             if self._health_server is not None:

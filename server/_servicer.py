@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -71,9 +71,14 @@ SESSION_METHOD = f"/{SERVICE_NAME}/UpdateSession"  # its metrics count batches
 
 _TIERS = {Tier.NONE: pb.TIER_NONE, Tier.L1: pb.TIER_L1, Tier.L2: pb.TIER_L2}
 
-# A posted upload's bound when its header says no timeout_ms: its payloads are
+# A posted upload's whole bound (no call's deadline ends it): its payloads are
 # in the region already, so only room for them (the in-flight budget) is waited for.
 POSTED_TIMEOUT_S = 5.0
+# Posted uploads applied at once; past that a record's upload is refused (its
+# client shares a little less), so a flood of records cannot pile up tasks.
+MAX_POSTED = 256
+
+Metadata = Any  # a call's invocation metadata (server._auth's)
 
 
 class CacheServicer:
@@ -86,13 +91,16 @@ class CacheServicer:
         namespaces: Namespaces,
         instance_id: str,
         sessions: SessionCalls,
+        may_upload: Callable[[Metadata], bool] = lambda metadata: True,
     ) -> None:
         self._cache = cache
         self._namespaces = namespaces
         self._instance_id = instance_id
         self._sessions = sessions
+        self._may_upload = may_upload  # a call's token may call GetAndUpdate
         self._replays = Replays()
         self._posted: set[asyncio.Task[None]] = set()
+        self._closed = False
         cache.take_posted_uploads(self.posted)
 
     def _namespace(self, context: Context) -> Namespace:
@@ -165,7 +173,9 @@ class CacheServicer:
     async def open_report_ring(
         self, request: pb.OpenReportRingRequest, context: Context
     ) -> pb.ShmAllocateReply:
-        ring = self._cache.open_ring(request.shm_token, self._namespace(context))
+        # Its ring carries uploads only where its token could call GetAndUpdate.
+        uploads = self._may_upload(context.invocation_metadata())
+        ring = self._cache.open_ring(request.shm_token, self._namespace(context), uploads=uploads)
         reply = pb.ShmAllocateReply(instance_id=self._instance_id)
         reply.slots.extend([] if ring is None else [slot_message(ring)])
         return reply
@@ -227,6 +237,13 @@ class CacheServicer:
         drain, on the event loop): applied in a task of its own, as its
         GetAndUpdate would be, with no frames and no reply."""
         assert isinstance(scope, Namespace)  # the ring's, opened by open_report_ring
+        if self._closed or len(self._posted) >= MAX_POSTED:
+            self._cache.metrics.posted_uploads.labels("refused").inc()
+            raise InvalidArgumentError(
+                "the server is stopping"
+                if self._closed
+                else f"{MAX_POSTED} posted uploads are being applied already"
+            )
         task = asyncio.get_running_loop().create_task(self._apply_posted(scope, header))
         self._posted.add(task)  # kept until done: the loop holds tasks weakly
         task.add_done_callback(self._posted.discard)
@@ -235,12 +252,29 @@ class CacheServicer:
         result = "refused"
         try:
             request = check_posted(header)
-            await self._update(None, namespace, request, frames_of(b""), False)
+            async with asyncio.timeout(POSTED_TIMEOUT_S):
+                await self._update(None, namespace, request, frames_of(b""), False)
             result = "applied"
         except MMCacheError as exc:  # its client's mistake, or a slot that expired
             _LOGGER.warning("an upload posted in a report ring was refused: %s", exc)
+        except TimeoutError:
+            _LOGGER.warning(
+                "an upload posted in a report ring was refused: no room for it within %.0f s",
+                POSTED_TIMEOUT_S,
+            )
+        except Exception:  # never "task exception was never retrieved"
+            _LOGGER.exception("an upload posted in a report ring failed")
         finally:
             self._cache.metrics.posted_uploads.labels(result).inc()
+
+    async def aclose(self) -> None:
+        """Posted uploads still being applied end now, and none start (the
+        server is stopping: its cache closes next)."""
+        self._closed = True
+        tasks = list(self._posted)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def get_and_update_one(self, frame: bytes, context: Context) -> bytes:
         return await self.get_and_update(frames_of(frame), context)

@@ -129,11 +129,19 @@ def check_posted(header: bytes) -> pb.UpdateRequest:
         request = pb.UpdateRequest.FromString(header)
     except DecodeError as exc:
         raise InvalidArgumentError(f"a posted upload's header does not parse: {exc}") from None
-    if request.lease != pb.LEASE_NONE or request.claim_ms or request.shm_spare_lengths:
+    if (
+        request.lease != pb.LEASE_NONE
+        or request.claim_ms
+        or request.shm_spare_lengths
+        or request.batch_id
+    ):
         raise InvalidArgumentError(
-            "a posted upload leases, claims or asks for spares, which only a reply could "
-            "answer: post it with lease LEASE_NONE and none of them, or send it by call"
+            "a posted upload leases, claims, asks for spares or names a batch_id, which "
+            "only a call answers: post it with lease LEASE_NONE and none of them, or send "
+            "it by call"
         )
+    if not request.entries:
+        raise InvalidArgumentError("a posted upload has no entries: post uploads only")
     for index, entry in enumerate(request.entries):
         if not (entry.HasField("item") and entry.HasField("shm")):
             raise InvalidArgumentError(

@@ -49,8 +49,8 @@ async def posted(server: MMCacheServer, result: str) -> float:
 
 
 async def uploads_by_call(server: MMCacheServer) -> float:
-    """Upload batches the server answered, by any of the three methods."""
-    methods = ("GetAndUpdate", "GetAndUpdateOne", "UpdateSession")
+    """Upload batches (and slot allocations) the server answered, by any method."""
+    methods = ("GetAndUpdate", "GetAndUpdateOne", "UpdateSession", "ShmAllocate")
     return sum([await handled(server, method) for method in methods])
 
 
@@ -62,19 +62,22 @@ async def with_ring(c: MMCacheClient) -> bytes:
     return region.token
 
 
-async def share(c: MMCacheClient, key: str, seed: int) -> list[bool]:
-    """An upload as vLLM's P0 shares a small image it processed."""
+async def share(c: MMCacheClient, key: str, seed: int) -> str:
+    """An upload as vLLM's P0 shares a small image it processed: "held" (by
+    call: its reply said so) or "posted" (with no call)."""
     result = await c.get_and_update([icon(seed)], [key], lease=False, processed=True, resident=True)
-    return result.held
+    assert not (result.held[0] and result.posted[0])
+    return "held" if result.held[0] else "posted" if result.posted[0] else "neither"
 
 
 async def test_small_processed_uploads_go_with_no_call_while_spares_last(
     shm_server: MMCacheServer,
 ) -> None:
-    """The first upload is a call and asks for spares of its size; each next
-    one of that size is written into a spare and posted in the ring, stored
-    by the server's next read of the rings, resident, on the feed, counted as
-    a miss; once the spares are spent the next goes by call again."""
+    """The first upload is a call and its reply brings spares of its size;
+    each next one of that size is written into a spare and posted in the ring,
+    stored by the server's next read of the rings, resident, on the feed,
+    counted as a miss; the last spare goes by call, whose reply brings the
+    spares back: one call per run, no ShmAllocate."""
     async with (
         MMCacheClient(f"127.0.0.1:{shm_server.port}") as writer,
         client(shm_server) as reader,
@@ -82,35 +85,36 @@ async def test_small_processed_uploads_go_with_no_call_while_spares_last(
         await with_ring(writer)
         announced = (await writer.transport.info(timeout=5)).region
         assert announced is not None and announced.posted_uploads  # else the client posts none
-        assert await share(writer, "k0", 0) == [True]
+        assert await share(writer, "k0", 0) == "held"
         calls = await uploads_by_call(shm_server)
         spares = spares_of(size_of(4096, 1))
         assert spares == 16  # small: a run of them, not MAX_SPARES
-        keys = [f"k{i}" for i in range(1, spares + 1)]
+        keys = [f"k{i}" for i in range(1, spares)]
         for i, key in enumerate(keys, start=1):
-            assert await share(writer, key, i) == [True]
+            assert await share(writer, key, i) == "posted"
         assert await uploads_by_call(shm_server) == calls  # no call at all
         await eventually(lambda: all(store_of(shm_server).peek(k) is not None for k in keys))
         for key in keys:
             stored = store_of(shm_server).peek(key)
             assert stored is not None and stored.resident is not None and stored.frames == ()
-        assert await posted(shm_server, "applied") == spares
+        assert await posted(shm_server, "applied") == len(keys)
         assert await posted(shm_server, "refused") == 0
         samples = await scrape(shm_server.metrics_port)  # each upload a miss, posted or called
-        assert sample(samples, "mmcache_queries_total", modality="unknown") == spares + 1
+        assert sample(samples, "mmcache_queries_total", modality="unknown") == spares
         assert sample(samples, "mmcache_hits_total", modality="unknown") == 0
         # Another client reads them in the region, with no call, bit-exact.
         reads = await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch")
-        assert reader.lease_resident(keys).held == [True] * spares
+        assert reader.lease_resident(keys).held == [True] * len(keys)
         fetched = reader.fetch_resident(keys)
         assert fetched is not None
         assert all(same(item, icon(i)) for i, item in enumerate(fetched, start=1))
         assert await handled(shm_server, "ReadShm") + await handled(shm_server, "Fetch") == reads
         # The writer's mirror learns them from the feed, as any upload's.
         await eventually(lambda: all(writer.is_cached(keys)))
-        # Spares spent: the next goes by call (and tops them up).
-        assert await share(writer, "last", 99) == [True]
+        # The last spare goes by call, and its reply brings a run back.
+        assert await share(writer, "last", 99) == "held"
         assert await uploads_by_call(shm_server) == calls + 1
+        assert await share(writer, "again", 98) == "posted"
         await eventually(lambda: store_of(shm_server).leases == 0)
 
 
@@ -152,7 +156,7 @@ async def test_forged_posted_uploads_are_refused_and_nothing_is_lost(
         await eventually(lambda: posted_now(shm_server, "refused", len(forged)))
         assert store_of(shm_server).peek("kept") is not None
         assert store_of(shm_server).peek("forged") is None
-        assert await share(c, "after", 1) == [True]  # the ring still carries uploads
+        assert await share(c, "after", 1) == "posted"  # the ring still carries uploads
         await eventually(lambda: store_of(shm_server).peek("after") is not None)
 
 
@@ -175,3 +179,28 @@ async def test_a_release_call_that_carries_an_upload_is_invalid_argument(
             await release(pb.ReleaseRequest(upload=upload))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "report ring" in (caught.value.details() or "")
+
+
+async def test_a_ring_opened_with_a_read_token_carries_no_upload(tmp_path: Path) -> None:
+    """Uploading needs the write role: a ring its client opened with a read
+    token refuses posted uploads (counted), whatever slot they name."""
+    read, write = "r" * 32, "w" * 32
+    config = shm_config(tmp_path, shm_bytes=64 * MIB, tokens=f"write {write}; read {read}")
+    async with (
+        serving(config) as server,
+        client(server, token=write) as writer,
+        client(server, token=read) as reader,
+    ):
+        await with_ring(writer)
+        token = await with_ring(reader)
+        await share(writer, "warm", 0)  # the writer holds spares of an icon's size
+        assert await share(writer, "mine", 1) == "posted"
+        await eventually(lambda: store_of(server).peek("mine") is not None)
+        # The reader names the writer's own spare, as a process mapping the file could.
+        slot = writer._co.write_slots.take(writer._co.region, size_of(4096, 100))  # type: ignore[arg-type]
+        assert slot is not None
+        entry = Entry("theirs", "", encode_item(icon(2)), False, b"")
+        header = build_batch([entry], [], lease=False, chunk_bytes=MIB, shm=(token, {0: slot}))
+        assert reader._co.reports.post_upload(token, header.header)
+        await eventually(lambda: posted_now(server, "refused", 1))
+        assert store_of(server).peek("theirs") is None

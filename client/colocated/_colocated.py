@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
@@ -57,7 +58,7 @@ class CoLocated:
         self._connect_timeout = connect_timeout
         self._touch = touch  # every call's bound on a request's path (docs/faults.md)
         self.region: ClientRegion | None = None
-        self._posts = False  # the mapped region's server applies posted uploads
+        self._posts = False  # an older server would drop posted uploads unread
         self.reports = Reports(
             lambda report: rpc().report(report, touch.call_timeout, touch.wait_for_ready),
             self.answered,
@@ -201,33 +202,35 @@ class CoLocated:
     def spare_slots_for(self, entries: Sequence[Entry]) -> tuple[bytes, dict[int, Slot]] | None:
         """For an upload posted with no call: every entry's payload written into
         a spare write slot of its size, by entry index, with the region's
-        token; None (the spares kept) when there is no report ring or some
-        size has no spare left (the upload goes by call, and tops them up)."""
+        token; None (nothing taken) when there is no report ring, or a size
+        has only its last spare left: that one goes by call, whose reply
+        brings the spares back (one call per run of spares, no ShmAllocate)."""
         region = self.region
         if region is None or not self._posts or not self.usable(region):
             return None
         if self.reports.ring(region.token) is None:
             return None
-        sizes = [size_of(e.data.size.payload, self._trailer(e)) for e in entries if e.data]
-        if len(sizes) < len(entries) or any(e.withheld for e in entries):
+        encoded = [e.data for e in entries if e.data is not None and not e.withheld]
+        if not encoded or len(encoded) < len(entries):
             return None
-        slots: list[Slot] = []
-        for size in sizes:
-            slot = self.write_slots.take(region, size)
-            if slot is None:
-                break
-            slots.append(slot)
-        if len(slots) < len(sizes):  # kept again, for the next
-            kept = self.write_slots.keep(slots, sizes[: len(slots)], asked=False)
-            self.give_back_slots(region, kept)
+        sizes = [
+            size_of(data.size.payload, self._trailer(entry))
+            for data, entry in zip(encoded, entries, strict=True)
+        ]
+        wanted = Counter(sizes)
+        if any(self.write_slots.held(size) <= count for size, count in wanted.items()):
             return None
+        slots = [self.write_slots.take(region, size) for size in sizes]
         try:
-            for slot, entry in zip(slots, entries, strict=True):
-                region.write(slot, entry.data)  # type: ignore[arg-type]
-        except ValueError as exc:  # expired while this client stalled: dropped
+            for slot, data in zip(slots, encoded, strict=True):
+                if slot is None:  # expired: the rest go back, this upload by call
+                    raise ValueError("a spare expired")
+                region.write(slot, data)
+        except ValueError as exc:  # (or expired while this client stalled)
             _LOGGER.debug("upload by call: %s", exc)
+            self.give_back_slots(region, [slot.lease for slot in slots if slot is not None])
             return None
-        return region.token, dict(enumerate(slots))
+        return region.token, {i: slot for i, slot in enumerate(slots) if slot is not None}
 
     async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[Slot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from ..wire import Slot
 from ._shm import ClientRegion
 
-__all__ = ["SPARE_BYTES", "Size", "WriteSlots"]
+__all__ = ["SPARE_BYTES", "Size", "WriteSlots", "size_of", "spares_of"]
 
 SPARE_BYTES = 32 << 20
 MAX_SPARES = 3  # of one size
@@ -58,6 +58,10 @@ class WriteSlots:
         self._spares: dict[Size, list[Slot]] = {}
         self._asked: Counter[Size] = Counter()
         self._closed = False
+
+    def held(self, size: Size) -> int:
+        """The spares of `size` kept now (some may have expired)."""
+        return len(self._spares.get(size, ()))
 
     def take(self, region: ClientRegion, size: Size) -> Slot | None:
         """A live spare of `size`, if one is kept (expired ones are dropped)."""

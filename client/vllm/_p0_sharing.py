@@ -204,8 +204,10 @@ class Sharing:
 
 
 async def _held(call: Awaitable[Any]) -> int:
-    """How many of an upload's items the sidecar holds once it ends."""
-    return int(sum((await call).held))
+    """How many of an upload's items the sidecar holds once it ends (or will:
+    those posted with no call, stored at its next read of the ring)."""
+    result = await call
+    return int(sum(result.held) + sum(result.posted))
 
 
 def stamp() -> tuple[float, float]:

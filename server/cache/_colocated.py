@@ -52,10 +52,11 @@ class CoLocatedReports:
         mapped = region is not None and region.matches(report.shm_token)
         return self._apply(namespace, keys, report, region if mapped else None)
 
-    def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
-        """A report ring for a co-located client; None when there is no room."""
+    def open_ring(self, token: bytes, namespace: Scope, *, uploads: bool = False) -> Slot | None:
+        """A report ring for a co-located client; None when there is no room.
+        `uploads`: the client may post uploads in it."""
         region = self._placement.region_of(token)
-        return self._rings_of(region).open(namespace)
+        return self._rings_of(region).open(namespace, uploads=uploads)
 
     def drain(self) -> int:
         """Apply what co-located clients wrote in their report rings; how many
@@ -100,19 +101,25 @@ class CoLocatedReports:
                 region.end_orphan(key)
         return store.release(keys)
 
-    def _post(self, namespace: Scope, upload: bytes) -> None:
-        if self.posted is None:
+    def _post(self, namespace: Scope, upload: bytes, uploads: bool) -> None:
+        if self.posted is None or not uploads:
             self._metrics.posted_uploads.labels("refused").inc()
-            raise InvalidArgumentError("this server takes no uploads posted in report rings")
+            why = (
+                "this server takes no uploads posted in report rings"
+                if self.posted is None
+                else "the ring's client may not upload (the token it opened the ring with "
+                "has no write role)"
+            )
+            raise InvalidArgumentError(f"a posted upload was refused: {why}")
         self.posted(namespace, upload)
 
     def _rings_of(self, region: Region) -> ReportRings:
         if self.rings is None or self.rings.region is not region:
 
-            def apply(namespace: Scope, report: Report) -> None:
+            def apply(namespace: Scope, report: Report, uploads: bool) -> None:
                 self._apply(namespace, namespace.checked_keys(report.mm_hashes), report, region)
-                if report.upload:  # after the record's releases: room it made is there
-                    self._post(namespace, report.upload)
+                if report.upload:  # after the record's releases: room they made is there
+                    self._post(namespace, report.upload, uploads)
 
             rings = self.rings = ReportRings(region, apply, self._parse_report)
 

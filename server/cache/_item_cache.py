@@ -456,9 +456,10 @@ class ItemCache:
         rings (a namespace, a serialised UpdateRequest), as they are read."""
         self._reports.posted = posted
 
-    def open_ring(self, token: bytes, namespace: Scope) -> Slot | None:
-        """A report ring for a co-located client; None when there is no room."""
-        return self._reports.open_ring(token, namespace)
+    def open_ring(self, token: bytes, namespace: Scope, *, uploads: bool = False) -> Slot | None:
+        """A report ring for a co-located client; None when there is no room.
+        `uploads`: the client may post uploads in it (docs/shm.md)."""
+        return self._reports.open_ring(token, namespace, uploads=uploads)
 
     def drain_reports(self) -> int:
         """Apply what co-located clients wrote in their report rings; how many

@@ -51,17 +51,19 @@ class _Ring:
     tail: int = 0
     used: float = 0.0  # when a record was last read
     stuck: float = 0.0  # since when records wait that never became whole (0: none)
+    uploads: bool = False  # its client may post uploads (its token may call GetAndUpdate)
 
 
 class ReportRings:
     """The rings of one region; `apply` takes each report as the Release it
-    stands for; `parse` reads a record (InvalidArgumentError when it cannot:
-    the record is in the wire's format, server/_reports.py)."""
+    stands for (and whether its ring may post uploads); `parse` reads a record
+    (InvalidArgumentError when it cannot: the record is in the wire's format,
+    server/_reports.py)."""
 
     def __init__(
         self,
         region: Region,
-        apply: Callable[[Scope, Report], None],
+        apply: Callable[[Scope, Report, bool], None],
         parse: Callable[[bytes], Report],
         *,
         most: int = MAX_RINGS,
@@ -79,13 +81,15 @@ class ReportRings:
     def __len__(self) -> int:
         return len(self._rings)
 
-    def open(self, namespace: Scope) -> Slot | None:
-        """A new ring for a client of `namespace`, or None (all taken, or no room)."""
+    def open(self, namespace: Scope, *, uploads: bool = False) -> Slot | None:
+        """A new ring for a client of `namespace`, or None (all taken, or no
+        room); `uploads`: the client may post uploads in it."""
         if len(self._rings) >= self._most:
             return None
         slot = self.region.open_ring(RING_BYTES)
         if slot is not None:
-            ring = _Ring(slot, self.region.payload(slot), namespace, used=self._clock())
+            view = self.region.payload(slot)
+            ring = _Ring(slot, view, namespace, used=self._clock(), uploads=uploads)
             self._rings[slot.lease] = ring
         return slot
 
@@ -144,7 +148,7 @@ class ReportRings:
 
     def _report(self, ring: _Ring, payload: bytes) -> int:
         try:
-            self._apply(ring.namespace, self._parse(payload))
+            self._apply(ring.namespace, self._parse(payload), ring.uploads)
         except MMCacheError as exc:  # its client's mistake: the rest go on
             _LOGGER.warning("a report in a shared-memory ring was refused: %s", exc)
             return 0
