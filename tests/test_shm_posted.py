@@ -3,6 +3,7 @@ call"): real servers, real region files, real clients."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -204,3 +205,22 @@ async def test_a_ring_opened_with_a_read_token_carries_no_upload(tmp_path: Path)
         assert reader._co.reports.post_upload(token, header.header)
         await eventually(lambda: posted_now(server, "refused", 1))
         assert store_of(server).peek("theirs") is None
+
+
+async def test_while_uploads_are_posted_the_rings_are_read_every_few_ms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cache's timer reads the rings every 0.2 s (stretched here to an
+    hour); once an upload was posted they are read every few ms as well, so
+    the next posted upload is stored with no call and no timer."""
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
+    async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server, client(server) as c:
+        await with_ring(c)
+        await share(c, "warm", 0)  # by call: spares come back
+        assert await share(c, "first", 1) == "posted"
+        await asyncio.sleep(0.3)
+        assert store_of(server).peek("first") is None  # nothing read the ring yet
+        await c.transport.info()  # a call reads the rings first
+        await eventually(lambda: store_of(server).peek("first") is not None)
+        assert await share(c, "second", 2) == "posted"
+        await eventually(lambda: store_of(server).peek("second") is not None, timeout=2.0)
