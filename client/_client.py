@@ -283,9 +283,10 @@ class MMCacheClient(EncoderBooksAPI):
         client on the host reads them with no call (docs/shm.md). With
         `processed` and `lease=False` as well, such an upload is posted in
         the client's report ring with no call while it holds spare write
-        slots of the items' sizes: `held[i]` then says posted; the server
-        stores them within its next read of the ring (0.2 s at most), and
-        they come on the feed as any upload's.
+        slots of the items' sizes: `posted[i]` then says so (`held[i]` is
+        False: no reply said it); the server stores them at its next read of
+        the ring (within a few ms while uploads come, else 0.2 s), and they
+        come on the feed as any upload's (docs/shm.md).
         """
         call = update_call(
             items, mm_hashes, modality, metadata, want_metadata, lease, resend, processed, resident
