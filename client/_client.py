@@ -454,6 +454,19 @@ class MMCacheClient(EncoderBooksAPI):
         if self._conn.connected and modalities:
             self._co.reports.add_queries(modalities, hits=True)
 
+    def count_posted(self, modalities: Sequence[str], *, hits: bool) -> bool:
+        """`count_misses` (or `count_hits`) on the caller's thread (thread-safe),
+        with no call and no hop onto the client's loop: written in the report
+        ring of a co-located client. False where it was not (no ring, or a
+        full one): count them with those instead::
+
+            if not client.count_posted(["image"], hits=False):
+                await client.count_misses(["image"])
+        """
+        if not (self._conn.connected and modalities):
+            return True  # as `count_misses`: nothing to count, or no server to count it
+        return self._co.reports.post_queries(modalities, hits=hits)
+
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves: failing

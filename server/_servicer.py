@@ -29,6 +29,7 @@ from mmcache._errors import CacheMissError, InvalidArgumentError, MMCacheError
 from mmcache._frames import MAX_CHUNK_BYTES, header_frame
 from mmcache.v1 import cache_pb2 as pb
 
+from ._auth import Metadata
 from ._namespaces import Namespace, Namespaces
 from ._replays import Replays, batch_key
 from ._reports import report_of
@@ -77,8 +78,6 @@ POSTED_TIMEOUT_S = 5.0
 # Posted uploads applied at once; past that a record's upload is refused (its
 # client shares a little less), so a flood of records cannot pile up tasks.
 MAX_POSTED = 256
-
-Metadata = Any  # a call's invocation metadata (server._auth's)
 
 
 class CacheServicer:
@@ -156,7 +155,7 @@ class CacheServicer:
                     path=region.path,
                     size_bytes=region.size,
                     region_id=region.id,
-                    posted_uploads=True,  # (posted): this servicer applies them
+                    posted_uploads=True,  # `posted` applies ring uploads; clients post only if set
                 )
             )
         return reply
@@ -294,7 +293,8 @@ class CacheServicer:
         last: bool = True,
     ) -> bytes:
         """Apply one batch, once (server._replays); its serialised reply. `last`:
-        no frame may follow it. `context`: None for an upload posted with no call."""
+        no frame may follow it. `context`: None for an upload posted with no
+        call, which gets no reply (b"")."""
         entries = parse_header(request, namespace.key)
         batch = Batch(namespace, request, entries, frames, in_metadata, last)
         key = batch_key(namespace.name, request.batch_id)
@@ -319,6 +319,8 @@ class CacheServicer:
             if context is not None:
                 await grace_for_cancel(context)
             raise
+        if context is None:  # posted: no one to reply to (and no batch_id to replay)
+            return b""
         return self._reply(batch, result, spare_sizes)
 
     def _reply(

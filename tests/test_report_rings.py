@@ -127,6 +127,43 @@ async def test_reads_give_their_leases_back_through_the_ring_with_no_call(
         assert read is not None and read >= 6 * MIB  # the ring's reports counted their bytes
 
 
+async def test_queries_counted_on_a_callers_thread_go_in_the_ring_with_no_call(
+    tmp_path: Path,
+) -> None:
+    async with serving(shm_config(tmp_path)) as server, client(server) as api:
+        await api.get_and_update([{"x": tensor(torch.float32, 64, 1)}], ["m"], lease=False)
+        await eventually(lambda: api.report_ring is not None)
+        calls = await release_calls(server)
+        # vLLM's thread, as the plugin counts a request's misses and own hits.
+        posted = await asyncio.to_thread(
+            lambda: (
+                api.count_posted(["image", "image", "video"], hits=False),
+                api.count_posted(["image"], hits=True),
+            )
+        )
+        assert posted == (True, True)
+
+        async def counted() -> tuple[float | None, ...]:
+            samples = await scrape(server.metrics_port)
+            return (
+                sample(samples, "mmcache_queries_total", modality="image"),
+                sample(samples, "mmcache_queries_total", modality="video"),
+                sample(samples, "mmcache_hits_total", modality="image"),
+            )
+
+        # The timer reads the ring.
+        deadline = asyncio.get_running_loop().time() + 5
+        while await counted() != (3, 1, 1):
+            assert asyncio.get_running_loop().time() < deadline, await counted()
+            await asyncio.sleep(0.02)
+        assert await release_calls(server) == calls
+    async with serving(shm_config(tmp_path)) as server:
+        async with connected(server, shm=False, follow=False) as remote:
+            # No ring: the caller counts them by `count_misses` instead.
+            assert not remote.count_posted(["image"], hits=False)
+            assert remote.count_posted([], hits=False)  # nothing to count
+
+
 async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,7 +14,7 @@ import torch
 from mmcache.client import MMCacheClient
 from mmcache.client._batch import Entry, build_batch
 from mmcache.client._codec import encode_item
-from mmcache.client.colocated import size_of, spares_of
+from mmcache.client.colocated._slots import size_of, spares_of
 from mmcache.client.wire import Slot
 from mmcache.server import MMCacheServer
 from mmcache.v1 import cache_pb2 as pb

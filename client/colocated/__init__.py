@@ -18,7 +18,7 @@ from ._colocated import SHM_MIN_BYTES, CoLocated
 from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, Extent, attach
-from ._slots import SPARE_BYTES, Size, WriteSlots, size_of, spares_of
+from ._slots import SPARE_BYTES, Size, WriteSlots
 
 __all__ = [
     "SHM_MIN_BYTES",
@@ -33,6 +33,4 @@ __all__ = [
     "Size",
     "WriteSlots",
     "attach",
-    "size_of",
-    "spares_of",
 ]

@@ -133,6 +133,16 @@ class Reports:
             self._misses = _folded(self._misses + counted)
         self._start()
 
+    def post_queries(self, modalities: Iterable[str], *, hits: bool) -> bool:
+        """`add_queries` from any thread, into the ring only: False where there
+        is none, or it cannot take them (the caller uses `add_queries`)."""
+        counted = Counter(modalities)
+        ring = self._ring
+        if ring is None or len(counted) > MAX_MODALITIES_PER_REPORT:
+            return False
+        report = Report(hits=counted) if hits else Report(misses=counted)
+        return ring.write(report_bytes(report))
+
     def ring(self, token: bytes) -> ClientRing | None:
         """The live report ring of the region of `token`, from any thread; None
         while there is none (`open` asks for one)."""

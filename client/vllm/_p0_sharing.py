@@ -99,12 +99,12 @@ class Sharing:
         try:
             self._upload(ledger)
         finally:
-            if ledger.misses:
+            # Into the report ring from this thread where there is one: no hop.
+            if ledger.misses and not client.count_posted(ledger.misses, hits=False):
                 self._p0.sync.submit(client.count_misses(ledger.misses))
-                ledger.misses = []
-            if ledger.own_hits:
+            if ledger.own_hits and not client.count_posted(ledger.own_hits, hits=True):
                 self._p0.sync.submit(client.count_hits(ledger.own_hits))
-                ledger.own_hits = []
+            ledger.misses, ledger.own_hits = [], []
 
     @property
     def in_flight(self) -> int:
