@@ -84,7 +84,8 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
     settings = Settings.from_env()
     scope = scope_of(vllm_config, settings.namespace)
     _said_active("the engine reads its multimodal items from the sidecar", settings, scope)
-    return MMCacheReceiverCache(process_client(settings), scope)
+    # It reads (the region, or `fetch`) and never asks the mirror: no feed.
+    return MMCacheReceiverCache(process_client(settings, follow=False), scope)
 
 
 def _said_active(what: str, settings: Settings, scope: str) -> None:

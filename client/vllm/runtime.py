@@ -20,7 +20,8 @@ Local reads of the mirror (`client.is_cached`) need no round trip to the
 loop: the mirror's maps are read under the GIL while the loop thread updates them.
 
 `process_client` makes one per process and target, shared by the plugin's
-caches, the EC connector and Dynamo's transport.
+caches, the EC connector and Dynamo's transport (and one that does not
+follow the feed for the engine's cache, in a process with no other).
 """
 
 from __future__ import annotations
@@ -219,19 +220,28 @@ class BackgroundCalls:
 
 
 _lock = threading.Lock()
-_process_clients: dict[str, SyncClient] = {}  # this process's, per target, made on first use
+# This process's, per target and whether it follows the feed, made on first use.
+_process_clients: dict[tuple[str, bool], SyncClient] = {}
 
 
-def process_client(settings: Settings) -> SyncClient:
+def process_client(settings: Settings, *, follow: bool = True) -> SyncClient:
     """This process's SyncClient of `settings.target` (one per process and
-    target: the first made sets its deadline and connection settings)."""
+    target: the first made sets its deadline and connection settings).
+
+    `follow=False`, for a reader with no use for the mirror (vLLM's engine
+    cache reads the region and `fetch`es): this process's following client
+    where there is one, else one that does not follow the feed, so that the
+    fleet's every upload does not wake a thread in the engine's process."""
     with _lock:
-        client = _process_clients.get(settings.target)
+        client = _process_clients.get((settings.target, True))
+        if client is None and not follow:
+            client = _process_clients.get((settings.target, False))
         if client is None:
-            client = _process_clients[settings.target] = SyncClient(
+            client = _process_clients[settings.target, follow] = SyncClient(
                 settings.target,
                 deadline_s=settings.deadline_s,
                 on_fail_open=plugin_metrics().fail_opens.inc,
+                follow=follow,
                 **settings.client_options(),
             )
         return client

@@ -878,6 +878,39 @@ def test_a_small_image_stays_in_its_process_where_sharing_small_images_is_off(
     eventually(lambda: sidecar_counts(sidecar) == (5, 1))
 
 
+def test_the_engine_cache_follows_no_feed_unless_its_process_has_a_client_that_does(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's P1 cache only reads (the region, or `fetch`): alone in its
+    process its client does not follow the feed, so the fleet's uploads wake
+    no thread of the engine's; beside a P0 cache (one process: vLLM's
+    in-process engine) it shares that one's client."""
+    from types import SimpleNamespace
+
+    from mmcache.client.vllm import _factories, runtime
+
+    monkeypatch.setenv("MMCACHE_TARGET", sidecar.target)
+    multimodal = SimpleNamespace(mm_processor_cache_gb=1.0, mm_hasher_algorithm="blake3")
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            model="tiny", supports_multimodal_inputs=True, get_multimodal_config=lambda: multimodal
+        ),
+        parallel_config=SimpleNamespace(_api_process_count=1),
+    )
+    try:
+        engine = _factories.engine_receiver_cache_from_config(config)
+        assert engine.sync.client.feed is None
+        processor = _factories.processor_cache_from_config(config)
+        following = processor._lookup._p0.sync
+        assert following is not engine.sync and following.client.feed is not None
+        assert _factories.engine_receiver_cache_from_config(config).sync is following
+    finally:
+        for follow in (False, True):
+            made = runtime._process_clients.pop((sidecar.target, follow), None)
+            if made is not None:
+                made.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "keeps", "shares_kept"),
     [(None, True, True), ("auto", True, True), ("off", True, False), ("on", False, True)],
@@ -916,6 +949,6 @@ def test_the_factory_reads_the_small_image_setting(
         assert (context.small._shape_of is not no_shape) == keeps
         assert context.share_kept == shares_kept
     finally:
-        made = runtime._process_clients.pop(sidecar.target, None)
+        made = runtime._process_clients.pop((sidecar.target, True), None)
         if made is not None:
             made.close()

@@ -203,7 +203,8 @@ def test_two_api_servers_share_one_cache_through_restarts_and_outages(
         assert (seen["vllm:mm_cache_queries_total"], seen["vllm:mm_cache_hits_total"]) == (4, 2)
         served = sidecar_metrics(sidecar.metrics_port)
         assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
-        assert served["mmcache_feed_subscribers"] == 3  # two API processes and the engine
+        # The two API processes; the engine only reads (its cache follows no feed).
+        assert served["mmcache_feed_subscribers"] == 2
         # Single flight is on with two API servers: each new image was claimed
         # by the process that processed it, and uploaded before its claim ran out.
         assert (served["mmcache_claims_total"], served["mmcache_claim_expiries_total"]) == (2, 0)
