@@ -147,8 +147,10 @@ class Lookup:
         sidecar's shared memory (_small.py): leased there with no call, and
         read there by the engine, with no call either. One not resident
         there, or held by this process's own cache, is this process's alone,
-        as vLLM alone's: no call is made for it."""
-        own, client = self._own, self._p0.sync.client
+        as vLLM alone's: no call is made for it. The region's index is asked,
+        not the mirror: an icon posted a moment ago is there before the
+        feed says so (a probe of a hash not there writes nothing)."""
+        own = self._own
         ask = [
             i
             for i, h in enumerate(mm_hashes)
@@ -157,8 +159,6 @@ class Lookup:
             and self._p0.shareable(h)
             and not own.is_cached_item(h)
         ]
-        held = client.is_cached([keys[i] for i in ask])
-        ask = [i for i, h in zip(ask, held, strict=True) if h]
         if ask:
             try:
                 self._lease_resident(ledger, mm_hashes, keys, ask)

@@ -822,6 +822,31 @@ def test_a_small_image_is_shared_through_shared_memory_where_processes_share_the
     eventually(lambda: sidecar_counts(sidecar) == (4, 1))
 
 
+def test_a_small_image_shared_a_moment_ago_is_hit_before_the_feed_tells_of_it(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """B's mirror has not heard of A's icon yet (here: B's mirror dropped
+    it): B finds it in the region's index all the same and leases it with no
+    call, a hit rather than a second processor run."""
+    p0_a, p0_b = icon_processes(clients)
+    icon = digest_of((64, 64), "blue")
+    kept = kept_small()
+    request(p0_a, [(icon, item(3))])  # kept in A, processed: goes up into the region
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(icon)]) == [True])
+
+    async def forget() -> None:  # on B's loop, which owns its mirror
+        p0_b.sync.client.forget([p0_b.key(icon)])
+
+    p0_b.sync.call(forget())
+    assert p0_b.sync.client.is_cached([p0_b.key(icon)]) == [False]
+    (hit,) = request(p0_b, [(icon, item(9))])  # the region has it: not processed
+    assert hit[0] is None and same_updates(list(hit[1]), updates())
+    assert kept_small() == kept
+    stats = p0_b.make_stats()
+    assert (stats.hits, stats.total) == (1, 2)
+    eventually(lambda: sidecar_counts(sidecar) == (4, 1))
+
+
 def posted_uploads(sidecar: Sidecar) -> float:
     """Uploads the sidecar applied from its clients' report rings (no call)."""
     url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
