@@ -6,10 +6,10 @@ import asyncio
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from mmcache.server.cache._store import ItemStore
 
 MIB = 1 << 20
+T = TypeVar("T")
 
 # The console script installed beside the interpreter running the tests: found
 # without relying on an activated virtual environment's PATH.
@@ -37,6 +38,15 @@ async def eventually(check: Callable[[], bool], timeout: float = 5.0) -> float:
             raise AssertionError(f"not true within {timeout}s")
         await asyncio.sleep(0.002)
     return time.monotonic() - start
+
+
+async def reaches(read: Callable[[], Awaitable[T]], want: T, timeout: float = 5.0) -> None:
+    """Until `await read()` equals `want` (a scrape, say); fails the test with
+    the last value read after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (got := await read()) != want:
+        assert time.monotonic() < deadline, f"{got!r}, not {want!r}, after {timeout}s"
+        await asyncio.sleep(0.02)
 
 
 def store_of(server: MMCacheServer) -> ItemStore:

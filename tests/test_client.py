@@ -33,6 +33,7 @@ from .conftest import (
     Samples,
     connected,
     eventually,
+    reaches,
     sample,
     scrape,
     server_config,
@@ -302,22 +303,16 @@ async def test_misses_answered_by_the_client_are_counted_as_queries(
             if name == "mmcache_queries_total" and set(labels.items()) <= set(labelled)
         )
 
-    async def until(total: float) -> None:
-        deadline = asyncio.get_running_loop().time() + 5
-        while await queries() != total:
-            assert asyncio.get_running_loop().time() < deadline, "the misses never arrived"
-            await asyncio.sleep(0.02)
-
     await client.count_misses(["image", "image", "video"])
     await client.count_misses(["image"])
-    await until(4)
+    await reaches(queries, 4)
     assert (await queries(modality="image"), await queries(modality="video")) == (3, 1)
     samples = await scrape(server.metrics_port)
     assert sample(samples, "mmcache_hits_total", modality="image") == 0
     # A client naming more modalities than a report may carry folds the rest
     # into "unknown": its totals stay exact.
     await client.count_misses([f"m{i}" for i in range(20)])
-    await until(4 + 20)
+    await reaches(queries, 4 + 20)
     # A report naming too many is refused, saying the limit.
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     release = channel.unary_unary(

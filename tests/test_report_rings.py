@@ -20,7 +20,7 @@ from mmcache.client import MMCacheClient
 from mmcache.server import MMCacheServer
 from mmcache.server.cache import parts_of
 
-from .conftest import MIB, connected, eventually, sample, scrape, serving, store_of
+from .conftest import MIB, connected, eventually, reaches, sample, scrape, serving, store_of
 from .test_shm import tensor
 from .test_shm_reads import client, shm_config
 
@@ -151,11 +151,7 @@ async def test_queries_counted_on_a_callers_thread_go_in_the_ring_with_no_call(
                 sample(samples, "mmcache_hits_total", modality="image"),
             )
 
-        # The timer reads the ring.
-        deadline = asyncio.get_running_loop().time() + 5
-        while await counted() != (3, 1, 1):
-            assert asyncio.get_running_loop().time() < deadline, await counted()
-            await asyncio.sleep(0.02)
+        await reaches(counted, (3, 1, 1))  # the timer reads the ring
         assert await release_calls(server) == calls
     async with serving(shm_config(tmp_path)) as server:
         async with connected(server, shm=False, follow=False) as remote:

@@ -122,10 +122,8 @@ class Reports:
     def add_queries(self, modalities: Iterable[str], *, hits: bool) -> None:
         """Queries answered here, one per modality named: misses, or `hits`."""
         counted = Counter(modalities)
-        ring = self._ring
-        fits = len(counted) <= MAX_MODALITIES_PER_REPORT
-        report = Report(hits=counted) if hits else Report(misses=counted)
-        if ring is not None and fits and self._written(ring, report):
+        ring, report = self._ring, _queries_report(counted, hits)
+        if ring is not None and report is not None and self._written(ring, report):
             return
         if hits:
             self._hits = _folded(self._hits + counted)
@@ -136,12 +134,9 @@ class Reports:
     def post_queries(self, modalities: Iterable[str], *, hits: bool) -> bool:
         """`add_queries` from any thread, into the ring only: False where there
         is none, or it cannot take them (the caller uses `add_queries`)."""
-        counted = Counter(modalities)
-        ring = self._ring
-        if ring is None or len(counted) > MAX_MODALITIES_PER_REPORT:
-            return False
-        report = Report(hits=counted) if hits else Report(misses=counted)
-        return ring.write(report_bytes(report))
+        ring, report = self._ring, _queries_report(Counter(modalities), hits)
+        # Not `_written`: retiring a ring is the loop's to do.
+        return ring is not None and report is not None and ring.write(report_bytes(report))
 
     def ring(self, token: bytes) -> ClientRing | None:
         """The live report ring of the region of `token`, from any thread; None
@@ -288,3 +283,10 @@ def _folded(counts: Counter[str]) -> Counter[str]:
     kept = Counter(dict(counts.most_common(MAX_MODALITIES_PER_REPORT - 1)))
     kept[""] += counts.total() - kept.total()
     return kept
+
+
+def _queries_report(counted: Counter[str], hits: bool) -> Report | None:
+    """Queries as one report: None where their modalities do not fit in one."""
+    if len(counted) > MAX_MODALITIES_PER_REPORT:
+        return None
+    return Report(hits=counted) if hits else Report(misses=counted)
