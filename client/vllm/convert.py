@@ -169,11 +169,20 @@ def encode_updates(updates: Sequence[ResolvedPromptUpdate]) -> bytes | None:
 
 def decode_updates(blob: bytes) -> list[ResolvedPromptUpdate] | None:
     """The updates a schema-1 blob describes; None for anything else (process it then)."""
+    decoded = _decoded(blob)
+    return None if decoded is None else list(decoded)
+
+
+@functools.lru_cache(maxsize=128)
+def _decoded(blob: bytes) -> tuple[ResolvedPromptUpdate, ...] | None:
+    """Images of one size share one blob (their tokens are the same), so a
+    hit decodes it once. The updates are shared, as vLLM's own cache shares
+    a stored item's between its hits (frozen; vLLM copies them to re-index)."""
     try:
         document = json.loads(blob)
         if document.get("v") != SCHEMA_VERSION:
             return None
-        return [_decode_update(u) for u in document["updates"]]
+        return tuple(_decode_update(u) for u in document["updates"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 

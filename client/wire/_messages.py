@@ -133,8 +133,12 @@ def parse_fetched(raw: bytes) -> Fetched:
 
 
 def report_message(report: Report) -> pb.ReleaseRequest:
-    leases = [pb.ShmLease(mm_hash=h, generation=g) for h, g in report.shm_leases]
-    return pb.ReleaseRequest(**{name: getattr(report, name) for name in _REPORT}, shm_leases=leases)
+    # Only the fields it sets: a ring's reports say one or two things each,
+    # and every field passed costs protobuf the same, empty or not.
+    fields = {name: value for name in _REPORT if (value := getattr(report, name))}
+    if report.shm_leases:
+        fields["shm_leases"] = [pb.ShmLease(mm_hash=h, generation=g) for h, g in report.shm_leases]
+    return pb.ReleaseRequest(**fields)
 
 
 def report_bytes(report: Report) -> bytes:

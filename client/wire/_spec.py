@@ -217,7 +217,8 @@ def _encode_node(key: str, data: object, node: pb.Node, leaf: Leaf, depth: int) 
 
 
 def _int64(key: str, value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+    # A plain int first: the protocol check is slow, and this runs per field.
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, SupportsIndex)):
         raise InvalidArgumentError(
             f"field {key!r}: {what} must be an int, got {type(value).__name__}"
         )

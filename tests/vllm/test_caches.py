@@ -164,6 +164,12 @@ def test_items_and_prompt_updates_convert_both_ways() -> None:
     assert blob is not None and b"pickle" not in blob
     decoded = decode_updates(blob)
     assert decoded is not None and same_updates(decoded, updates())
+    # Decoded once per blob (images of one size share one), but each caller
+    # gets a list of its own: changing it changes no other hit's.
+    again = decode_updates(blob)
+    assert again is not None and again is not decoded and same_updates(again, decoded)
+    again.clear()
+    assert same_updates(decode_updates(blob) or [], updates())
     assert decode_updates(b"not json") is None and decode_updates(b'{"v": 99}') is None
 
 
