@@ -69,6 +69,7 @@ bench: $(VENV)/.test
 	scripts/vllm-env.sh
 	.venv-vllm/bin/python -m bench.vllm
 	.venv-vllm/bin/python -m bench.vllm_family --short
+	.venv-vllm/bin/python -m bench.p0_path --rounds 1
 	.venv-vllm/bin/python -m bench.models
 	scripts/dynamo-env.sh
 	.venv-dynamo/bin/python -m bench.dynamo
