@@ -178,7 +178,7 @@ def _decoded(blob: bytes) -> tuple[ResolvedPromptUpdate, ...] | None:
     """Images of one size share one blob (their tokens are the same), so a
     hit decodes it once. The updates are shared, as vLLM's own cache shares
     a stored item's between its hits (frozen; vLLM copies them to re-index).
-    64 blobs: under 10 MB even of 1920x1080 images' (2,700 tokens each)."""
+    64 blobs: about 10 MB at most, of 1920x1080 images' (2,700 tokens each)."""
     try:
         document = json.loads(blob)
         if document.get("v") != SCHEMA_VERSION:
