@@ -13,7 +13,8 @@ request's images) before it runs. The family crosses:
 - an all-distinct phase (every image new) followed by repeats, whose
   popularity is reversed (the later images become the popular ones);
 - multi-turn chats of 1-6 turns, each turn re-sending the chat's earlier
-  images (the last 4), four chats at a time;
+  images (the last 4), four chats at a time; and icons each sent once
+  (single-turn chats of 1-4 new 64x64 images: sharing's worst case);
 - laps: a trace whose one draw replays in about a second draws its chats
   again, from the same image sizes but with new images, several times over
   (the probes only first), so its requests/s is measured over seconds.
@@ -79,6 +80,9 @@ class Shape:
     # a second is replayed for several, so requests/s is measured, not its
     # first requests' luck.
     laps: int = 1
+    # Every image new and sent once: chats of one turn of 1-4 new images
+    # (sharing's worst case: everything uploaded, nothing to hit).
+    once: bool = False
 
 
 FAMILY = (
@@ -97,6 +101,8 @@ FAMILY = (
     Shape("distinct-then-repeat-uniform", ("64x64", "1920x1080"), "shuffled", "uniform", True),
     # Sharing's worst case: items as cheap to process as to share, new first.
     Shape("icons-distinct-then-repeat", ("64x64",), "shuffled", "zipf", True, laps=4),
+    # And at its worst: such items each sent once (appended: the seeds above stay).
+    Shape("icons-each-once", ("64x64",), "shuffled", "uniform", True, chats=30, laps=4, once=True),
 )
 SHORT = ("probe-then-1024-zipf", "distinct-then-repeat-zipf")
 PROBES = 4
@@ -152,6 +158,11 @@ def _lap(
         weights = [1.0] * len(pool)
     fresh = iter(range(base + 500, base + 1000))
     chats = []
+    if shape.once:  # a chat of one turn each, every image new
+        return [
+            [[(next(fresh), rng.choice(sizes)) for _ in range(rng.randint(1, MOST_IMAGES))]]
+            for _ in range(shape.chats)
+        ]
     for chat in range(shape.chats):
         distinct = shape.distinct_first and chat < shape.chats // 2
         # After the distinct phase popularity turns: the last images lead.

@@ -36,3 +36,12 @@ def test_laps_keep_the_sizes_bring_new_images_and_probe_once() -> None:
     assert len(probes) == PROBES
     assert [turns[0][0][0] for turns in trace.chats[:PROBES]] == probes
     assert trace.requests > 2 * one.requests and trace.unique > 2 * one.unique
+
+
+def test_each_once_sends_every_image_once_in_chats_of_one_turn() -> None:
+    (shape,) = [s for s in FAMILY if s.once]
+    trace = draw(shape, 3)
+    assert all(len(turns) == 1 for turns in trace.chats)
+    assert all(1 <= len(turns[0]) <= 4 for turns in trace.chats)
+    assert len(images(trace)) == trace.unique  # no image twice
+    assert trace.requests == shape.chats * shape.laps
