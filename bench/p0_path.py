@@ -29,14 +29,13 @@ caches cold, as it does between a vLLM process's other work. The median of
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bench import cpu_seconds, stop_on_sigterm
+from bench import cpu_seconds, stop_on_sigterm, thread_cpu_ns
 from mmcache.client.vllm._receiver import MMCacheReceiverCache
 from mmcache.client.vllm.runtime import SyncClient
 from tests.vllm.conftest import Sidecar
@@ -57,18 +56,11 @@ MISSED = "B's requests that were no region hit (count, all rounds)"
 PATHS = ("A: miss, shared", "A: own hit", "B: region hit", "B: own hit", "engine: region read")
 
 
-def threads(pid: int | str = "self") -> dict[int, tuple[str, int]]:
-    """A process's threads: name and CPU nanoseconds so far."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as comm:
-                name = comm.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
-                out[int(tid)] = (name, int(stat.read().split()[0]))
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return out
+def used_ns(before: dict[int, tuple[str, int]], pid: int | str = "self") -> dict[int, int]:
+    """Each thread's CPU nanoseconds since `before` (thread_cpu_ns of `pid`)."""
+    return {
+        tid: ns - before.get(tid, (name, 0))[1] for tid, (name, ns) in thread_cpu_ns(pid).items()
+    }
 
 
 async def _native_id() -> int:
@@ -102,12 +94,11 @@ def one_round(sidecar: Sidecar, icons: int, round_: int) -> dict[str, float]:
         hashes = [digest_of((64, 64), f"#{round_:02x}{n:04x}") for n in range(icons)]
         items = [item(n, numel=ICON_FLOATS) for n in range(icons)]
         assert sidecar.proc is not None
-        before, server = threads(), cpu_seconds(sidecar.proc.pid)
-        sidecar_before = threads(sidecar.proc.pid)
+        before, server = thread_cpu_ns(), cpu_seconds(sidecar.proc.pid)
+        sidecar_before = thread_cpu_ns(sidecar.proc.pid)
         wall = time.monotonic()
         totals: dict[str, float] = {}
         missed = 0
-        out_threads: dict[str, float] = {}
         for mm_hash, data in zip(hashes, items, strict=True):
             key = b.key(mm_hash)
             with spent(totals, PATHS[0]):
@@ -123,12 +114,8 @@ def one_round(sidecar: Sidecar, icons: int, round_: int) -> dict[str, float]:
             with spent(totals, PATHS[4]):
                 engine.get_and_update_features([feature(mm_hash, None)])
         server = cpu_seconds(sidecar.proc.pid) - server
-        after, wall = threads(), time.monotonic() - wall
-        for tid, (name, ns) in threads(sidecar.proc.pid).items():
-            used = ns - sidecar_before.get(tid, (name, 0))[1]
-            loop = tid == sidecar.proc.pid
-            key = "  its event loop" if loop else "  gRPC's and its other threads"
-            out_threads[key] = out_threads.get(key, 0.0) + used / icons / 1e3
+        here, wall = used_ns(before), time.monotonic() - wall
+        there = used_ns(sidecar_before, sidecar.proc.pid)
         # The sidecar idle for a quarter of that time (still reading the
         # report rings every 5 ms, as uploads were posted): its timers' share.
         idle = cpu_seconds(sidecar.proc.pid)
@@ -137,16 +124,14 @@ def one_round(sidecar: Sidecar, icons: int, round_: int) -> dict[str, float]:
         out = {path: seconds / icons * 1e6 for path, seconds in totals.items()}
         idents = {sync.call(_native_id()): name for name, sync in loops.items()}
         idents[engine.sync.call(_native_id())] = "the engine's client thread"
-        grpc = 0
-        for tid, (name, ns) in after.items():
-            used = ns - before.get(tid, (name, 0))[1]
-            if tid in idents:
-                out[idents[tid]] = used / icons / 1e3
-            elif name not in ("python", "mmcache-client") and tid != threading.get_native_id():
-                grpc += used
-        out["gRPC's threads (both)"] = grpc / icons / 1e3
+        for tid, name in idents.items():
+            out[name] = here.pop(tid) / icons / 1e3
+        here.pop(threading.get_native_id())  # the requests' own thread: the paths above
+        out["gRPC's threads (the three clients')"] = sum(here.values()) / icons / 1e3
         out["the sidecar (its process)"] = server / icons * 1e6
-        out.update(out_threads)
+        loop = there.pop(sidecar.proc.pid)
+        out["  its event loop"] = loop / icons / 1e3
+        out["  gRPC's and its other threads"] = sum(there.values()) / icons / 1e3
         out[MISSED] = missed
         out["  idle as long again (its timers)"] = idle / icons * 1e6
         out["wall time per icon, µs (waiting for the feed)"] = wall / icons * 1e6

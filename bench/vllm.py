@@ -59,7 +59,7 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from bench import stop_on_sigterm
+from bench import stop_on_sigterm, thread_cpu_ns
 from bench.photos import SIZES, data_url
 from mmcache.client.vllm.runtime import THREAD_NAME
 from tests.vllm.conftest import Sidecar, free_port
@@ -126,23 +126,9 @@ def _comm(path: str) -> str:
 
 def _threads_cpu(pid: int, name: str | None = None) -> float:
     """CPU seconds of the process's threads (those named `name`: the plugin
-    names its client threads, client/vllm/runtime.py), to the
-    nanosecond (schedstat), where /proc's tick is 10 ms."""
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    used = 0
-    for tid in tasks:
-        path = f"/proc/{pid}/task/{tid}"
-        if name is not None and _comm(path) != name:
-            continue
-        try:
-            with open(f"{path}/schedstat", encoding="ascii") as file:
-                used += int(file.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue
-    return used / 1e9
+    names its client threads, client/vllm/runtime.py), to the nanosecond."""
+    threads = thread_cpu_ns(pid).values()
+    return sum(ns for comm, ns in threads if name is None or comm == name) / 1e9
 
 
 @dataclass

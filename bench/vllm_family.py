@@ -152,17 +152,17 @@ def draw(shape: Shape, seed: int) -> Trace:
 def _lap(
     shape: Shape, rng: random.Random, sizes: list[Size], base: int, probes: bool
 ) -> list[list[list[Image]]]:
-    pool = [(base + n, size) for n, size in enumerate(sizes)]
-    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(pool))]
-    if shape.popularity == "uniform":
-        weights = [1.0] * len(pool)
     fresh = iter(range(base + 500, base + 1000))
-    chats = []
     if shape.once:  # a chat of one turn each, every image new
         return [
             [[(next(fresh), rng.choice(sizes)) for _ in range(rng.randint(1, MOST_IMAGES))]]
             for _ in range(shape.chats)
         ]
+    pool = [(base + n, size) for n, size in enumerate(sizes)]
+    weights = [1 / (rank + 1) ** 1.1 for rank in range(len(pool))]
+    if shape.popularity == "uniform":
+        weights = [1.0] * len(pool)
+    chats = []
     for chat in range(shape.chats):
         distinct = shape.distinct_first and chat < shape.chats // 2
         # After the distinct phase popularity turns: the last images lead.
