@@ -16,6 +16,7 @@ import torch
 
 from mmcache._equal import nested_equal
 from mmcache._frames import header_frame
+from mmcache._wake import wake_path
 from mmcache.client import CacheMissError, FailedPreconditionError, MMCacheClient
 from mmcache.client._codec import ItemDecoder, encode_item
 from mmcache.client.colocated import SPARE_BYTES, attach
@@ -489,11 +490,13 @@ async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
 ) -> None:
     stale = tmp_path / "mmcache-1-dead.shm"
     stale.write_bytes(b"\0" * 8192)  # left by a server that crashed: nobody holds its lock
+    os.mkfifo(wake_path(str(stale)))  # and its wake pipe (mmcache._wake)
     async with serving(shm_config(tmp_path)) as server:
         assert region_of(server) is not None
         mode = stat.S_IMODE(os.stat(region_of(server).path).st_mode)
         assert mode == 0o600
-        assert not stale.exists()
+        assert stat.S_IMODE(os.stat(wake_path(region_of(server).path)).st_mode) == 0o600
+        assert not stale.exists() and not exists(wake_path(str(stale)))
         async with serving(shm_config(tmp_path)) as neighbour:
             # Two servers, one directory: each keeps its own file.
             assert region_of(neighbour) is not None
@@ -501,8 +504,9 @@ async def test_the_region_file_is_private_and_a_dead_servers_file_is_removed(
     gid = os.getgid()
     async with serving(shm_config(tmp_path, shm_group=gid)) as grouped:
         assert region_of(grouped) is not None
-        info = os.stat(region_of(grouped).path)
-        assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == gid
+        for path in (region_of(grouped).path, wake_path(region_of(grouped).path)):
+            info = os.stat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == gid
     assert listing(tmp_path) == []
 
 

@@ -4,6 +4,8 @@ call"): real servers, real region files, real clients."""
 from __future__ import annotations
 
 import asyncio
+import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from mmcache._wake import wake_path
 from mmcache.client import MMCacheClient
 from mmcache.client._batch import Entry, build_batch
 from mmcache.client._codec import encode_item
@@ -30,7 +33,7 @@ from .conftest import (
     serving,
     store_of,
 )
-from .test_shm import client, handled, same, shm_config, tensor
+from .test_shm import client, exists, handled, same, shm_config, tensor
 
 
 @pytest.fixture
@@ -207,20 +210,76 @@ async def test_a_ring_opened_with_a_read_token_carries_no_upload(tmp_path: Path)
         assert store_of(server).peek("theirs") is None
 
 
-async def test_while_uploads_are_posted_the_rings_are_read_every_few_ms(
+async def test_a_posted_upload_wakes_the_server_and_is_stored_with_no_timer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The cache's timer reads the rings every 0.2 s (stretched here to an
-    hour); once an upload was posted they are read every few ms as well, so
-    the next posted upload is stored with no call and no timer."""
+    """The client pokes the region's wake pipe after each post (mmcache._wake):
+    with every timer that reads the rings stretched to an hour, each posted
+    upload is still stored within moments, and no call read the rings."""
     monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
+    monkeypatch.setattr("mmcache.server.cache._colocated.POSTED_DRAIN_S", 3600.0)
     async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server, client(server) as c:
+        region = region_of(server)
+        assert region is not None
+        assert stat.S_ISFIFO(os.stat(wake_path(region.path)).st_mode)
         await with_ring(c)
         await share(c, "warm", 0)  # by call: spares come back
-        assert await share(c, "first", 1) == "posted"
-        await asyncio.sleep(0.3)
-        assert store_of(server).peek("first") is None  # nothing read the ring yet
-        await c.transport.info()  # a call reads the rings first
-        await eventually(lambda: store_of(server).peek("first") is not None)
-        assert await share(c, "second", 2) == "posted"
-        await eventually(lambda: store_of(server).peek("second") is not None, timeout=2.0)
+        calls = await uploads_by_call(server)
+        for n in range(1, 6):
+            assert await share(c, f"icon-{n}", n) == "posted"
+            await eventually(lambda n=n: store_of(server).peek(f"icon-{n}") is not None, 2.0)
+        assert await uploads_by_call(server) == calls
+        assert await posted(server, "applied") == 5
+
+
+async def test_a_client_that_does_not_poke_has_its_posts_read_every_few_ms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client with no wake pipe (an older one; here the pipe's name is gone
+    before it attached): the cache's timer reads the rings every 0.2 s
+    (stretched here to an hour); once an upload was posted they are read every
+    few ms as well, so the next posted upload is stored with no call and no
+    timer."""
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
+    async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server:
+        region = region_of(server)
+        assert region is not None
+        os.unlink(wake_path(region.path))
+        async with client(server) as c:
+            await with_ring(c)
+            await share(c, "warm", 0)  # by call: spares come back
+            assert await share(c, "first", 1) == "posted"
+            await asyncio.sleep(0.3)
+            assert store_of(server).peek("first") is None  # nothing read the ring yet
+            await c.transport.info()  # a call reads the rings first
+            await eventually(lambda: store_of(server).peek("first") is not None)
+            assert await share(c, "second", 2) == "posted"
+            await eventually(lambda: store_of(server).peek("second") is not None, timeout=2.0)
+
+
+async def test_the_wake_pipe_takes_forged_pokes_and_goes_with_its_region(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes that are no poke (a stray writer; a lease that is no ring's) cost
+    a read of the rings and nothing else: the server stays up, and stores what
+    it stored. The pipe has the region's mode, and goes when the server stops."""
+    monkeypatch.setattr("mmcache.server.cache._open.REPORT_DRAIN_S", 3600.0)
+    async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server, client(server) as c:
+        region = region_of(server)
+        assert region is not None
+        pipe = wake_path(region.path)
+        assert stat.S_IMODE(os.stat(pipe).st_mode) == stat.S_IMODE(os.stat(region.path).st_mode)
+        await with_ring(c)
+        await share(c, "warm", 0)
+        fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, b"abc")  # torn
+            os.write(fd, (12345).to_bytes(8, "little"))  # no ring's
+            os.write(fd, bytes(4096))
+        finally:
+            os.close(fd)
+        assert await share(c, "after", 1) == "posted"
+        await eventually(lambda: store_of(server).peek("after") is not None, 2.0)
+        assert store_of(server).peek("warm") is not None
+        await c.transport.info()  # still serving
+    assert not exists(pipe)

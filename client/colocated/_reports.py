@@ -171,7 +171,10 @@ class Reports:
         the region of `token`, with no call; False when there is no ring or no
         room in it (the caller sends the upload by call)."""
         ring = self.ring(token)
-        return ring is not None and ring.write(report_bytes(Report(upload=header)))
+        if ring is None or not ring.write(report_bytes(Report(upload=header))):
+            return False
+        ring.poke()  # the server reads it now (mmcache._wake), not at its next timer
+        return True
 
     def _merge(self, token: bytes, report: Report) -> None:
         """On the loop: a report a caller's thread could not write in the ring."""

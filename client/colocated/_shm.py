@@ -47,6 +47,7 @@ from mmcache._shm_layout import (
     payload_at,
     probes,
 )
+from mmcache._wake import Poker
 
 from .._codec import EncodedItem, ItemDecoder, copy_payload
 from .._pool import BufferPool
@@ -71,7 +72,14 @@ class Extent(NamedTuple):
 class ClientRegion:
     """A mapped region of one server instance."""
 
-    def __init__(self, instance_id: str, buffer: mmap.mmap, token: bytes, buckets: int) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        buffer: mmap.mmap,
+        token: bytes,
+        buckets: int,
+        poker: Poker | None = None,  # its wake pipe; None: the server reads on a timer
+    ) -> None:
         self.instance_id = instance_id
         self.token = token
         self._map = buffer
@@ -79,6 +87,7 @@ class ClientRegion:
         self._buckets = buckets
         self._data = data_start(buckets)  # the index is at HEADER_BYTES (checked at open)
         self._first_payload = payload_at(self._data)
+        self._poker = poker
         self._closed = False
 
     def _payload(self, slot: Slot) -> memoryview:
@@ -185,8 +194,15 @@ class ClientRegion:
             raise ValueError(f"slot {slot.lease} is no longer leased")
         copy_payload(encoded, payload)
 
+    def poke(self, lease: int) -> None:
+        """Wake the server to read the ring of `lease` (mmcache._wake)."""
+        if self._poker is not None and not self._closed:
+            self._poker.poke(lease)
+
     def close(self) -> None:
         self._closed = True  # not used again, even while views keep it mapped
+        if self._poker is not None:
+            self._poker.close()
         # Tensors viewing it (client.view) keep the mapping; the collector unmaps.
         with contextlib.suppress(BufferError):
             self._view.release()
@@ -219,6 +235,10 @@ class ClientRing:
         with self._lock:
             return write_record(ring, report)
 
+    def poke(self) -> None:
+        """Wake the server to read this ring now (after a record it must not wait for)."""
+        self.region.poke(self.slot.lease)
+
 
 def attach(instance_id: str, announced: RegionInfo) -> ClientRegion | None:
     """Map the region Info announced, or None (the reason logged) to stay on gRPC."""
@@ -250,7 +270,7 @@ def _attach(instance_id: str, announced: RegionInfo) -> ClientRegion:
         raise ValueError("a region laid out otherwise (another version's)")
     _LOGGER.debug("shared memory on: %s", announced.path)
     _populate(buffer)
-    return ClientRegion(instance_id, buffer, token, buckets)
+    return ClientRegion(instance_id, buffer, token, buckets, Poker.open(announced.path))
 
 
 # madvise(2): fault every page of a mapping in, writable (Linux 5.14 and up).

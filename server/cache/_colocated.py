@@ -23,10 +23,11 @@ from ._types import Report, Scope
 
 __all__ = ["POSTED_DRAIN_S", "POSTING_S", "CoLocatedReports"]
 
-# While clients post uploads in their rings (the last one within POSTING_S),
-# the rings are read every POSTED_DRAIN_S besides the cache's timer (0.2 s):
-# a posted item is resident for other processes within a few ms, as a call's
-# would be, for a wake-up (tens of µs) each time, and only while uploads come.
+# A client that posts an upload in its ring pokes the wake pipe (mmcache._wake):
+# the rings are read at once. While a client that does not (an older one)
+# posts, the last time within POSTING_S, they are read every POSTED_DRAIN_S
+# besides the cache's timer (0.2 s): its posted item is resident for other
+# processes within a few ms, for a wake-up (tens of µs) each time.
 POSTED_DRAIN_S = 0.005
 POSTING_S = 5.0
 
@@ -78,6 +79,13 @@ class CoLocatedReports:
         region.beat()
         return 0 if self.rings is None else self._rings_of(region).drain()
 
+    def woken(self, leases: list[int]) -> None:
+        """Clients poked the wake pipe, the rings of `leases` (mmcache._wake):
+        read every ring now."""
+        if self.rings is not None:
+            self.rings.poked(leases)
+        self.drain()
+
     def _apply(
         self,
         namespace: Scope,
@@ -112,7 +120,7 @@ class CoLocatedReports:
                 region.end_orphan(key)
         return store.release(keys)
 
-    def _post(self, namespace: Scope, upload: bytes, uploads: bool) -> None:
+    def _post(self, namespace: Scope, upload: bytes, uploads: bool, pokes: bool) -> None:
         if self.posted is None or not uploads:
             self._metrics.posted_uploads.labels("refused").inc()
             why = (
@@ -123,8 +131,9 @@ class CoLocatedReports:
             )
             raise InvalidArgumentError(f"a posted upload was refused: {why}")
         self.posted(namespace, upload)
-        self._posted_at = time.monotonic()
-        self._read_soon()
+        if not pokes:  # nothing will wake the server for its next post
+            self._posted_at = time.monotonic()
+            self._read_soon()
 
     def _read_soon(self) -> None:
         if self._next_read is None:
@@ -141,10 +150,10 @@ class CoLocatedReports:
     def _rings_of(self, region: Region) -> ReportRings:
         if self.rings is None or self.rings.region is not region:
 
-            def apply(namespace: Scope, report: Report, uploads: bool) -> None:
+            def apply(namespace: Scope, report: Report, uploads: bool, pokes: bool) -> None:
                 self._apply(namespace, namespace.checked_keys(report.mm_hashes), report, region)
                 if report.upload:  # after the record's releases: room they made is there
-                    self._post(namespace, report.upload, uploads)
+                    self._post(namespace, report.upload, uploads, pokes)
 
             rings = self.rings = ReportRings(region, apply, self._parse_report)
 

@@ -36,6 +36,7 @@ from ._store import ItemStore
 from ._tier import L2Tier
 from ._tier_parts import L2Settings
 from ._types import Report
+from ._wake import WakePipe
 
 __all__ = ["CacheConfig", "L2Target", "RegionConfig", "open_cache"]
 
@@ -156,6 +157,7 @@ class Lifecycle:
             _run(opened, self._expire_leases())
             if region is not None:
                 _run(opened, _beat(beat))
+                self._wake_on_pokes(opened, region)
             self._opened = opened.pop_all()
 
     async def stop(self) -> None:
@@ -163,6 +165,18 @@ class Lifecycle:
         opened, self._opened = self._opened, None
         if opened is not None:
             await opened.aclose()
+
+    def _wake_on_pokes(self, opened: contextlib.AsyncExitStack, region: Region) -> None:
+        """Read the rings whenever a client pokes the region's wake pipe
+        (mmcache._wake): a posted upload is stored at once, with no timer."""
+        assert self._config.region is not None
+        pipe = WakePipe.open(region.path, group=self._config.region.group)
+        if pipe is None:
+            return
+        reports, loop = self._parts.reports, asyncio.get_running_loop()
+        loop.add_reader(pipe.fd, lambda: reports.woken(pipe.read()))
+        opened.callback(pipe.close)
+        opened.callback(loop.remove_reader, pipe.fd)  # first: before the pipe closes
 
     def _close_region(self, region: Region) -> None:
         self._parts.placement.region = None

@@ -81,6 +81,7 @@ from mmcache._shm_layout import (
     payload_at,
     probes,
 )
+from mmcache._wake import wake_path
 
 __all__ = [
     "ITEM",
@@ -575,6 +576,8 @@ def _bury(path: str) -> None:
         if stat.S_ISREG(info.st_mode) and info.st_size >= HEADER_BYTES:
             os.pwrite(fd, bytes(len(MAGIC)), 0)
         os.unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(wake_path(path))  # its wake pipe (mmcache._wake)
     finally:
         os.close(fd)
 

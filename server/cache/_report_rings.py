@@ -52,18 +52,19 @@ class _Ring:
     used: float = 0.0  # when a record was last read
     stuck: float = 0.0  # since when records wait that never became whole (0: none)
     uploads: bool = False  # its client may post uploads (its token may call GetAndUpdate)
+    pokes: bool = False  # its client pokes the wake pipe after a post (mmcache._wake)
 
 
 class ReportRings:
     """The rings of one region; `apply` takes each report as the Release it
-    stands for (and whether its ring may post uploads); `parse` reads a record
-    (InvalidArgumentError when it cannot: the record is in the wire's format,
-    server/_reports.py)."""
+    stands for (with whether its ring may post uploads, and whether its client
+    pokes the wake pipe); `parse` reads a record (InvalidArgumentError when it
+    cannot: the record is in the wire's format, server/_reports.py)."""
 
     def __init__(
         self,
         region: Region,
-        apply: Callable[[Scope, Report, bool], None],
+        apply: Callable[[Scope, Report, bool, bool], None],
         parse: Callable[[bytes], Report],
         *,
         most: int = MAX_RINGS,
@@ -126,6 +127,14 @@ class ReportRings:
                     self._retire(lease, "a record never became whole")
         return applied
 
+    def poked(self, leases: list[int]) -> None:
+        """The rings of `leases` poked the wake pipe: their clients do so after
+        each post (an unknown lease, a forged poke, is no ring's)."""
+        for lease in leases:
+            ring = self._rings.get(lease)
+            if ring is not None:
+                ring.pokes = True
+
     def leased(self, generation: int) -> bool:
         """Whether a record not read yet leases the extent of `generation` (a
         client's lease with no call, server/cache/_region.py's `keep_leased`). Reads
@@ -148,7 +157,7 @@ class ReportRings:
 
     def _report(self, ring: _Ring, payload: bytes) -> int:
         try:
-            self._apply(ring.namespace, self._parse(payload), ring.uploads)
+            self._apply(ring.namespace, self._parse(payload), ring.uploads, ring.pokes)
         except MMCacheError as exc:  # its client's mistake: the rest go on
             _LOGGER.warning("a report in a shared-memory ring was refused: %s", exc)
             return 0
