@@ -173,6 +173,47 @@ def test_items_and_prompt_updates_convert_both_ways() -> None:
     assert decode_updates(b"not json") is None and decode_updates(b'{"v": 99}') is None
 
 
+def masked(content: PromptUpdateDetails) -> list[ResolvedPromptUpdate]:
+    return [ResolvedPromptUpdate("image", 0, UpdateMode.REPLACE, [IMAGE_PAD], content)]
+
+
+def embed_of(blob: bytes | None) -> list[int]:
+    decoded = decode_updates(blob or b"")
+    assert decoded is not None
+    is_embed = decoded[0].content.is_embed
+    assert is_embed is not None
+    return [int(x) for x in is_embed(decoded[0].content.full).tolist()]
+
+
+def test_an_embed_mask_is_reused_only_where_nothing_but_the_tokens_decides_it() -> None:
+    """`is_embed(full)` is reused for a plain function of the tokens and the
+    values it captured (vLLM's `select_token_id`: the token id), never for one
+    that captured an object (a list that may change) or reads a global."""
+    full = [1, IMAGE_PAD, IMAGE_PAD, 2, 3]
+    first = encode_updates(masked(PromptUpdateDetails.select_token_id(full, IMAGE_PAD)))
+    again = encode_updates(masked(PromptUpdateDetails.select_token_id(list(full), IMAGE_PAD)))
+    assert first == again and embed_of(first) == [0, 1, 1, 0, 0]
+    other = encode_updates(masked(PromptUpdateDetails.select_token_id(full, 2)))  # another id
+    assert embed_of(other) == [0, 0, 0, 1, 0]
+    ids = [3]
+    listed = PromptUpdateDetails.select_token_ids(full, ids)  # captures a list
+    assert embed_of(encode_updates(masked(listed))) == [0, 0, 0, 0, 1]
+    ids[0] = 1
+    assert embed_of(encode_updates(masked(listed))) == [1, 0, 0, 0, 0]
+    chosen[0] = 2
+    by_global = PromptUpdateDetails(full=full, is_embed=_by_global)
+    assert embed_of(encode_updates(masked(by_global))) == [0, 0, 0, 1, 0]
+    chosen[0] = IMAGE_PAD
+    assert embed_of(encode_updates(masked(by_global))) == [0, 1, 1, 0, 0]
+
+
+chosen = [IMAGE_PAD]
+
+
+def _by_global(full: list[int]) -> torch.Tensor:
+    return torch.tensor(full) == chosen[0]
+
+
 def index_update(target: PromptIndex) -> list[ResolvedPromptUpdate]:
     return [
         ResolvedPromptUpdate("image", 0, UpdateMode.INSERT, target,
