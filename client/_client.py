@@ -293,6 +293,30 @@ class MMCacheClient(EncoderBooksAPI):
         )
         return await self._uploads.run(call)
 
+    def post_processed(
+        self,
+        items: Sequence[Item],
+        mm_hashes: Sequence[str],
+        *,
+        modality: str | None = None,
+        metadata: Sequence[bytes | None] | None = None,
+        resend: Sequence[bool] | None = None,
+    ) -> bool:
+        """`get_and_update(items, mm_hashes, processed=True, lease=False,
+        resident=True)` posted in the report ring on the caller's thread
+        (thread-safe), with no call and no hop onto the client's event loop:
+        True, and each item counted a miss. False where it cannot go so (no
+        ring, a size with only its last spare write slot, a large header,
+        caching disabled): nothing taken or sent; make the `get_and_update`
+        then. Touches wait for the next call (docs/shm.md)::
+
+            if not client.post_processed(items, hashes):
+                await client.get_and_update(items, hashes, processed=True, lease=False,
+                                            resident=True)
+        """
+        call = update_call(items, mm_hashes, modality, metadata, False, False, resend, True, True)
+        return self._uploads.post(call)
+
     async def lookup(
         self,
         mm_hashes: Sequence[str],

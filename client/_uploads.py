@@ -161,6 +161,11 @@ def inject_call(
     return Call(items, hashes, modalities, [b""] * len(items), lease="hits"), places
 
 
+def _postable(call: Call, mode: Lease) -> bool:
+    """Whether a call may be posted with no call: it needs no reply."""
+    return call.resident and call.processed and mode is False and not call.want_metadata
+
+
 def _checked(call: Call) -> list[bool]:
     """The call's resend flags, once its shape, hashes and metadata are checked."""
     items, mm_hashes = call.items, call.mm_hashes
@@ -258,34 +263,30 @@ class Uploads:
             )
         return UpdateResult(items)
 
+    def post(self, call: Call) -> bool:
+        """The call posted in the report ring on the caller's thread, with no
+        call and no hop onto the client's loop (thread-safe): True. False
+        where `_posted` would not take it (nothing taken, nothing sent): `run`
+        it then. Touches wait for the next call."""
+        resent = _checked(call)
+        if self.caching_disabled() or not _postable(call, check_lease(call.lease)):
+            return False
+        _, _, entries = self._entries(call, resent)
+        if not self._posted(call, False, entries, ()):
+            return False
+        self._counted(0, len(entries))  # as a call's reply would: none a hit
+        return True
+
     async def _update(self, call: Call) -> UpdateResult:
-        items, mm_hashes, metadata = call.items, call.mm_hashes, call.metadata
+        items = call.items
         resent = _checked(call)
         mode = check_lease(call.lease)
         if self.caching_disabled():
-            missing = [h for h, item in zip(mm_hashes, items, strict=True) if item is None]
+            missing = [h for h, item in zip(call.mm_hashes, items, strict=True) if item is None]
             if missing:
                 raise CacheMissError(missing, f"caching is disabled; no data for {missing}")
             return UpdateResult(items)
-        encoded = [
-            None if item is None else encode_item(item, modality=m)
-            for item, m in zip(items, call.modalities, strict=True)
-        ]
-        labels = [
-            (e.modality if e is not None and e.modality else m) or ""
-            for e, m in zip(encoded, call.modalities, strict=True)
-        ]
-        send = self._mirror().plan(
-            mm_hashes, [e is not None for e in encoded], processed=call.processed
-        )
-        entries = [
-            self._entry(
-                h, label, enc if s else None, blob, want_metadata=call.want_metadata, resend=r and s
-            )
-            for h, label, enc, blob, s, r in zip(
-                mm_hashes, labels, encoded, metadata, send, resent, strict=True
-            )
-        ]
+        encoded, labels, entries = self._entries(call, resent)
         touches = self._mirror().take_touches()
         if self._posted(call, mode, entries, touches):
             self._counted(0, len(entries))  # as a call's reply would: none a hit
@@ -302,7 +303,7 @@ class Uploads:
         self._counted(sum(o == Outcome.HIT for o in outcomes), len(outcomes))  # as the server
         held = await self._resend_drifted(call, encoded, labels, outcomes, mode)
         no_data = [
-            mm_hashes[i]
+            call.mm_hashes[i]
             for i, o in enumerate(outcomes)
             if o == Outcome.MISSING and encoded[i] is None
         ]
@@ -321,14 +322,41 @@ class Uploads:
             ],
         )
 
+    def _entries(
+        self, call: Call, resent: Sequence[bool]
+    ) -> tuple[list[EncodedItem | None], list[str], list[Entry]]:
+        """The call's items encoded, their modalities, and its batch's entries.
+        Reads the mirror only for an upload not `processed` (`plan`)."""
+        encoded = [
+            None if item is None else encode_item(item, modality=m)
+            for item, m in zip(call.items, call.modalities, strict=True)
+        ]
+        labels = [
+            (e.modality if e is not None and e.modality else m) or ""
+            for e, m in zip(encoded, call.modalities, strict=True)
+        ]
+        send = self._mirror().plan(
+            call.mm_hashes, [e is not None for e in encoded], processed=call.processed
+        )
+        entries = [
+            self._entry(
+                h, label, enc if s else None, blob, want_metadata=call.want_metadata, resend=r and s
+            )
+            for h, label, enc, blob, s, r in zip(
+                call.mm_hashes, labels, encoded, call.metadata, send, resent, strict=True
+            )
+        ]
+        return encoded, labels, entries
+
     def _posted(
         self, call: Call, mode: Lease, entries: Sequence[Entry], touches: Sequence[str]
     ) -> bool:
         """Posted in the report ring with no call (docs/shm.md, "Uploads with
         no call"): a resident upload of processed items that leases nothing
         and asks nothing back, where every payload has a spare write slot. No
-        reply comes: the mirror learns the outcome from the feed."""
-        if not (call.resident and call.processed) or mode is not False or call.want_metadata:
+        reply comes: the mirror learns the outcome from the feed. Thread-safe
+        (`post`)."""
+        if not _postable(call, mode):
             return False
         written = self._co.spare_slots_for(entries)
         if written is None:

@@ -6,7 +6,9 @@ The server makes a FIFO beside its region file (`wake_path`), with the
 region's mode and group, and waits on it in its event loop. A client that
 wrote an upload's record writes one `POKE` after it: its ring's lease, 8
 bytes (under PIPE_BUF, so never torn). The server, woken, reads the pokes,
-then every ring: the record is there, as its write came first. A poke is a
+then every ring: the record is there, as its write came first. A client pokes
+once as soon as it has its ring, too, so the server knows it pokes before
+its first post (one read by another drain before its poke). A poke is a
 hint, never data: a lost one (the pipe full, the server gone) costs only the
 wait until the next read, and a forged one a read of rings with nothing new.
 A server that finds a ring posting with no poke (an older client) reads the

@@ -20,6 +20,7 @@ from mmcache.client._codec import encode_item
 from mmcache.client.colocated._slots import size_of, spares_of
 from mmcache.client.wire import Slot
 from mmcache.server import MMCacheServer
+from mmcache.server.cache import parts_of
 from mmcache.v1 import cache_pb2 as pb
 
 from .conftest import (
@@ -120,6 +121,49 @@ async def test_small_processed_uploads_go_with_no_call_while_spares_last(
         assert await uploads_by_call(shm_server) == calls + 1
         assert await share(writer, "again", 98) == "posted"
         await eventually(lambda: store_of(shm_server).leases == 0)
+
+
+async def test_an_upload_posted_from_callers_threads_makes_no_call_and_is_bit_exact(
+    shm_server: MMCacheServer,
+) -> None:
+    """`post_processed` on callers' threads, several at once while the loop
+    uploads by call: each that says True is stored with no call, counted a
+    miss, resident and bit-exact; each False took nothing (its get_and_update
+    follows); no spare serves two uploads."""
+    async with client(shm_server) as writer, client(shm_server) as reader:
+        assert not writer.post_processed([icon(0)], ["early"])  # no ring yet: nothing taken
+        await with_ring(writer)
+        assert await share(writer, "warm", 0) == "held"  # by call: spares come back
+        calls = await uploads_by_call(shm_server)
+        before = writer.make_stats()
+        assert await asyncio.to_thread(writer.post_processed, [icon(1)], ["one"])
+        assert await uploads_by_call(shm_server) == calls  # no call at all
+        after = writer.make_stats()
+        assert (after.hits, after.total) == (before.hits, before.total + 1)
+        await eventually(lambda: store_of(shm_server).peek("one") is not None, 2.0)
+
+        def post_all(first: int) -> list[tuple[str, int, bool]]:
+            out = []
+            for n in range(first, first + 12):
+                key = f"t{n}"
+                out.append((key, n, writer.post_processed([icon(n)], [key])))
+            return out
+
+        threads = [asyncio.to_thread(post_all, 100 * (t + 1)) for t in range(4)]
+        by_call = [share(writer, f"c{n}", 1000 + n) for n in range(8)]
+        done = await asyncio.gather(*threads, *by_call)
+        results = [r for batch in done[:4] for r in batch]  # type: ignore[union-attr]
+        # Nothing taken where False: the upload goes by call, as the plugin's does.
+        after_false = [await share(writer, key, n) for key, n, went in results if not went]
+        keys = [key for key, _, _ in results] + [f"c{n}" for n in range(8)]
+        await eventually(lambda: all(store_of(shm_server).peek(k) is not None for k in keys))
+        posts = [*(went for _, _, went in results), *(r == "posted" for r in done[4:])]
+        posts += [r == "posted" for r in after_false]
+        assert await posted(shm_server, "applied") == 1 + sum(posts)
+        assert await posted(shm_server, "refused") == 0
+        fetched = await reader.fetch(keys)
+        seeds = [n for _, n, _ in results] + [1000 + n for n in range(8)]
+        assert all(same(item, icon(n)) for item, n in zip(fetched, seeds, strict=True))
 
 
 async def test_a_posted_upload_that_leases_or_asks_is_not_posted(
@@ -230,6 +274,25 @@ async def test_a_posted_upload_wakes_the_server_and_is_stored_with_no_timer(
             await eventually(lambda n=n: store_of(server).peek(f"icon-{n}") is not None, 2.0)
         assert await uploads_by_call(server) == calls
         assert await posted(server, "applied") == 5
+        assert parts_of(server.cache).reports._next_read is None  # no timer armed
+
+
+async def test_a_client_pokes_once_its_ring_is_open_so_no_post_arms_a_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A post the server reads before the poke that follows it (another call
+    drained the rings first) is still known to come from a client that pokes:
+    the client poked when its ring opened. No timer reads the rings for it."""
+    monkeypatch.setattr("mmcache.server.cache._colocated.POSTED_DRAIN_S", 3600.0)
+    async with serving(shm_config(tmp_path, shm_bytes=64 * MIB)) as server, client(server) as c:
+        await with_ring(c)
+        await share(c, "warm", 0)  # by call: spares come back
+        reports = parts_of(server.cache).reports
+        await eventually(lambda: reports.rings is not None and reports.drain() == 0)
+        assert c.post_processed([icon(1)], ["first"])  # on this loop: its poke is not read yet
+        assert reports.drain() == 1  # read as a call's drain would, before the poke
+        assert reports._next_read is None
+        await eventually(lambda: store_of(server).peek("first") is not None, 2.0)
 
 
 async def test_a_client_that_does_not_poke_has_its_posts_read_every_few_ms(

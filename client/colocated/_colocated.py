@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
@@ -20,7 +19,7 @@ from .._batch import Entry
 from .._fetched import decode_items, no_frames
 from .._pool import BufferPool
 from .._touch import Touch
-from ..wire import CacheTransport, ServerInfo, Slot, parse_fetched
+from ..wire import CacheTransport, Report, ServerInfo, Slot, parse_fetched
 from ._reports import Reports
 from ._resident import ResidentHits, ResidentLeases
 from ._shm import ClientRegion, ClientRing, attach
@@ -217,20 +216,17 @@ class CoLocated:
             size_of(data.size.payload, self._trailer(entry))
             for data, entry in zip(encoded, entries, strict=True)
         ]
-        wanted = Counter(sizes)
-        if any(self.write_slots.held(size) <= count for size, count in wanted.items()):
+        slots = self.write_slots.take_spares(region, sizes)
+        if slots is None:
             return None
-        slots = [self.write_slots.take(region, size) for size in sizes]
         try:
             for slot, data in zip(slots, encoded, strict=True):
-                if slot is None:  # expired: the rest go back, this upload by call
-                    raise ValueError("a spare expired")
                 region.write(slot, data)
-        except ValueError as exc:  # (or expired while this client stalled)
+        except ValueError as exc:  # expired while this client stalled
             _LOGGER.debug("upload by call: %s", exc)
-            self.give_back_slots(region, [slot.lease for slot in slots if slot is not None])
+            self.give_back_slots(region, [slot.lease for slot in slots])
             return None
-        return region.token, {i: slot for i, slot in enumerate(slots) if slot is not None}
+        return region.token, dict(enumerate(slots))
 
     async def _allocate(self, region: ClientRegion, sizes: list[Size]) -> list[Slot] | None:
         """Write slots of `sizes` (and spares kept for the next uploads), or None."""
@@ -268,8 +264,15 @@ class CoLocated:
             self.give_back_slots(region, surplus)
 
     def give_back_slots(self, region: ClientRegion, leases: list[int]) -> None:
-        """Spare slots beyond the client's caps go back to the server."""
-        if leases:
+        """Spare slots beyond the client's caps go back to the server (from
+        any thread: off the loop, through `Reports.post`)."""
+        if not leases:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a caller's thread (an upload posted from there)
+            self.reports.post(region.token, Report(shm_done=leases))
+        else:
             self.reports.add(region.token, done=leases)
 
     def _trailer(self, entry: Entry) -> int:

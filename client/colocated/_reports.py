@@ -180,7 +180,12 @@ class Reports:
         """On the loop: a report a caller's thread could not write in the ring."""
         self._hits = _folded(self._hits + Counter(report.hits))
         self._cpu_ns += report.client_cpu_ns
-        self.add(token, released=report.mm_hashes, read_bytes=report.shm_read_bytes)
+        self.add(
+            token,
+            released=report.mm_hashes,
+            done=report.shm_done,
+            read_bytes=report.shm_read_bytes,
+        )
         self._start()  # the hits and CPU go by call (`add` may have used a ring)
 
     def _ring_for(self, token: bytes) -> ClientRing | None:
@@ -214,6 +219,7 @@ class Reports:
             return
         if ring is not None:
             self._ring, self._ring_token = ring, token
+            ring.poke()  # first: the server knows this client pokes before its first post
 
     def _start(self) -> None:
         if self._task is None or self._task.done():

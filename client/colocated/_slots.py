@@ -16,6 +16,7 @@ MAX_SMALL_SPARES of a small one: SMALL_SPARE_BYTES of it).
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -52,12 +53,15 @@ class WriteSlots:
     is asked is counted at once (`top_up`) and settled when the answer comes
     (`keep`), so the spares held and asked together stay within the caps;
     any that come beyond them are handed back to be given back to the server.
+    Thread-safe: the client's loop tops spares up, and an upload posted from
+    a caller's thread takes them (`take_spares`).
     """
 
     def __init__(self) -> None:
         self._spares: dict[Size, list[Slot]] = {}
         self._asked: Counter[Size] = Counter()
         self._closed = False
+        self._lock = threading.Lock()
 
     def held(self, size: Size) -> int:
         """The spares of `size` kept now (some may have expired)."""
@@ -65,6 +69,27 @@ class WriteSlots:
 
     def take(self, region: ClientRegion, size: Size) -> Slot | None:
         """A live spare of `size`, if one is kept (expired ones are dropped)."""
+        with self._lock:
+            return self._take(region, size)
+
+    def take_spares(self, region: ClientRegion, sizes: Sequence[Size]) -> list[Slot] | None:
+        """A live spare of each of `sizes`, where each size keeps one more than
+        it gives (the last of a size goes by call, whose reply brings spares
+        back); None, and nothing taken, where one cannot be had."""
+        wanted = Counter(sizes)
+        with self._lock:
+            if any(self.held(size) <= count for size, count in wanted.items()):
+                return None
+            slots = [self._take(region, size) for size in sizes]
+            taken = [slot for slot in slots if slot is not None]
+            if len(taken) == len(slots):
+                return taken
+            for slot, size in zip(slots, sizes, strict=True):  # expired: the rest kept
+                if slot is not None:
+                    self._spares[size].append(slot)
+            return None
+
+    def _take(self, region: ClientRegion, size: Size) -> Slot | None:
         spares = self._spares.get(size)
         while spares:
             slot = spares.pop()
@@ -76,6 +101,10 @@ class WriteSlots:
         """The spares to ask for after using slots of these sizes: enough to
         hold MAX_SPARES of each again, as far as the budget allows, counting
         those already asked for. Settle each ask with `keep`."""
+        with self._lock:
+            return self._top_up(used)
+
+    def _top_up(self, used: Sequence[Size]) -> list[Size]:
         if self._closed:
             return []
         held = self._bytes()
@@ -94,6 +123,10 @@ class WriteSlots:
         """Keep these slots of `sizes` as spares (`asked`: the answer to a
         `top_up`, all it brought, perhaps nothing); the leases of those beyond
         the caps, to give back."""
+        with self._lock:
+            return self._keep(slots, sizes, asked)
+
+    def _keep(self, slots: Iterable[Slot], sizes: Sequence[Size], asked: bool) -> list[int]:
         if asked:
             self._asked.subtract(sizes)
             self._asked = +self._asked  # drop the sizes settled to 0
@@ -111,10 +144,11 @@ class WriteSlots:
     def drain(self, *, close: bool = False) -> list[int]:
         """Every spare's lease (to give back), none kept any more; `close`:
         none kept from now on either (answers still to come are surplus)."""
-        self._closed = self._closed or close
-        leases = [slot.lease for slots in self._spares.values() for slot in slots]
-        self._spares.clear()
-        return leases
+        with self._lock:
+            self._closed = self._closed or close
+            leases = [slot.lease for slots in self._spares.values() for slot in slots]
+            self._spares.clear()
+            return leases
 
     def _bytes(self) -> int:
         """Bytes of the spares held and asked for."""

@@ -4,8 +4,10 @@ processes hit it; and the server hears of every query no call told it of.
 An item vLLM processed goes inline to the engine, as vLLM's miss does, and
 is queued for upload; so is a hit of this process's own cache that the
 sidecar lacks. When the request ends its uploads leave in one call, in the
-background (the engine has the data already); touches reach the server
-with the next call. Every item goes (client/vllm/_costs.py: an upload costs
+background (the engine has the data already); small images kept here are
+posted from this thread instead, with no call and no hop, while the client
+holds spare write slots of their sizes (docs/shm.md). Touches reach the
+server with the next call. Every item goes (client/vllm/_costs.py: an upload costs
 a few percent of a processing), unless larger than the whole server or with
 `MAX_UPLOADS_IN_FLIGHT` uploads in flight; those are counted
 (`mmcache_vllm_not_uploaded_items_total`), and offered again when they come back.
@@ -35,6 +37,9 @@ from .convert import encode_updates, from_vllm, item_nbytes
 __all__ = ["MAX_UPLOADS_IN_FLIGHT", "Sharing", "stamp"]
 
 _LOGGER = logging.getLogger(__name__)
+
+# An upload's items, keys, prompt updates and resend flags, as the client takes them.
+Converted = tuple[list[Any], list[str], list[bytes | None], list[bool]]
 
 # Uploads in flight at once; past that a request's upload is skipped (its
 # data went inline anyway): memory stays bounded when the server is slow.
@@ -128,9 +133,13 @@ class Sharing:
         going = [u for u, go in zip(uploads, fits(sizes, capacity), strict=True) if go]
         cpu = self._p0.sync.loop_cpu()
         try:
-            went = bool(going) and self._uploads.start(  # not when backed up, or closed
-                lambda: self._update(client, going, ledger, resident),
-                lambda done: self._upload_done(done, cpu, len(going)),
+            converted = self._converted(going, ledger) if going else None
+            went = converted is not None and (
+                (resident and self._posted(client, converted))
+                or self._uploads.start(  # not when backed up, or closed
+                    lambda: self._update(client, converted, resident),
+                    lambda done: self._upload_done(done, cpu, len(going)),
+                )
             )
         except Exception as exc:  # its data would not convert: not shared, still cached here
             _LOGGER.warning("mmcache: an upload was not made: %s", exc)
@@ -143,19 +152,30 @@ class Sharing:
         told = {upload[0] for upload in admitted}
         ledger.misses += [m for h, m, _, _ in uploads if h not in told and not ledger.counted(h)]
 
+    def _posted(self, client: MMCacheClient, converted: Converted) -> bool:
+        """Small images into the sidecar's shared memory from this thread, with
+        no call and no hop onto the client's loop, where its spare write slots
+        allow (docs/shm.md): no thread woken but the sidecar's."""
+        started = time.thread_time()
+        items, keys, metadata, resend = converted
+        if not client.post_processed(items, keys, metadata=metadata, resend=resend):
+            return False
+        self._metrics.uploaded.inc(len(items))
+        self._metrics.upload_cpu.inc(time.thread_time() - started)
+        return True
+
     def _update(
-        self, client: MMCacheClient, uploads: list[Upload], ledger: Ledger, resident: bool
+        self, client: MMCacheClient, converted: Converted, resident: bool
     ) -> Coroutine[Any, Any, int]:
-        """One upload of `uploads`, its data converted now, on vLLM's thread;
-        it comes to the number the sidecar then holds. `resident`: all of it
-        into the sidecar's shared memory (a small image kept here among them)."""
-        hashes, modalities, items, updates = zip(*uploads, strict=True)
+        """One upload of items converted on vLLM's thread; it comes to the
+        number the sidecar then holds. `resident`: all of it into the
+        sidecar's shared memory (a small image kept here among them)."""
+        items, keys, metadata, resend = converted
         call = client.get_and_update(
-            [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
-            [self._p0.key(h) for h in hashes],
-            metadata=[encode_updates(u) for u in updates],
-            # Looked up, or a hit of this process's own: counted already.
-            resend=[ledger.counted(h) for h in hashes],
+            items,
+            keys,
+            metadata=metadata,
+            resend=resend,
             lease=False,  # the engine has this data inline
             resident=resident,
             # Processed here: each a miss, as vLLM counts it, even where
@@ -163,6 +183,17 @@ class Sharing:
             processed=True,
         )
         return _held(call)
+
+    def _converted(self, uploads: list[Upload], ledger: Ledger) -> Converted:
+        """The uploads' items, keys, prompt updates and resend flags (looked up,
+        or a hit of this process's own: counted already), converted now."""
+        hashes, modalities, items, updates = zip(*uploads, strict=True)
+        return (
+            [from_vllm(item, m) for item, m in zip(items, modalities, strict=True)],
+            [self._p0.key(h) for h in hashes],
+            [encode_updates(u) for u in updates],
+            [ledger.counted(h) for h in hashes],
+        )
 
     def _observe(self, ledger: Ledger) -> None:
         """The processor's time on the request's misses: vLLM runs it between
