@@ -166,6 +166,35 @@ async def test_an_upload_posted_from_callers_threads_makes_no_call_and_is_bit_ex
         assert all(same(item, icon(n)) for item, n in zip(fetched, seeds, strict=True))
 
 
+async def test_a_post_that_cannot_go_gives_its_spare_back_from_a_thread_with_a_loop(
+    shm_server: MMCacheServer,
+) -> None:
+    """A caller's thread may run an event loop of its own (vLLM's API server
+    does): a post that took a spare and then cannot go (its header, with
+    much metadata, is too large for the ring) gives the spare back through
+    the client's own loop, and the client goes on."""
+    async with client(shm_server) as writer:
+        await with_ring(writer)
+        blob = b"m" * 9000
+        first = await writer.get_and_update(
+            [icon(0)], ["big0"], metadata=[blob], lease=False, processed=True, resident=True
+        )
+        assert first.held == [True]  # by call (too large to post): its spares come back
+        region = region_of(shm_server)
+        assert region is not None
+        await writer.transport.info()  # the rings read
+        outstanding = region.slots
+
+        async def on_a_loop() -> bool:
+            return writer.post_processed([icon(1)], ["big1"], metadata=[blob])
+
+        assert not await asyncio.to_thread(asyncio.run, on_a_loop())
+        await writer.transport.info()
+        assert region.slots == outstanding - 1  # the spare it took went back
+        assert await share(writer, "after", 2) != "neither"
+        await eventually(lambda: store_of(shm_server).peek("after") is not None, 2.0)
+
+
 async def test_a_posted_upload_that_leases_or_asks_is_not_posted(
     shm_server: MMCacheServer,
 ) -> None:

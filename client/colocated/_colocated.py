@@ -205,7 +205,9 @@ class CoLocated:
         has only its last spare left: that one goes by call, whose reply
         brings the spares back (one call per run of spares, no ShmAllocate)."""
         region = self.region
-        if region is None or not self._posts or not self.usable(region):
+        # `serving`, not `usable`: this may run on a caller's thread, and only
+        # the loop drops a region (the next call does).
+        if region is None or not self._posts or not region.serving():
             return None
         if self.reports.ring(region.token) is None:
             return None
@@ -264,16 +266,11 @@ class CoLocated:
             self.give_back_slots(region, surplus)
 
     def give_back_slots(self, region: ClientRegion, leases: list[int]) -> None:
-        """Spare slots beyond the client's caps go back to the server (from
-        any thread: off the loop, through `Reports.post`)."""
-        if not leases:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # a caller's thread (an upload posted from there)
+        """Spare slots beyond the client's caps go back to the server; from any
+        thread (an upload posted from a caller's, which may run an event loop
+        of its own: vLLM's API server does)."""
+        if leases:
             self.reports.post(region.token, Report(shm_done=leases))
-        else:
-            self.reports.add(region.token, done=leases)
 
     def _trailer(self, entry: Entry) -> int:
         """Room after an upload's payload for its store key, spec and metadata
