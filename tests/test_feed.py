@@ -134,3 +134,36 @@ async def test_close_ends_every_subscribers_messages_and_any_later_ones() -> Non
         await asyncio.wait_for(waiting, 2)
     later = feed.subscribe().messages()
     assert [m async for m in later] == []
+
+
+async def test_a_busy_feed_sends_at_most_one_message_per_gap_and_a_quiet_one_at_once() -> None:
+    """Changes every 5 ms for half a second reach a subscriber in about one
+    message per `gap_s`, every change in order; a change after a quiet spell
+    comes within `flush_s`, not a whole gap."""
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.005, gap_s=0.1)
+    subscriber = feed.subscribe()
+    stream = subscriber.messages()
+    await take(stream, 2)  # the snapshot and its head
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    keys = [f"k{n}" for n in range(100)]
+    for key in keys:
+        stored(feed, store, key)
+        await asyncio.sleep(0.005)
+    got: list[str] = []
+    messages = 0
+    while len(got) < len(keys):
+        (message,) = await take(stream, 1)
+        got += message.changes.mm_hashes
+        messages += 1
+    elapsed = loop.time() - started
+    assert got == keys
+    assert messages <= elapsed / 0.1 + 2, (messages, elapsed)
+    await asyncio.sleep(0.3)  # quiet
+    sent = loop.time()
+    stored(feed, store, "late")
+    (message,) = await take(stream, 1)
+    assert list(message.changes.mm_hashes) == ["late"]
+    assert loop.time() - sent < 0.08
+    feed.unsubscribe(subscriber)

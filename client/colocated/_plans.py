@@ -19,8 +19,8 @@ import torch
 from mmcache._errors import MMCacheError
 from mmcache._items import Field, FieldElem, Item, MMItem
 
-from .._codec import _DTYPES, checked_leaves, leaf_buffer, shaped
-from .._pool import BufferPool
+from .._codec import _DTYPES, checked_leaves, leaf_buffer
+from .._pool import MIN_POOLED_BYTES, BufferPool
 from ..wire import Spec, parse_spec
 
 __all__ = ["decode_from_region", "modality_of"]
@@ -80,24 +80,42 @@ def decode_from_region(
         return None
     if plan.payload != len(payload):
         return None
-    raw: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
     pos = 0
-    for n, _, _ in plan.leaves:
-        try:
-            tensor, _ = leaf_buffer(n, pool)
-        except (RuntimeError, MemoryError):
+    for n, dtype, shape in plan.leaves:
+        tensor = _copied(payload[pos : pos + n], dtype, shape, pool)
+        if tensor is None:
             return None
-        tensor.numpy().data[:] = payload[pos : pos + n]
-        raw.append(tensor)
+        tensors.append(tensor)
         pos += n
     if plan.flat is None:
-        return plan.spec.assemble(iter(raw), shaped), plan.payload
+        return plan.spec.assemble(iter(tensors), _as_is), plan.payload
     item = MMItem(
         {
-            key: FieldElem(modality, key, tensor.view(dtype).reshape(shape), field)
-            for (key, modality, field), tensor, (_, dtype, shape) in zip(
-                plan.flat, raw, plan.leaves, strict=True
-            )
+            key: FieldElem(modality, key, tensor, field)
+            for (key, modality, field), tensor in zip(plan.flat, tensors, strict=True)
         }
     )
     return item, plan.payload
+
+
+def _copied(
+    piece: memoryview, dtype: torch.dtype, shape: tuple[int, ...], pool: BufferPool | None
+) -> torch.Tensor | None:
+    """A leaf's bytes copied out of the region as its tensor (None: no memory
+    for it). A small one is copied into a bytearray the tensor wraps: two
+    torch calls instead of four, and a region hit of a small image is mostly
+    such calls (a 19 KiB item's three leaves: 19 against 9 µs hot)."""
+    n = len(piece)
+    try:
+        if 0 < n < MIN_POOLED_BYTES:
+            return torch.frombuffer(bytearray(piece), dtype=dtype).reshape(shape)
+        raw, _ = leaf_buffer(n, pool)
+    except (RuntimeError, MemoryError):
+        return None
+    raw.numpy().data[:] = piece
+    return raw.view(dtype).reshape(shape)
+
+
+def _as_is(tensor: torch.Tensor, _: object) -> torch.Tensor:
+    return tensor  # typed and shaped as it was copied
