@@ -306,9 +306,10 @@ class MMCacheClient(EncoderBooksAPI):
         resident=True)` posted in the report ring on the caller's thread
         (thread-safe), with no call and no hop onto the client's event loop:
         True, and each item counted a miss. False where it cannot go so (no
-        ring, a size with only its last spare write slot, a large header,
-        caching disabled): nothing taken or sent; make the `get_and_update`
-        then. Touches wait for the next call (docs/shm.md)::
+        ring, a size with only its last spare write slot, a large header or a
+        full ring, caching disabled, the region dropped meanwhile): nothing
+        sent (a spare it took goes back to the server); make the
+        `get_and_update` then. Touches wait for the next call (docs/shm.md)::
 
             if not client.post_processed(items, hashes):
                 await client.get_and_update(items, hashes, processed=True, lease=False,

@@ -266,8 +266,8 @@ class Uploads:
     def post(self, call: Call) -> bool:
         """The call posted in the report ring on the caller's thread, with no
         call and no hop onto the client's loop (thread-safe): True. False
-        where `_posted` would not take it (nothing taken, nothing sent): `run`
-        it then. Touches wait for the next call."""
+        where `_posted` would not take it (nothing sent; a spare it took goes
+        back): `run` it then. Touches wait for the next call."""
         resent = _checked(call)
         if self.caching_disabled() or not _postable(call, check_lease(call.lease)):
             return False

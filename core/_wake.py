@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import stat
 import struct
 import threading
+from collections.abc import Iterator
 
 __all__ = ["POKE", "WAKE_SUFFIX", "Poker", "wake_path"]
 
@@ -60,7 +62,7 @@ class Poker:
     def poke(self, lease: int) -> bool:
         """Tell the server that the ring of `lease` holds a new record; False
         where the pipe took nothing (full: the server wakes anyway; or gone)."""
-        with self._lock:
+        with self._lock, _no_sigpipe():
             if self._fd < 0:
                 return False
             try:
@@ -80,3 +82,18 @@ class Poker:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+@contextlib.contextmanager
+def _no_sigpipe() -> Iterator[None]:
+    """A write to a pipe whose reader is gone raises SIGPIPE, which kills a
+    process that left it at its default (Python ignores it; its host may not):
+    blocked on this thread meanwhile, and any it raised taken before it is
+    unblocked, so the write fails with EPIPE and nothing else happens."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
+    try:
+        yield
+    finally:
+        if signal.SIGPIPE not in blocked:
+            signal.sigtimedwait({signal.SIGPIPE}, 0)  # None when none is pending
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import Callable, Sequence
 
@@ -205,9 +206,19 @@ class CoLocated:
         has only its last spare left: that one goes by call, whose reply
         brings the spares back (one call per run of spares, no ShmAllocate)."""
         region = self.region
+        if region is None or not self._posts:
+            return None
+        try:
+            return self._spares_written(region, entries)
+        except (ValueError, struct.error):  # the region dropped under a caller's thread
+            return None  # (spares it took end with their lease)
+
+    def _spares_written(
+        self, region: ClientRegion, entries: Sequence[Entry]
+    ) -> tuple[bytes, dict[int, Slot]] | None:
         # `serving`, not `usable`: this may run on a caller's thread, and only
         # the loop drops a region (the next call does).
-        if region is None or not self._posts or not region.serving():
+        if not region.serving():
             return None
         if self.reports.ring(region.token) is None:
             return None

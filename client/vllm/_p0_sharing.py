@@ -18,6 +18,7 @@ per item vLLM did not process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Coroutine
@@ -132,12 +133,13 @@ class Sharing:
         capacity = client.capacity_bytes
         going = [u for u, go in zip(uploads, fits(sizes, capacity), strict=True) if go]
         cpu = self._p0.sync.loop_cpu()
+        # Converted once, and only for an upload that goes (posted, or started).
+        converted = functools.cache(lambda: self._converted(going, ledger))
         try:
-            converted = self._converted(going, ledger) if going else None
-            went = converted is not None and (
-                (resident and self._posted(client, converted))
+            went = bool(going) and (
+                (resident and not self._uploads.closed and self._posted(client, converted()))
                 or self._uploads.start(  # not when backed up, or closed
-                    lambda: self._update(client, converted, resident),
+                    lambda: self._update(client, converted(), resident),
                     lambda done: self._upload_done(done, cpu, len(going)),
                 )
             )

@@ -171,6 +171,11 @@ class BackgroundCalls:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def closed(self) -> bool:
+        """No call starts from now (`close`)."""
+        return self._closed
+
     def start(
         self,
         make: Callable[[], Coroutine[Any, Any, T]],
