@@ -42,6 +42,8 @@ _LOGGER = logging.getLogger(__name__)
 # Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
 # of their size (client/_pool.py): pages already mapped, no zeroing.
 DEFAULT_REUSE_BYTES = 256 << 20
+# The longest feed gap a client may ask for (the server caps it there too).
+MAX_FEED_GAP_S = 5.0
 
 
 class Location(NamedTuple):
@@ -86,7 +88,12 @@ class MMCacheClient(EncoderBooksAPI):
     The namespace and token apply to every call on the client's channel.
     `reuse_bytes`: the memory of dropped fetched tensors kept for the next
     reads (docs/shm.md; 0: none); `sessions`: streams kept open for batches
-    (docs/wire.md; 0: a call each).
+    (docs/wire.md; 0: a call each); `feed_gap_s`: the least time between two
+    feed messages this client wants (0: the server's 50 ms while changes keep
+    coming; at most 5 s). Each wakes this process: a client whose answers do
+    not need the freshest mirror asks for more, and its mirror may be that
+    much behind (a stale mirror costs a lookup or a re-send, never a wrong
+    answer).
     """
 
     def __init__(
@@ -104,13 +111,15 @@ class MMCacheClient(EncoderBooksAPI):
         sessions: int = MAX_SESSIONS,
         channel_options: Sequence[tuple[str, Any]] = (),
         follow: bool = True,
+        feed_gap_s: float = 0.0,
         fail_open: bool | FailOpen = False,
         **deprecated: Any,  # 0.1's tls_* and fail_open_* keywords, until 0.3 (client/_legacy.py)
     ) -> None:
         if deprecated:
             tls, fail_open = translate(deprecated, tls, fail_open)
-        _check_settings(chunk_bytes, sessions)
+        _check_settings(chunk_bytes, sessions, feed_gap_s)
         self.namespace = namespace
+        self.feed_gap_s = feed_gap_s
         self._touch = Touch(FailOpen() if fail_open is True else fail_open or None)
         self._conn = Connection(
             target,
@@ -125,6 +134,7 @@ class MMCacheClient(EncoderBooksAPI):
             namespace=namespace,
             channel_options=channel_options,
             follow=follow,
+            feed_gap_s=feed_gap_s,
         )
         self._shared_tier = False
         self._pool = BufferPool(reuse_bytes) if reuse_bytes > 0 else None
@@ -535,10 +545,14 @@ class MMCacheClient(EncoderBooksAPI):
         self._co.attach(info)
 
 
-def _check_settings(chunk_bytes: int, sessions: int) -> None:
+def _check_settings(chunk_bytes: int, sessions: int, feed_gap_s: float) -> None:
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise InvalidArgumentError(
             f"chunk_bytes must be {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}, got {chunk_bytes}"
         )
     if sessions < 0:
         raise InvalidArgumentError(f"sessions must be 0 (none) or more, got {sessions}")
+    if not 0 <= feed_gap_s <= MAX_FEED_GAP_S:
+        raise InvalidArgumentError(
+            f"feed_gap_s must be 0 (the server's spacing) to {MAX_FEED_GAP_S:g} s, got {feed_gap_s}"
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ class Connection:
         namespace: str,
         channel_options: Sequence[tuple[str, Any]],
         follow: bool,
+        feed_gap_s: float = 0.0,
     ) -> None:
         self.target = target
         self.timeout = timeout
@@ -59,6 +61,7 @@ class Connection:
         named = () if tls is None else tls.channel_options()
         self._options = (*CHANNEL_OPTIONS, *named, *channel_options)
         self._follow = follow
+        self._feed_gap_s = feed_gap_s
         self.mirror = Mirror()
         self.follower: FeedFollower | None = None
         self._follower_task: asyncio.Task[None] | None = None
@@ -113,7 +116,10 @@ class Connection:
             self._on_info(info)
         if self._follow:
             self.follower = FeedFollower(
-                transport.subscribe, lambda: self.mirror, touch.back, self._on_instance
+                functools.partial(transport.subscribe, self._feed_gap_s),
+                lambda: self.mirror,
+                touch.back,
+                self._on_instance,
             )
             self._follower_task = asyncio.create_task(self.follower.run())
 

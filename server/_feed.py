@@ -15,6 +15,13 @@ built once and shared by every subscriber that can go on from it (the ring
 still holds the messages after it), so a hundred subscribers resyncing at
 once cost one snapshot.
 
+A subscriber that asks for a longer gap than the feed's (a process whose
+hits do not need a fresh mirror, woken by each message) gets, at most once
+per gap, every message the ring gained meanwhile as one: serialised
+messages concatenated parse as one message whose changes are theirs in
+order and whose `seq` is the last (protobuf merges repeated fields and a
+submessage met twice), so merging costs a join of bytes, no parse.
+
 Transport-free: the gRPC handler writes what `Subscriber.messages` yields.
 """
 
@@ -44,6 +51,13 @@ SNAPSHOT_PART_KEYS = 8192
 # small images' uploads; a change after a quiet spell still goes within
 # `flush_s`, a change in a busy one within GAP_S.
 GAP_S = 0.05
+# A subscriber may ask for a longer gap of its own (SubscribeRequest.gap_ms):
+# capped, so that its mirror is never further behind than this.
+MAX_GAP_S = 5.0
+# What one message of a subscriber's own gap joins at most (a ring message
+# larger than this, itself about 1 MiB at most, goes alone): well under the
+# 8 MiB message cap. More waiting goes at once in further messages.
+MERGED_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +162,11 @@ class Feed:
         for subscriber in self._subscribers:
             subscriber.wake()
 
-    def subscribe(self) -> Subscriber:
-        """A new subscriber; iterate `messages()` to send its feed."""
-        subscriber = Subscriber(self)
+    def subscribe(self, gap_s: float = 0.0) -> Subscriber:
+        """A new subscriber; iterate `messages()` to send its feed. `gap_s`:
+        the least time it wants between two messages of changes (the feed's
+        own where less; at most MAX_GAP_S)."""
+        subscriber = Subscriber(self, min(gap_s, MAX_GAP_S) if gap_s > self._gap_s else 0.0)
         self._subscribers.add(subscriber)
         return subscriber
 
@@ -163,7 +179,7 @@ class Feed:
         """
         self._closed = True
         for subscriber in self._subscribers:
-            subscriber.wake()
+            subscriber.end()
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
@@ -236,14 +252,22 @@ class Feed:
 class Subscriber:
     """One client's feed: a snapshot, then the ring from its cursor on."""
 
-    __slots__ = ("_event", "_feed", "cursor")
+    __slots__ = ("_event", "_feed", "_gap_s", "_resting", "cursor")
 
-    def __init__(self, feed: Feed) -> None:
+    def __init__(self, feed: Feed, gap_s: float = 0.0) -> None:
         self._feed = feed
         self._event = asyncio.Event()
+        self._gap_s = gap_s  # its own gap between messages (0: the feed's)
+        self._resting = False  # within its gap: new messages wake it not
         self.cursor = 0
 
     def wake(self) -> None:
+        if not self._resting:
+            self._event.set()
+
+    def end(self) -> None:
+        """The feed closed: wake it, even within its gap."""
+        self._resting = False
         self._event.set()
 
     async def messages(self) -> AsyncIterator[bytes]:
@@ -258,9 +282,44 @@ class Subscriber:
             # Else the ring dropped what it needs (a snapshot again), or the feed closed.
             while self.cursor >= feed._base and not feed._closed:
                 if self.cursor < feed._end():
-                    _, _, message = feed._ring[self.cursor - feed._base]
-                    self.cursor += 1
+                    message, capped = self._next()
                     yield message
+                    if self._gap_s and not capped:  # (what the cap left goes at once)
+                        await self._rest()
                     continue
                 self._event.clear()
                 await self._event.wait()
+
+    def _next(self) -> tuple[bytes, bool]:
+        """The ring's message at the cursor; with a gap of its own, every one
+        from there on joined into one, and whether MERGED_BYTES left some."""
+        feed = self._feed
+        start = self.cursor - feed._base
+        if not self._gap_s:
+            self.cursor += 1
+            return feed._ring[start][2], False
+        parts: list[bytes] = []
+        size = 0
+        for index in range(start, len(feed._ring)):  # (near its end: indexing is cheap)
+            message = feed._ring[index][2]
+            if parts and size + len(message) > MERGED_BYTES:
+                break
+            parts.append(message)
+            size += len(message)
+        self.cursor += len(parts)
+        joined = parts[0] if len(parts) == 1 else b"".join(parts)
+        return joined, start + len(parts) < len(feed._ring)
+
+    async def _rest(self) -> None:
+        """Let this subscriber's gap pass from the message just sent; the
+        feed's close ends it at once (one while the message was written too)."""
+        if self._feed._closed:
+            return
+        self._resting = True
+        self._event.clear()
+        timer = asyncio.get_running_loop().call_later(self._gap_s, self._event.set)
+        try:
+            await self._event.wait()
+        finally:
+            timer.cancel()
+            self._resting = False

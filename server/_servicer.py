@@ -215,11 +215,11 @@ class CacheServicer:
 
     async def subscribe(self, request_bytes: bytes, context: Context) -> None:
         try:
-            pb.SubscribeRequest.FromString(request_bytes)
+            request = pb.SubscribeRequest.FromString(request_bytes)
         except DecodeError as exc:
             raise InvalidArgumentError(f"SubscribeRequest does not parse: {exc}") from None
         feed = self._namespace(context).feed
-        subscriber = feed.subscribe()
+        subscriber = feed.subscribe(request.gap_ms / 1000)
         try:
             async for message in subscriber.messages():
                 await write(context, message)

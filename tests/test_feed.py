@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import pytest
 
+from mmcache.server import _feed as feed_module
 from mmcache.server._feed import Feed, FeedState
 from mmcache.v1 import cache_pb2 as pb
 
@@ -167,3 +169,91 @@ async def test_a_busy_feed_sends_at_most_one_message_per_gap_and_a_quiet_one_at_
     assert list(message.changes.mm_hashes) == ["late"]
     assert loop.time() - sent < 0.08
     feed.unsubscribe(subscriber)
+
+
+async def test_a_subscriber_with_a_gap_of_its_own_gets_changes_joined_once_per_gap() -> None:
+    """Beside a subscriber at the feed's own spacing, one that asked for a
+    longer gap gets every change, in order and numbered without a gap (its
+    messages are joined ring messages, parsed as one), its messages at least
+    its gap apart while changes keep coming; the feed's close ends it at
+    once, within its gap or while a message is being written."""
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.002, gap_s=0.01)
+    streams = [feed.subscribe().messages(), feed.subscribe(gap_s=0.15).messages()]
+    for stream in streams:
+        await take(stream, 2)  # the snapshot and its head
+    loop = asyncio.get_running_loop()
+    keys = [f"k{n}" for n in range(100)]
+
+    async def read(stream: AsyncIterator[bytes]) -> list[float]:
+        got: list[str] = []
+        seq = 0
+        arrivals = []
+        while len(got) < len(keys):
+            (message,) = await take(stream, 1)
+            arrivals.append(loop.time())
+            assert message.seq - len(message.changes.kinds) == seq  # the next numbers
+            assert message.instance_id == "i"
+            seq = message.seq
+            got += message.changes.mm_hashes
+        assert got == keys
+        return arrivals
+
+    readers = [asyncio.ensure_future(read(stream)) for stream in streams]
+    for key in keys:
+        stored(feed, store, key)
+        await asyncio.sleep(0.005)
+    plain, spaced = await asyncio.gather(*readers)
+    gaps = [b - a for a, b in itertools.pairwise(spaced)]
+    assert len(spaced) >= 2 and min(gaps) >= 0.14, gaps
+    assert len(plain) > 2 * len(spaced), (len(plain), len(spaced))
+    stored(feed, store, "late")
+    await take(streams[1], 1)  # once its gap has passed...
+    waiting = asyncio.ensure_future(anext(streams[1]))  # ...then within its gap
+    await asyncio.sleep(0.01)
+    closed = loop.time()
+    feed.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(waiting, 2)
+    assert loop.time() - closed < 0.1
+    # Closed while a message was being written (the stream paused at it).
+    feed = Feed("i", store.state, flush_s=0.002, gap_s=0.01)
+    stream = feed.subscribe(gap_s=2.0).messages()
+    await take(stream, 2)
+    stored(feed, store, "written")
+    await take(stream, 1)
+    feed.close()
+    closed = loop.time()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(stream), 5)
+    assert loop.time() - closed < 0.5
+
+
+async def test_a_merged_message_is_bounded_and_what_the_bound_left_goes_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What one spaced message joins stops at MERGED_BYTES; the rest follows
+    in order at once, not a gap later each; a gap asked beyond MAX_GAP_S is
+    MAX_GAP_S, and one under the feed's own is the feed's."""
+    monkeypatch.setattr(feed_module, "MERGED_BYTES", 300)
+    store = Store()
+    feed = Feed("i", store.state, flush_s=0.001, gap_s=0.001)
+    subscriber = feed.subscribe(gap_s=1.0)
+    stream = subscriber.messages()
+    await take(stream, 2)
+    for n in range(40):
+        stored(feed, store, f"key-{n:04d}")
+        feed.flush()  # a ring message each
+    largest = max(len(message) for _, _, message in feed._ring)
+    assert 40 * largest > 3 * 300  # several merged messages, not one
+    started = asyncio.get_running_loop().time()
+    got: list[str] = []
+    while len(got) < 40:
+        raw = await asyncio.wait_for(anext(stream), 2)
+        assert len(raw) <= 300
+        got += pb.FeedMessage.FromString(raw).changes.mm_hashes
+    assert got == [f"key-{n:04d}" for n in range(40)]
+    assert asyncio.get_running_loop().time() - started < 0.5  # no gap between them
+    assert feed.subscribe(gap_s=60)._gap_s == feed_module.MAX_GAP_S
+    assert feed.subscribe(gap_s=0.0005)._gap_s == 0
+    feed.close()

@@ -400,7 +400,52 @@ async def test_a_gap_in_the_feed_makes_the_client_subscribe_again() -> None:
         await eventually(
             lambda: client.following and client.is_cached(["before", "after"]) == [True, True]
         )
-        assert client.mirror.feed_seq == server.feed.seq
+        await eventually(lambda: client.mirror.feed_seq == server.feed.seq)  # (a slow machine)
+
+
+async def test_a_client_asking_a_longer_feed_gap_follows_in_fewer_messages() -> None:
+    """A subscriber that asks for a 200 ms gap gets the changes of 40 uploads
+    made over half a second in a few messages (each the ring's messages
+    joined, parsed as one over the wire), every one in order; a client with
+    that gap follows to the server's last change; one asking past 5 s is told
+    the range."""
+    async with serving() as server, connected(server, feed_gap_s=0.2) as spaced:
+        target = f"127.0.0.1:{server.port}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            call = channel.unary_stream(f"{SERVICE}/Subscribe")(
+                pb.SubscribeRequest(gap_ms=200).SerializeToString()
+            )
+            stream = aiter(call)
+            while not pb.FeedMessage.FromString(await anext(stream)).HasField("snapshot"):
+                pass
+            keys = [f"gap-{n}" for n in range(40)]
+            started = time.monotonic()
+            async with connected(server, follow=False) as writer:
+                for n, key in enumerate(keys):
+                    await writer.get_and_update([image_item(n)], [key], lease=False)
+                    await asyncio.sleep(0.01)
+            stored: list[str] = []
+            messages = 0
+            while len(stored) < len(keys):
+                message = pb.FeedMessage.FromString(await asyncio.wait_for(anext(stream), 5))
+                if message.HasField("changes"):
+                    messages += 1
+                    changes = message.changes
+                    stored += [
+                        h
+                        for k, h in zip(changes.kinds, changes.mm_hashes, strict=True)
+                        if k == pb.CHANGE_STORED
+                    ]
+            elapsed = time.monotonic() - started
+            call.cancel()
+        assert stored == keys
+        assert messages <= elapsed / 0.2 + 2, (messages, elapsed)
+        # The client's own gap reached the server.
+        assert 0.2 in {subscriber._gap_s for subscriber in server.feed._subscribers}
+        await eventually(lambda: spaced.mirror.feed_seq == server.feed.seq)
+        assert spaced.is_cached(keys) == [True] * len(keys)
+        with pytest.raises(InvalidArgumentError, match="feed_gap_s must be 0"):
+            MMCacheClient(target, feed_gap_s=6)
 
 
 async def test_a_mirror_resyncs_after_a_server_restart() -> None:

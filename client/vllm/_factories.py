@@ -22,6 +22,13 @@ __all__ = [
     "processor_cache_from_config",
 ]
 
+# With single flight, P0 asks the sidecar about every image its own cache
+# lacks, whatever its mirror says, leases resident ones in the shared memory
+# by their hash, and claims the rest: a mirror up to this far behind loses
+# no hit (at most a re-send), while every feed message would wake this API
+# process (docs/vllm.md).
+SINGLE_FLIGHT_FEED_GAP_S = 0.25
+
 
 def install_factories() -> None:
     """vLLM builds its multimodal caches with the factories below."""
@@ -64,7 +71,7 @@ def processor_cache_from_config(vllm_config: Any) -> Any:
         parallel = getattr(vllm_config, "parallel_config", None)
         single_flight = int(getattr(parallel, "_api_process_count", 1) or 1) > 1
     return MMCacheProcessorCache(
-        process_client(settings),
+        process_client(settings, feed_gap_s=SINGLE_FLIGHT_FEED_GAP_S if single_flight else 0.0),
         scope,
         model,
         multimodal.mm_processor_cache_gb,

@@ -121,8 +121,16 @@ class Lookup:
                 for i in unasked
                 if not known[i] and shared[i] and not self._own.is_cached_item(mm_hashes[i])
             ]
-            claim = bool(new)
             candidates = sorted(candidates + new)
+            # Claimed where the server lacks them (it claims nothing it holds
+            # or is being sent): the new, and any the mirror named that this
+            # process's cache lacks, so that a mirror behind the server (an
+            # eviction, an upload elsewhere that failed) keeps single flight.
+            # (Behind an L2 tier every item is a candidate: only the new, none.)
+            claim = bool(new) or (
+                not client.shared_tier
+                and any(not self._own.is_cached_item(mm_hashes[i]) for i in candidates)
+            )
         ask = candidates
         if self._p0.known.undescribed is not None:
             # Updates that cannot travel: only what this process processed can

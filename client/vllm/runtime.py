@@ -229,14 +229,17 @@ _lock = threading.Lock()
 _process_clients: dict[tuple[str, bool], SyncClient] = {}
 
 
-def process_client(settings: Settings, *, follow: bool = True) -> SyncClient:
+def process_client(
+    settings: Settings, *, follow: bool = True, feed_gap_s: float = 0.0
+) -> SyncClient:
     """This process's SyncClient of `settings.target` (one per process and
     target: the first made sets its deadline and connection settings).
 
     `follow=False`, for a reader with no use for the mirror (vLLM's engine
     cache reads the region and `fetch`es): this process's following client
     where there is one, else one that does not follow the feed, so that the
-    fleet's every upload does not wake a thread in the engine's process."""
+    fleet's every upload does not wake a thread in the engine's process.
+    `feed_gap_s`: the least time between two feed messages (0: the server's)."""
     with _lock:
         client = _process_clients.get((settings.target, True))
         if client is None and not follow:
@@ -247,6 +250,7 @@ def process_client(settings: Settings, *, follow: bool = True) -> SyncClient:
                 deadline_s=settings.deadline_s,
                 on_fail_open=plugin_metrics().fail_opens.inc,
                 follow=follow,
+                feed_gap_s=feed_gap_s if follow else 0.0,
                 **settings.client_options(),
             )
         return client

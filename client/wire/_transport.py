@@ -228,9 +228,11 @@ class CacheTransport:
             )
         return allocated_of(reply)
 
-    async def subscribe(self) -> AsyncGenerator[FeedMessage, None]:
-        """The feed's messages, until the server ends the stream (no deadline)."""
-        call = self._subscribe(pb.SubscribeRequest(), wait_for_ready=True)
+    async def subscribe(self, gap_s: float = 0.0) -> AsyncGenerator[FeedMessage, None]:
+        """The feed's messages, until the server ends the stream (no deadline);
+        `gap_s`: the least time wanted between two (0: the server's)."""
+        request = pb.SubscribeRequest(gap_ms=round(gap_s * 1000))
+        call = self._subscribe(request, wait_for_ready=True)
         try:
             with translate_errors():
                 async for message in call:

@@ -1018,6 +1018,8 @@ def test_the_factory_reads_the_small_image_setting(
         cache = _factories.processor_cache_from_config(config)
         context = cache._lookup._p0
         assert context.single_flight
+        # Its mirror need not be fresh (docs/vllm.md): fewer feed wake-ups.
+        assert context.sync.client.feed_gap_s == _factories.SINGLE_FLIGHT_FEED_GAP_S > 0.05
         assert (context.small._shape_of is not no_shape) == keeps
         assert context.share_kept == shares_kept
     finally:

@@ -274,6 +274,32 @@ def test_small_images_first_then_large_repeats_are_hits_in_every_process(
     eventually(lambda: sidecar_counts(server) == (before[0] + queries, before[1] + hits))
 
 
+def at_once(p0s: list[MMCacheProcessorCache], images: dict[str, MultiModalKwargsItem]) -> list[str]:
+    """Every process requests each image, in turn, at the same moment as the
+    others (a thread each, in vLLM's order of calls); the hash of each
+    processing, as many times as the image was processed."""
+    start = threading.Barrier(len(p0s))
+    runs: list[str] = []
+
+    def serve(p0: MMCacheProcessorCache) -> None:
+        for h, data in images.items():
+            start.wait()
+            (hit,) = p0.is_cached([h])
+            p0.touch_sender_cache_item(h)
+            if not hit:
+                runs.append(h)
+                time.sleep(0.01)  # the processor
+            p0.get_and_update_item(None if hit else (data, updates()), h)
+            p0.release_sender_touches()
+
+    threads = [threading.Thread(target=serve, args=(p0,)) for p0 in p0s]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return runs
+
+
 def test_processes_that_see_a_new_image_at_once_process_it_once(
     shared: tuple[Sidecar, list[SyncClient]],
 ) -> None:
@@ -284,30 +310,42 @@ def test_processes_that_see_a_new_image_at_once_process_it_once(
     server, syncs = shared
     scope = uuid.uuid4().hex
     p0s = [MMCacheProcessorCache(sync, scope, single_flight=True) for sync in syncs]
-    images = [vllm_item(i, "448x448") for i in range(3)]
-    start = threading.Barrier(len(p0s))
-    runs: list[str] = []
-
-    def serve(p0: MMCacheProcessorCache) -> None:
-        for i, data in enumerate(images):
-            h = f"img{i}"
-            start.wait()
-            (hit,) = p0.is_cached([h])
-            p0.touch_sender_cache_item(h)
-            if not hit:
-                runs.append(h)
-                time.sleep(0.01)  # the processor
-            p0.get_and_update_item(None if hit else (data, updates()), h)
-            p0.release_sender_touches()
-
+    images = {f"img{i}": vllm_item(i, "448x448") for i in range(3)}
     before = sidecar_counts(server)
-    threads = [threading.Thread(target=serve, args=(p0,)) for p0 in p0s]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    runs = at_once(p0s, images)
     assert sorted(runs) == ["img0", "img1", "img2"]  # once each, not once per process
     stats = [p0.make_stats() for p0 in p0s]
     queries, hits = sum(s.total for s in stats), sum(s.hits for s in stats)
     assert (queries, hits) == (12, 9)
     eventually(lambda: sidecar_counts(server) == (before[0] + queries, before[1] + hits))
+
+
+def test_an_image_stale_mirrors_still_name_is_processed_once(sidecar: Sidecar) -> None:
+    """Single flight with mirrors behind the sidecar (API processes follow the
+    feed every 250 ms; here 2 s): two processes whose mirrors still list an
+    image the sidecar has dropped get it at the same moment. One claims it
+    and processes it; the other waits for its upload and hits."""
+    syncs = [SyncClient(sidecar.target, deadline_s=1.0, feed_gap_s=2.0) for _ in range(2)]
+    uploader = SyncClient(sidecar.target, deadline_s=1.0)
+    try:
+        for sync in syncs:
+            sync.call(sync.client.wait_following())
+        scope = uuid.uuid4().hex
+        p0s = [MMCacheProcessorCache(sync, scope, single_flight=True) for sync in syncs]
+        first = MMCacheProcessorCache(uploader, scope)  # (claims nothing)
+        data, h = vllm_item(0, "448x448"), "img0"
+        assert first.is_cached([h]) == [False]
+        first.touch_sender_cache_item(h)
+        first.get_and_update_item((data, updates()), h)
+        first.release_sender_touches()
+        settled(first, syncs, [first.key(h)])  # both mirrors heard of it, and now rest
+        uploader.call(uploader.client.clear_cache())  # the sidecar drops it: unsaid for 2 s
+        assert all(sync.client.is_cached([first.key(h)]) == [True] for sync in syncs)
+        runs = at_once(p0s, {h: data})
+        assert runs == [h]  # once, not once per process
+        assert (
+            metrics(f"http://127.0.0.1:{sidecar.metrics_port}/metrics")["mmcache_claims_total"] == 1
+        )
+    finally:
+        for sync in [*syncs, uploader]:
+            sync.close()

@@ -1450,12 +1450,22 @@ Global___ReleaseReply: _TypeAlias = ReleaseReply  # noqa: Y015
 class SubscribeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    GAP_MS_FIELD_NUMBER: _builtins.int
+    gap_ms: _builtins.int
+    """The least time this subscriber wants between two messages of changes,
+    in ms; the server's own spacing (50 ms while changes keep coming) where
+    less. Each message wakes the subscriber's process: one that needs no
+    fresh mirror (its hits are found in the shared memory) asks for more,
+    and gets the changes meanwhile merged into one message. Capped at 5 s.
+    """
     def __init__(
         self,
+        *,
+        gap_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gap_ms", b"gap_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
