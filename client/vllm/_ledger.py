@@ -43,6 +43,9 @@ class Ledger:
     kept: set[str] = field(default_factory=set)
     # Sidecar hits this process's cache lacked: the data read for it.
     filled: dict[str, MultiModalKwargsItem] = field(default_factory=dict)
+    # Sidecar hits this process's cache held at is_cached: its entry, put
+    # back if the request's own misses evict it before vLLM takes it.
+    here: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     # Sidecar hits leased for the engine's read (those resident in its shared
     # memory too), and the small ones of `filled` whose data goes inline
     # instead (their leases given back).

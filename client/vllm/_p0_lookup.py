@@ -202,10 +202,15 @@ class Lookup:
         leases stay for the engine. Where the read fails they are misses, as
         they are for vLLM alone, whose cache lacks them too."""
         own = self._own
+        for h in mm_hashes:
+            if h in ledger.confirmed and h not in ledger.filled and h not in ledger.here:
+                entry = own.peek(h)
+                if entry is not None:
+                    ledger.here[h] = entry
         need = [
             i
             for i, h in enumerate(mm_hashes)
-            if h in ledger.confirmed and h not in ledger.filled and not own.is_cached_item(h)
+            if h in ledger.confirmed and h not in ledger.filled and h not in ledger.here
         ]
         if not need:
             return
@@ -344,8 +349,10 @@ class Lookup:
         updates = ledger.confirmed.get(mm_hash)
         if updates is not None:
             filled = ledger.filled.get(mm_hash)
-            if filled is not None or self._own.is_cached_item(mm_hash):
-                taken = None if filled is None else (filled, updates)
+            # vLLM alone's read of a hit (reordering); one this request's own
+            # misses evicted since is_cached goes back, its data at hand.
+            taken = ledger.here.get(mm_hash) if filled is None else (filled, updates)
+            if taken is not None or self._own.is_cached_item(mm_hash):
                 self._own.get_and_update_item(taken, mm_hash)
             # Small and read here: its data goes, the engine reads nothing.
             return (filled if mm_hash in ledger.inline else None), updates
