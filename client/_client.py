@@ -13,6 +13,7 @@ import grpc
 from mmcache._errors import InvalidArgumentError
 from mmcache._frames import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from mmcache._items import Item
+from mmcache._spec import MAX_FEED_GAP_S
 
 from ._batch import Lease
 from ._connection import Connection
@@ -42,8 +43,6 @@ _LOGGER = logging.getLogger(__name__)
 # Buffers of dropped fetched tensors (4 MiB and up) kept for the next reads
 # of their size (client/_pool.py): pages already mapped, no zeroing.
 DEFAULT_REUSE_BYTES = 256 << 20
-# The longest feed gap a client may ask for (the server caps it there too).
-MAX_FEED_GAP_S = 5.0
 
 
 class Location(NamedTuple):

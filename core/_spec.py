@@ -20,6 +20,7 @@ from ._errors import InvalidArgumentError
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_FEED_GAP_S",
     "MAX_HASHES_PER_CALL",
     "MAX_METADATA_BYTES",
     "MAX_MODALITIES_PER_REPORT",
@@ -47,6 +48,9 @@ MAX_NAMESPACE_CHARS = 128
 # Hashes (entries, touches) one call may carry: a request's items are a few
 # hundred at most; this keeps one call's bookkeeping and reply small.
 MAX_HASHES_PER_CALL = 16384
+# The longest gap between feed messages a subscriber may ask (Subscribe's
+# gap_ms): a mirror further behind than this loses too many lookups' worth.
+MAX_FEED_GAP_S = 5.0
 # Modalities one report of client-answered misses may name (Release.misses):
 # a deployment has a handful; the bound keeps the metrics' labels few.
 MAX_MODALITIES_PER_REPORT = 16

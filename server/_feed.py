@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from mmcache._spec import MAX_FEED_GAP_S
 from mmcache.v1 import cache_pb2 as pb
 
 from ._config import ServerConfig
@@ -51,9 +52,8 @@ SNAPSHOT_PART_KEYS = 8192
 # small images' uploads; a change after a quiet spell still goes within
 # `flush_s`, a change in a busy one within GAP_S.
 GAP_S = 0.05
-# A subscriber may ask for a longer gap of its own (SubscribeRequest.gap_ms):
-# capped, so that its mirror is never further behind than this.
-MAX_GAP_S = 5.0
+# A subscriber may ask for a longer gap of its own (SubscribeRequest.gap_ms),
+# capped at MAX_FEED_GAP_S so that its mirror is never further behind.
 # What one message of a subscriber's own gap joins at most (a ring message
 # larger than this, itself about 1 MiB at most, goes alone): well under the
 # 8 MiB message cap. More waiting goes at once in further messages.
@@ -165,8 +165,8 @@ class Feed:
     def subscribe(self, gap_s: float = 0.0) -> Subscriber:
         """A new subscriber; iterate `messages()` to send its feed. `gap_s`:
         the least time it wants between two messages of changes (the feed's
-        own where less; at most MAX_GAP_S)."""
-        subscriber = Subscriber(self, min(gap_s, MAX_GAP_S) if gap_s > self._gap_s else 0.0)
+        own where less; at most MAX_FEED_GAP_S)."""
+        subscriber = Subscriber(self, min(gap_s, MAX_FEED_GAP_S) if gap_s > self._gap_s else 0.0)
         self._subscribers.add(subscriber)
         return subscriber
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from mmcache._spec import MAX_FEED_GAP_S
 from mmcache.server import _feed as feed_module
 from mmcache.server._feed import Feed, FeedState
 from mmcache.v1 import cache_pb2 as pb
@@ -233,8 +234,8 @@ async def test_a_merged_message_is_bounded_and_what_the_bound_left_goes_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What one spaced message joins stops at MERGED_BYTES; the rest follows
-    in order at once, not a gap later each; a gap asked beyond MAX_GAP_S is
-    MAX_GAP_S, and one under the feed's own is the feed's."""
+    in order at once, not a gap later each; a gap asked beyond MAX_FEED_GAP_S is
+    MAX_FEED_GAP_S, and one under the feed's own is the feed's."""
     monkeypatch.setattr(feed_module, "MERGED_BYTES", 300)
     store = Store()
     feed = Feed("i", store.state, flush_s=0.001, gap_s=0.001)
@@ -254,6 +255,6 @@ async def test_a_merged_message_is_bounded_and_what_the_bound_left_goes_at_once(
         got += pb.FeedMessage.FromString(raw).changes.mm_hashes
     assert got == [f"key-{n:04d}" for n in range(40)]
     assert asyncio.get_running_loop().time() - started < 0.5  # no gap between them
-    assert feed.subscribe(gap_s=60)._gap_s == feed_module.MAX_GAP_S
+    assert feed.subscribe(gap_s=60)._gap_s == MAX_FEED_GAP_S
     assert feed.subscribe(gap_s=0.0005)._gap_s == 0
     feed.close()

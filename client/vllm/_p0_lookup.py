@@ -201,17 +201,14 @@ class Lookup:
         vLLM alone would have cached them on processing them here; their
         leases stay for the engine. Where the read fails they are misses, as
         they are for vLLM alone, whose cache lacks them too."""
-        own = self._own
-        for h in mm_hashes:
+        own, need = self._own, []
+        for i, h in enumerate(mm_hashes):
             if h in ledger.confirmed and h not in ledger.filled and h not in ledger.here:
                 entry = own.peek(h)
                 if entry is not None:
                     ledger.here[h] = entry
-        need = [
-            i
-            for i, h in enumerate(mm_hashes)
-            if h in ledger.confirmed and h not in ledger.filled and h not in ledger.here
-        ]
+                else:
+                    need.append(i)
         if not need:
             return
         client, wanted = self._p0.sync.client, [keys[i] for i in need]
