@@ -29,6 +29,8 @@ import struct
 from collections.abc import Iterator
 
 __all__ = [
+    "ADVICE_AT",
+    "ADVICE_SMALL_PAUSED",
     "BEAT_AT",
     "BEAT_S",
     "BUCKET",
@@ -39,6 +41,7 @@ __all__ = [
     "MAGIC",
     "PAGE",
     "PROBES",
+    "SAMPLE_ONE_IN",
     "STALE_S",
     "WORD",
     "beat_fresh",
@@ -49,6 +52,7 @@ __all__ = [
     "index_buckets",
     "payload_at",
     "probes",
+    "sampled",
 ]
 
 MAGIC = b"MMCSHM04"  # 04: the heartbeat word is a time, not a count
@@ -65,6 +69,14 @@ HEADER = struct.Struct("<8s16s32sQQQ")
 BEAT_AT = 128
 BEAT_S = 0.2
 STALE_S = 2.0
+# Past the beat: the server's advice to its co-located clients, bit flags
+# written with each beat (0, what an older server leaves, advises nothing).
+# ADVICE_SMALL_PAUSED: the small items stored lately were seldom asked for
+# again (server/cache/_reuse.py); a client shares a small image then only if
+# it is `sampled`, so the server keeps measuring.
+ADVICE_AT = 136
+ADVICE_SMALL_PAUSED = 1
+SAMPLE_ONE_IN = 8
 _STALE_NS = int(STALE_S * 1e9)
 BUCKET = struct.Struct("<QQQQ")  # fingerprint, extent start, generation, spare
 # An extent's head: generation, payload bytes, key, spec and metadata bytes;
@@ -84,6 +96,13 @@ def beat_fresh(beat_ns: int, now_ns: int) -> bool:
     more (a process in another time namespace) is not trusted either: such a
     client stays on gRPC."""
     return -_STALE_NS < now_ns - beat_ns < _STALE_NS
+
+
+def sampled(key: str) -> bool:
+    """Whether a key is in the one-in-SAMPLE_ONE_IN sample, the same in every
+    process (a key's fingerprint, not Python's per-process hash; its high
+    bits, as the index places keys by the low ones)."""
+    return (fingerprint(key) >> 32) % SAMPLE_ONE_IN == 0
 
 
 def index_buckets(size: int) -> int:

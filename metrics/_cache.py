@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -71,6 +71,20 @@ class CacheMetrics:
             "mmcache_shm_client_cpu_seconds",
             "CPU seconds co-located clients spent, on their own threads, on what they "
             "did in the shared-memory region with no call (reads, leases), as they report it.",
+            registry=registry,
+        )
+        # Set to read the server's judgement at scrape time (server/cache/_reuse.py).
+        self.small_paused = Gauge(
+            "mmcache_small_sharing_paused",
+            "1 while the last 32 small items (under 1 MiB) stored drew fewer than 4 hits "
+            "in the time they took to come: co-located clients then share only a sample "
+            "(one in 8) of small images (docs/vllm.md); else 0.",
+            registry=registry,
+        )
+        self.small_hits_per_store = Gauge(
+            "mmcache_small_hits_per_store",
+            "Hits of small items (under 1 MiB) per small item stored, over the span of "
+            "the last 32 stored: what mmcache_small_sharing_paused is judged on.",
             registry=registry,
         )
         self.posted_uploads = Counter(

@@ -27,6 +27,7 @@ from .conftest import (
     MIB,
     eventually,
     parse_samples,
+    reaches,
     region_of,
     sample,
     scrape,
@@ -375,3 +376,44 @@ async def test_the_wake_pipe_takes_forged_pokes_and_goes_with_its_region(
         assert store_of(server).peek("warm") is not None
         await c.transport.info()  # still serving
     assert not exists(pipe)
+
+
+async def test_small_items_seldom_asked_again_pause_their_sharing_until_hits_return(
+    shm_server: MMCacheServer,
+) -> None:
+    """The server judges small items' reuse from what it sees (server/cache/
+    _reuse.py): 40 icons stored and none asked for again pause their sharing
+    (the region's advice, the gauge); a large item stored counts for
+    nothing; hits of them, one per 8 of the last 32 stored, end the pause:
+    leases in the region with no call, a lookup's hit, an upload of one held
+    already (two processes processed it at once)."""
+    async with (
+        MMCacheClient(f"127.0.0.1:{shm_server.port}") as writer,
+        client(shm_server) as reader,
+    ):
+        await with_ring(writer)
+        region = writer.region
+        assert region is not None and not region.small_paused()  # judged on nothing: shared
+
+        async def gauge(name: str) -> float | None:
+            return sample(await scrape(shm_server.metrics_port), name)
+
+        async def hits_per_store() -> float | None:
+            return await gauge("mmcache_small_hits_per_store")
+
+        assert await gauge("mmcache_small_sharing_paused") == 0
+        keys = [f"icon{i}" for i in range(40)]
+        for i, key in enumerate(keys):
+            assert await share(writer, key, i) in ("held", "posted")
+        await eventually(lambda: region.small_paused())
+        assert await gauge("mmcache_small_sharing_paused") == 1
+        big = {"x": tensor(torch.float32, 1 << 19, 7)}  # 2 MiB: not small
+        await writer.get_and_update([big], ["big"], lease=False, processed=True)
+        assert reader.lease_resident(keys[:2]).held == [True] * 2  # with no call
+        assert (await reader.lookup([keys[2]], lease=False)).held == [True]  # by call
+        await reaches(hits_per_store, 3 / 32)
+        assert region.small_paused()  # 3 hits per 32 stores: still too few
+        assert await share(writer, keys[3], 3) in ("held", "posted")  # processed again
+        await eventually(lambda: not region.small_paused())
+        assert await gauge("mmcache_small_sharing_paused") == 0
+        assert await hits_per_store() == 4 / 32

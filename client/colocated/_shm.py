@@ -30,6 +30,8 @@ from typing import NamedTuple
 from mmcache._items import Item
 from mmcache._rings import write_record
 from mmcache._shm_layout import (
+    ADVICE_AT,
+    ADVICE_SMALL_PAUSED,
     BEAT_AT,
     BUCKET,
     EXTENT_HEAD,
@@ -117,6 +119,11 @@ class ClientRegion:
         Checked before any work with no call, which would never hear that the
         server is gone."""
         return self.open() and beat_fresh(self._word(BEAT_AT), time.monotonic_ns())
+
+    def small_paused(self) -> bool:
+        """Whether the server advises sharing small items only in the sample
+        (mmcache._shm_layout.ADVICE_AT): they were seldom asked for again."""
+        return self.open() and bool(self._word(ADVICE_AT) & ADVICE_SMALL_PAUSED)
 
     def _word(self, start: int) -> int:
         word: int = WORD.unpack_from(self._map, start)[0]

@@ -31,6 +31,7 @@ class PluginMetrics:
     upload_cpu: Any
     not_uploaded: Any
     kept_small: Any
+    small_paused: Any
 
 
 _lock = threading.Lock()
@@ -78,7 +79,14 @@ def plugin_metrics() -> PluginMetrics:
                     "mmcache_vllm_kept_small_items",
                     "Small images processed and not uploaded, kept in their API process as "
                     "vLLM alone keeps them: one API server, no shared memory or out of touch, "
-                    "or the sidecar held them already (docs/vllm.md).",
+                    "or the sidecar held them already, or paused their sharing (docs/vllm.md).",
+                    registry=REGISTRY,
+                ),
+                Counter(
+                    "mmcache_vllm_small_paused_items",
+                    "Of those, small images not shared because the sidecar paused the sharing "
+                    "of small items, which were seldom asked for again "
+                    "(mmcache_small_sharing_paused; one in 8 is shared all the same).",
                     registry=REGISTRY,
                 ),
             )

@@ -27,6 +27,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from mmcache._shm_layout import sampled
 from mmcache.client import MMCacheClient
 
 from ._costs import fits
@@ -90,13 +91,20 @@ class Sharing:
         API processes share the sidecar (single flight on), into its shared
         memory, so that their hits of it cost no call; not where the sidecar
         holds it already, or is uploading it (_small.py); never where the
-        setting keeps them here (MMCACHE_SHARE_SMALL=off)."""
+        setting keeps them here (MMCACHE_SHARE_SMALL=off); and while the
+        sidecar finds small items seldom asked for again, only those of its
+        sample (server/cache/_reuse.py), which keep its measure going."""
         if not (self._p0.single_flight and self._p0.share_kept):
             return False
         client = self._p0.sync.client
-        if client.region is None or not client.following:  # out of touch: the mirror knows nothing
+        region = client.region
+        if region is None or not client.following:  # out of touch: the mirror knows nothing
             return False
-        return not client.is_cached([self._p0.key(mm_hash)], pending=True)[0]
+        key = self._p0.key(mm_hash)
+        if region.small_paused() and not sampled(key):
+            self._metrics.small_paused.inc()
+            return False
+        return not client.is_cached([key], pending=True)[0]
 
     def send(self, ledger: Ledger) -> None:
         """The request's uploads so far leave, in one call, in the background;

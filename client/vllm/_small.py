@@ -23,7 +23,11 @@ memory alone, where nothing costs a call but its upload:
   the background, through a write slot, so it is resident at once);
 - one another process shared is leased there with no call (_p0_lookup.py's
   `_kept_from_region`) and the engine reads it there with no call; one not
-  resident there (moved out to the heap) is processed here, with no call.
+  resident there (moved out to the heap) is processed here, with no call;
+- while the sidecar finds the small items it stored seldom asked for again
+  (server/cache/_reuse.py), only those of a one-in-8 sample by key go up
+  (_p0_sharing.py's `_shares_kept`): icons each sent once no longer pay an
+  upload each (the first 32, then one in 8, still do).
 
 So:
 

@@ -12,12 +12,14 @@ import time
 from collections.abc import Callable
 
 from mmcache._errors import InvalidArgumentError
+from mmcache._shm_layout import ADVICE_SMALL_PAUSED
 from mmcache._spec import check_count, check_counts
 from mmcache.metrics import CacheMetrics
 
 from ._placement import Placement
 from ._region import Region, Slot
 from ._report_rings import ReportRings
+from ._reuse import SmallReuse
 from ._store import ItemStore
 from ._types import Report, Scope
 
@@ -39,8 +41,10 @@ class CoLocatedReports:
         metrics: CacheMetrics,
         placement: Placement,
         parse_report: Callable[[bytes], Report],  # a ring's record (the wire's format)
+        reuse: SmallReuse,
     ) -> None:
         self._store = store
+        self._reuse = reuse
         self._metrics = metrics
         self._placement = placement
         self._parse_report = parse_report
@@ -77,7 +81,9 @@ class CoLocatedReports:
         if region is None:
             return 0
         region.beat()
-        return 0 if self.rings is None else self._rings_of(region).drain()
+        drained = 0 if self.rings is None else self._rings_of(region).drain()
+        region.advise(ADVICE_SMALL_PAUSED if self._reuse.paused else 0)
+        return drained
 
     def woken(self, leases: list[int]) -> None:
         """Clients poked the wake pipe, the rings of `leases` (mmcache._wake):
@@ -113,8 +119,10 @@ class CoLocatedReports:
         metrics.sent_bytes.inc(report.shm_read_bytes)  # as if Fetch had sent them
         metrics.shm_client_cpu.inc(report.client_cpu_ns / 1e9)
         if report.shm_leases:  # taken with no call: as a lookup's hits are
-            leased = [mm_hash for mm_hash, _ in report.shm_leases]
-            store.lease(namespace.checked_keys(leased))
+            leased = namespace.checked_keys([mm_hash for mm_hash, _ in report.shm_leases])
+            store.lease(leased)
+            for key in leased:
+                self._reuse.hit(store.size_of(key))
         if region.orphans:  # a lease of an extent kept after its item left
             for key in [key for key in keys if not store.is_leased(key)]:
                 region.end_orphan(key)

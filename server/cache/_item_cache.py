@@ -27,6 +27,7 @@ from ._pending import PendingUploads
 from ._placement import Placement
 from ._region import Region, Slot
 from ._report_rings import ReportRings
+from ._reuse import SmallReuse
 from ._store import BatchResult, ItemStore, StoredItem, UploadEntry
 from ._types import FeedState, Lease, Report, Scope
 
@@ -107,6 +108,7 @@ class CacheParts:
     tier: L2Tier | None
     changes: ItemChanges
     reports: CoLocatedReports
+    reuse: SmallReuse  # of small items: whether sharing them pays (_reuse.py)
 
     @property
     def region(self) -> Region | None:
@@ -172,6 +174,12 @@ class PreparedUpdate:
         if adopted:
             result = replace(result, evicted=adopted + result.evicted)
         blobs = result.metadata or [b""] * len(entries)
+        reuse = self._parts.reuse
+        for outcome, size in zip(result.outcomes, result.sizes, strict=True):
+            if outcome == Outcome.STORED:
+                reuse.stored(size)
+            elif outcome in (Outcome.HIT, Outcome.REPLACED):  # asked for again
+                reuse.hit(size)
         for entry, outcome, blob in zip(entries, result.outcomes, blobs, strict=True):
             # A hit whose caller asked for its metadata and got none (stored
             # without, or left out of a full reply) is one it cannot use: it

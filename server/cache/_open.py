@@ -32,6 +32,7 @@ from ._item_cache import CacheParts, ItemCache
 from ._l2 import DEFAULT_PREFIX, Manifests
 from ._placement import Placement
 from ._region import Region, open_region
+from ._reuse import SmallReuse
 from ._store import ItemStore
 from ._tier import L2Tier
 from ._tier_parts import L2Settings
@@ -100,6 +101,9 @@ def open_cache(config: CacheConfig, registry: CollectorRegistry) -> ItemCache:
     )
     tier = _tier(config, store, changes, L2Metrics(registry))
     placement = Placement(store, metrics)
+    reuse = SmallReuse()
+    metrics.small_paused.set_function(lambda: reuse.paused)
+    metrics.small_hits_per_store.set_function(lambda: reuse.hits_per_store)
     parts = CacheParts(
         store=store,
         inflight=InflightBudget(config.inflight_bytes),
@@ -107,7 +111,8 @@ def open_cache(config: CacheConfig, registry: CollectorRegistry) -> ItemCache:
         placement=placement,
         tier=tier,
         changes=changes,
-        reports=CoLocatedReports(store, metrics, placement, config.parse_report),
+        reports=CoLocatedReports(store, metrics, placement, config.parse_report, reuse),
+        reuse=reuse,
     )
     return ItemCache(parts, Lifecycle(config, parts))
 

@@ -65,6 +65,7 @@ from mmcache._frames import chunk_payload_offset
 from mmcache._lockfiles import unlocked
 from mmcache._rings import fence, reset_ring
 from mmcache._shm_layout import (
+    ADVICE_AT,
     BEAT_AT,
     BUCKET,
     EXTENT_HEAD,
@@ -378,6 +379,11 @@ class Region:
         which tests may replace, as clients read the real one)."""
         if not self._closed:
             WORD.pack_into(self._map, BEAT_AT, time.monotonic_ns())
+
+    def advise(self, flags: int) -> None:
+        """The server's advice to co-located clients (mmcache._shm_layout.ADVICE_AT)."""
+        if not self._closed:
+            WORD.pack_into(self._map, ADVICE_AT, flags)
 
     def matches(self, token: bytes) -> bool:
         """Whether a client's token is this region's (compared in constant time)."""

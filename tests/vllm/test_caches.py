@@ -950,6 +950,63 @@ def test_a_small_image_stays_in_its_process_where_sharing_small_images_is_off(
     eventually(lambda: sidecar_counts(sidecar) == (5, 1))
 
 
+def small_paused() -> float:
+    """Small images not shared because the sidecar paused their sharing, so far."""
+    return REGISTRY.get_sample_value("mmcache_vllm_small_paused_items_total") or 0.0
+
+
+def steady(read: Callable[[], float]) -> float:
+    """`read()` once it gives the same value twice, 0.2 s apart."""
+    last = read()
+    while True:
+        time.sleep(0.2)
+        now = read()
+        if now == last:
+            return now
+        last = now
+
+
+def test_while_the_sidecar_pauses_small_sharing_only_its_sample_goes_up(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """Icons each sent once: after 32 stored and none asked for again the
+    sidecar pauses small images' sharing (server/cache/_reuse.py). A then
+    keeps an icon outside the one-in-8 sample in its process, counted, and B
+    processes it, as vLLM alone would; an icon of the sample still goes up,
+    and B hits it in the region."""
+    from mmcache._shm_layout import sampled
+
+    p0_a, p0_b = icon_processes(clients)
+    region = p0_a.sync.client.region
+    assert region is not None and not region.small_paused()
+    colors = (f"#{n:06x}" for n in range(1, 1 << 20))
+    for n in range(40):
+        request(p0_a, [(digest_of((64, 64), next(colors)), item(n))])
+        eventually(lambda: p0_a.uploads_in_flight == 0)
+    eventually(region.small_paused)
+    out_of, of = "", ""
+    while not (out_of and of):
+        icon = digest_of((64, 64), next(colors))
+        if sampled(p0_a.key(icon)):
+            of = of or icon
+        else:
+            out_of = out_of or icon
+    # The loop's last posts are applied by now (a post is no upload in flight).
+    written = steady(lambda: shm_bytes(sidecar, "write"))
+    paused = small_paused()
+    (out,) = request(p0_a, [(out_of, item(50))])  # kept in A, not shared
+    assert out[0] is not None
+    eventually(lambda: p0_a.uploads_in_flight == 0)
+    assert small_paused() == paused + 1 and shm_bytes(sidecar, "write") == written
+    (other,) = request(p0_b, [(out_of, item(50))])  # B processes it, as vLLM alone would
+    assert other[0] is not None
+    request(p0_a, [(of, item(51))])  # in the sample: goes up all the same
+    eventually(lambda: p0_b.sync.client.is_cached([p0_b.key(of)]) == [True])
+    (hit,) = request(p0_b, [(of, item(52))])
+    assert hit[0] is None  # leased in the region: not processed
+    assert small_paused() == paused + 2  # B's processing of the first, not shared either
+
+
 def test_the_engine_cache_follows_no_feed_unless_its_process_has_a_client_that_does(
     sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:
