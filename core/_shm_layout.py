@@ -42,6 +42,7 @@ __all__ = [
     "PAGE",
     "PROBES",
     "SAMPLE_ONE_IN",
+    "SHM_MIN_BYTES",
     "STALE_S",
     "WORD",
     "beat_fresh",
@@ -74,6 +75,9 @@ STALE_S = 2.0
 # ADVICE_SMALL_PAUSED: the small items stored lately were seldom asked for
 # again (server/cache/_reuse.py); a client shares a small image then only if
 # it is `sampled`, so the server keeps measuring.
+# Items under SHM_MIN_BYTES are small: uploaded through the region only when
+# a client asks (the plugin's small images), and judged by the server's reuse.
+SHM_MIN_BYTES = 1 << 20
 ADVICE_AT = 136
 ADVICE_SMALL_PAUSED = 1
 SAMPLE_ONE_IN = 8

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from mmcache._errors import InvalidArgumentError, MMCacheError
 from mmcache._items import Item
+from mmcache._shm_layout import SHM_MIN_BYTES
 from mmcache._spec import store_key
 
 from .._batch import Entry
@@ -30,9 +31,8 @@ __all__ = ["SHM_MIN_BYTES", "CoLocated"]
 
 _LOGGER = logging.getLogger(__name__)
 
-# Uploads from this size up go through shared memory when the region is
+# Uploads from SHM_MIN_BYTES up go through shared memory when the region is
 # mapped: below it, the copy saves less than a slot's bookkeeping costs.
-SHM_MIN_BYTES = 1 << 20
 # After a region is dropped, Info is asked again at most this often (on the
 # replies and feed messages that show the server answers).
 REATTACH_S = 1.0

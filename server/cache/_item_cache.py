@@ -175,12 +175,12 @@ class PreparedUpdate:
             result = replace(result, evicted=adopted + result.evicted)
         blobs = result.metadata or [b""] * len(entries)
         reuse = self._parts.reuse
-        for outcome, size in zip(result.outcomes, result.sizes, strict=True):
+        answered = zip(entries, result.outcomes, blobs, result.sizes, strict=True)
+        for entry, outcome, blob, size in answered:
             if outcome == Outcome.STORED:
                 reuse.stored(size)
             elif outcome in (Outcome.HIT, Outcome.REPLACED):  # asked for again
                 reuse.hit(size)
-        for entry, outcome, blob in zip(entries, result.outcomes, blobs, strict=True):
             # A hit whose caller asked for its metadata and got none (stored
             # without, or left out of a full reply) is one it cannot use: it
             # processes the item, and counts a miss (as vLLM does).

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from mmcache._shm_layout import SHM_MIN_BYTES
+
 __all__ = ["PAUSE_HITS_PER", "SMALL_BYTES", "STORES", "SmallReuse"]
 
-SMALL_BYTES = 1 << 20  # the items the plugin keeps per process (client/vllm/_small.py)
+SMALL_BYTES = SHM_MIN_BYTES  # as the plugin's small images (client/vllm/_small.py)
 STORES = 32  # the span judged: a traffic change shows within this many stores
 PAUSE_HITS_PER = 8
 
