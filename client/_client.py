@@ -501,6 +501,19 @@ class MMCacheClient(EncoderBooksAPI):
             return True  # as `count_misses`: nothing to count, or no server to count it
         return self._co.reports.post_queries(modalities, hits=hits)
 
+    def release_posted(self, mm_hashes: Sequence[str]) -> bool:
+        """`release` from the caller's thread (thread-safe), with no wait: in the
+        report ring of a co-located client, or sent by its loop with the next
+        report. False for a client that maps no region: call `release`::
+
+            if not client.release_posted(hashes):
+                await client.release(hashes)
+        """
+        check_hashes(mm_hashes)
+        if not (self._conn.connected and mm_hashes):
+            return True  # as `release`: nothing to give back, or no server to take it
+        return self._co.post_release(mm_hashes)
+
     async def release(self, mm_hashes: Sequence[str]) -> int:
         """Give back one lease of each hash whose read will not happen (a dropped
         request); how many were leased. Leases also end by themselves: failing

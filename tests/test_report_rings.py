@@ -160,6 +160,30 @@ async def test_queries_counted_on_a_callers_thread_go_in_the_ring_with_no_call(
             assert remote.count_posted([], hits=False)  # nothing to count
 
 
+async def test_leases_given_back_on_a_callers_thread_go_in_the_ring_with_no_call(
+    tmp_path: Path,
+) -> None:
+    # vLLM's engine thread, as the plugin's engine gives back the leases of
+    # hits it held already (no read to end them).
+    async with serving(shm_config(tmp_path)) as server, client(server) as api:
+        await api.get_and_update([{"x": tensor(torch.float32, 64, 1)}], ["m"], lease=False)
+        await eventually(lambda: api.report_ring is not None)
+        for _ in range(2):  # two leases
+            assert (await api.lookup(["m"])).held == [True]
+        assert await leases(server) == 2
+        calls = await release_calls(server)
+        assert await asyncio.to_thread(api.release_posted, ["m"])
+        await eventually(lambda: store_of(server).leases == 1, timeout=2)
+        assert await asyncio.to_thread(api.release_posted, ["m"])
+        await eventually(lambda: store_of(server).leases == 0, timeout=2)
+        assert await release_calls(server) == calls  # none: the ring took them
+        assert api.release_posted([])  # nothing to give back
+    async with serving(shm_config(tmp_path)) as server:
+        async with connected(server, shm=False, follow=False) as remote:
+            # No region: the caller releases them by `release` instead.
+            assert not remote.release_posted(["m"])
+
+
 async def test_a_lease_given_back_in_the_ring_counts_at_once_for_an_eviction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -292,6 +292,16 @@ class CoLocated:
 
     # -- reads -------------------------------------------------------------
 
+    def post_release(self, mm_hashes: Sequence[str]) -> bool:
+        """Leases of `mm_hashes` given back with no call, from any thread: in the
+        report ring, or sent by the loop with the next report; False where this
+        client maps no region (the caller releases them by call)."""
+        region = self.region
+        if region is None:
+            return False
+        self.reports.post(region.token, Report(mm_hashes=list(mm_hashes)))
+        return True
+
     def lease(
         self, mm_hashes: Sequence[str], usable: Callable[[int, bytes], bool] | None
     ) -> ResidentLeases | None:

@@ -92,7 +92,22 @@ def engine_receiver_cache_from_config(vllm_config: Any) -> Any:
     scope = scope_of(vllm_config, settings.namespace)
     _said_active("the engine reads its multimodal items from the sidecar", settings, scope)
     # It reads (the region, or `fetch`) and never asks the mirror: no feed.
-    return MMCacheReceiverCache(process_client(settings, follow=False), scope)
+    return MMCacheReceiverCache(
+        process_client(settings, follow=False), scope, _engine_lru(vllm_config)
+    )
+
+
+def _engine_lru(vllm_config: Any) -> Any:
+    """vLLM alone's engine LRU where vLLM alone's engine keeps one (its `lru`
+    cache type: one API server, no internal data parallelism), by vLLM's own
+    rule; else None (_receiver.py)."""
+    from vllm.multimodal.cache import factories
+    from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+
+    cache_type = getattr(factories, "_get_cache_type", lambda config: None)
+    if cache_type(vllm_config) != "lru":
+        return None
+    return LruKeyReplicatedReceiverCache(vllm_config.model_config)
 
 
 def _said_active(what: str, settings: Settings, scope: str) -> None:

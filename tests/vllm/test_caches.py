@@ -271,6 +271,60 @@ def test_a_hit_in_a_process_that_never_processed_the_item(
     eventually(lambda: leases(p1.sync) == 0)
 
 
+def engine_lru(gb: float = 1.0) -> Any:
+    """vLLM alone's engine LRU (its `lru` cache type), of `gb`."""
+    from types import SimpleNamespace
+
+    from vllm.multimodal.cache.lru import LruKeyReplicatedReceiverCache
+
+    multimodal = SimpleNamespace(mm_processor_cache_gb=gb)
+    return LruKeyReplicatedReceiverCache(SimpleNamespace(get_multimodal_config=lambda: multimodal))
+
+
+def test_an_engine_that_keeps_vllm_alones_lru_reads_a_hit_it_holds_no_more(
+    clients: Callable[[], SyncClient], sidecar: Sidecar
+) -> None:
+    """Where vLLM alone's engine keeps an LRU of items (one API server), the
+    plugin's engine keeps that very one in front of the sidecar: an item that
+    came inline, or that it read once, is a hit there, with no copy out of the
+    sidecar's shared memory (about 50 MB for a 1920x1080 image), as vLLM
+    alone's P1 hit costs none; the lease P0 took for the read is given back
+    all the same. An item it lacks is read, then kept."""
+    p0 = MMCacheProcessorCache(clients(), SCOPE)  # one API server
+    other = MMCacheProcessorCache(clients(), SCOPE)  # another frontend on the sidecar
+    p1 = MMCacheReceiverCache(clients(), SCOPE, engine_lru())
+    eventually(lambda: p1.sync.client.region is not None)
+    red, blue = item(1, numel=1 << 20), item(2, numel=1 << 20)  # 4 MiB: resident
+    (out,) = request(p0, [("red", red)])  # processed: inline to the engine
+    assert p1.get_and_update_features([feature("red", out[0])])[0].data is red
+    request(other, [("blue", blue)])  # processed elsewhere: never sent to this engine
+    eventually(lambda: p0.sync.client.is_cached([p0.key("red"), p0.key("blue")]) == [True] * 2)
+
+    def read() -> float:  # bytes copied out of the sidecar's region, by anyone
+        return steady(lambda: shm_bytes(sidecar, "read"))
+
+    for first in (True, False):
+        hits = request(p0, [("red", red), ("blue", blue)])
+        assert [data for data, _ in hits] == [None, None]  # the sidecar's hits: keys only
+        assert leases(p1.sync) == 2  # taken for the engine's reads
+        before = read()
+        features = p1.get_and_update_features([feature("red", None), feature("blue", None)])
+        assert features[0].data is red  # kept when it came inline: no read
+        assert features[1].data == blue
+        eventually(lambda: leases(p1.sync) == 0)  # both given back
+        engine_read = read() - before
+        if first:
+            assert 4 << 20 <= engine_read < 5 << 20  # blue, 4 MiB, once
+        else:
+            assert engine_read == 0  # kept since
+    p1.clear_cache()  # vLLM's reset_mm_cache: the engine reads again
+    request(p0, [("red", red)])
+    before = read()
+    assert p1.get_and_update_features([feature("red", None)])[0].data == red
+    assert 4 << 20 <= read() - before < 5 << 20
+    eventually(lambda: leases(p1.sync) == 0)
+
+
 @pytest.mark.parametrize("first_here", [False, True])
 def test_a_small_hit_read_here_goes_inline_one_held_here_as_its_key(
     clients: Callable[[], SyncClient], sidecar: Sidecar, first_here: bool
@@ -1019,20 +1073,34 @@ def test_the_engine_cache_follows_no_feed_unless_its_process_has_a_client_that_d
     from mmcache.client.vllm import _factories, runtime
 
     monkeypatch.setenv("MMCACHE_TARGET", sidecar.target)
-    multimodal = SimpleNamespace(mm_processor_cache_gb=1.0, mm_hasher_algorithm="blake3")
-    config = SimpleNamespace(
-        model_config=SimpleNamespace(
-            model="tiny", supports_multimodal_inputs=True, get_multimodal_config=lambda: multimodal
-        ),
-        parallel_config=SimpleNamespace(_api_process_count=1),
+    multimodal = SimpleNamespace(
+        mm_processor_cache_gb=1.0, mm_hasher_algorithm="blake3", mm_processor_cache_type="lru"
     )
+
+    def config(api_servers: int) -> SimpleNamespace:  # the fields of vLLM's config read
+        return SimpleNamespace(
+            model_config=SimpleNamespace(
+                model="tiny",
+                supports_multimodal_inputs=True,
+                get_multimodal_config=lambda: multimodal,
+            ),
+            parallel_config=SimpleNamespace(
+                _api_process_count=api_servers,
+                data_parallel_size=1,
+                data_parallel_external_lb=False,
+            ),
+        )
+
     try:
-        engine = _factories.engine_receiver_cache_from_config(config)
+        engine = _factories.engine_receiver_cache_from_config(config(1))
         assert engine.sync.client.feed is None
-        processor = _factories.processor_cache_from_config(config)
+        # vLLM alone's engine keeps an LRU with one API server, none with four.
+        assert engine._own is not None
+        assert _factories.engine_receiver_cache_from_config(config(4))._own is None
+        processor = _factories.processor_cache_from_config(config(1))
         following = processor._lookup._p0.sync
         assert following is not engine.sync and following.client.feed is not None
-        assert _factories.engine_receiver_cache_from_config(config).sync is following
+        assert _factories.engine_receiver_cache_from_config(config(1)).sync is following
     finally:
         for follow in (False, True):
             made = runtime._process_clients.pop((sidecar.target, follow), None)
