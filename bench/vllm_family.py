@@ -15,6 +15,10 @@ request's images) before it runs. The family crosses:
 - multi-turn chats of 1-6 turns, each turn re-sending the chat's earlier
   images (the last 4), four chats at a time; and icons each sent once
   (single-turn chats of 1-4 new 64x64 images: sharing's worst case);
+- the edges: sizes either side of the plugin's small-image bound (200x200
+  to 320x240), thumbnails before HD that comes back, a pair of images one of
+  which is 2560x1440 (an 87 MB item) asked for again and again, and a wide
+  pool of mid sizes each seldom asked again;
 - laps: a trace whose one draw replays in about a second draws its chats
   again, from the same image sizes but with new images, several times over
   (the probes only first), so its requests/s is measured over seconds.
@@ -57,6 +61,16 @@ SIZES: dict[str, Size] = {
     "448x448": (448, 448),
     "1024x1024": (1024, 1024),
     "1920x1080": (1920, 1080),
+    # The edges' sizes (the last four traces): about the plugin's small-image
+    # bound (256x256 pixels, an item of 1 MiB: 200x200 makes 0.9 MB, 256x256
+    # and 257x257 1.5 MB), not square, and past the family's largest.
+    "200x200": (200, 200),
+    "256x256": (256, 256),
+    "257x257": (257, 257),
+    "320x240": (320, 240),
+    "800x600": (800, 600),
+    "1280x720": (1280, 720),
+    "2560x1440": (2560, 1440),
 }
 MOST_IMAGES = 4  # a prompt's images (the bench's --limit-mm-per-prompt)
 
@@ -103,6 +117,36 @@ FAMILY = (
     Shape("icons-distinct-then-repeat", ("64x64",), "shuffled", "zipf", True, laps=4),
     # And at its worst: such items each sent once (appended: the seeds above stay).
     Shape("icons-each-once", ("64x64",), "shuffled", "uniform", True, chats=30, laps=4, once=True),
+    # The edges (appended): sizes either side of the small-image bound ...
+    Shape(
+        "edge-small-zipf",
+        ("200x200", "256x256", "257x257", "320x240"),
+        "probe-first",
+        "zipf",
+        False,
+        laps=3,
+    ),
+    # ... thumbnails first, then HD that comes back ...
+    Shape(
+        "thumbs-then-hd-repeat",
+        ("64x64", "320x240", "1280x720"),
+        "probe-first",
+        "zipf",
+        True,
+        laps=3,
+    ),
+    # ... two images, one of 87 MB processed, asked for again and again ...
+    Shape("hot-pair-huge", ("2560x1440", "64x64"), "shuffled", "zipf", False, pool=2, laps=2),
+    # ... and a wide pool of mid sizes, each seldom asked again.
+    Shape(
+        "mid-uniform-wide",
+        ("800x600", "448x448", "200x200"),
+        "shuffled",
+        "uniform",
+        False,
+        pool=24,
+        laps=2,
+    ),
 )
 SHORT = ("probe-then-1024-zipf", "distinct-then-repeat-zipf")
 PROBES = 4
