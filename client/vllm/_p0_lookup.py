@@ -29,7 +29,10 @@ hit as vLLM alone's cache would hand it over (`take`).
   A server that does not answer in time confirms nothing (fail-open).
 - A small hit (under 1 MiB: uploaded over gRPC, outside the sidecar's shared memory) that
   `_fill` just read into this process's cache goes to the engine inline,
-  rather than be read again by a call on the engine's thread (`_go_inline`).
+  rather than be read again by a call on the engine's thread (`_go_inline`);
+  one this process's cache holds already is not asked about at all: it goes
+  inline from there, as vLLM's processor-only cache sends it, with no call
+  (`_held_small`).
 - This process's own cache (`LocalCache`, _local.py): vLLM's own LRU of the
   same memory, told every call vLLM alone would make on its cache, with the
   data. What it holds and the sidecar does not (a sidecar slow, full or
@@ -112,7 +115,10 @@ class Lookup:
             for i, h in enumerate(mm_hashes)
             if h not in ledger.looked_up and h not in ledger.local
         ]
-        candidates = [i for i in unasked if known[i]]
+        # Held here and small: its hit goes inline from here, asked of no one.
+        candidates = [
+            i for i in unasked if known[i] and not self._held_small(mm_hashes[i], keys[i])
+        ]
         claim = False
         if self._p0.single_flight and client.following and self._p0.known.undescribed is None:
             # New here and to the mirror: asked too, and claimed where missing.
@@ -231,11 +237,11 @@ class Lookup:
         """The sidecar's small hits just read into this process's cache go to
         the engine inline, as vLLM's processor-only cache sends its hits: the
         engine's read of an item the sidecar keeps outside its shared memory
-        would be a call on the engine's thread, for data that is here. (A hit
-        this process held before goes as its key: the engine's read of it
-        moves it into the sidecar's shared memory, where later hits cost no
-        call at all.) Their leases, where the lookup took any, are given back
-        in one call, in the background."""
+        would be a call on the engine's thread, for data that is here. (A
+        small hit this process held before is asked of no one: `_held_small`.
+        The read here moved it into the sidecar's shared memory, where other
+        processes' hits of it cost no call.) Their leases, where the lookup
+        took any, are given back in one call, in the background."""
         if not self._inline_bytes:
             return
         leased: list[str] = []
@@ -251,6 +257,20 @@ class Lookup:
                 leased.append(key)
         if leased:
             self._p0.sync.submit(self._p0.sync.client.release(leased))
+
+    def _held_small(self, mm_hash: str, key: str) -> bool:
+        """Whether a hit on `mm_hash` goes inline from this process's own cache,
+        with no lookup: held there, and under the inline bound by the mirror's
+        size. The sidecar keeps such an item outside its shared memory, so
+        confirming it would be a call (about 1.5 ms of CPU, both sides) and the
+        engine's read another, where sending the data is a copy of under 1 MiB,
+        as vLLM's processor-only cache sends its hits (and, with one API
+        server, the engine keeps it: _receiver.py). Counted and touched on the
+        sidecar as any own hit is."""
+        if not self._inline_bytes or not self._own.is_cached_item(mm_hash):
+            return False
+        size = self._p0.sync.client.mirror.size_of(key)
+        return size is not None and size < self._inline_bytes
 
     def _goes_inline(self, mm_hash: str, key: str) -> bool:
         """Whether a hit on `mm_hash` would go inline, judged before the lookup:
