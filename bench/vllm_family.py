@@ -61,9 +61,9 @@ SIZES: dict[str, Size] = {
     "448x448": (448, 448),
     "1024x1024": (1024, 1024),
     "1920x1080": (1920, 1080),
-    # The edges' sizes (the last four traces): about the plugin's small-image
-    # bound (256x256 pixels, an item of 1 MiB: 200x200 makes 0.9 MB, 256x256
-    # and 257x257 1.5 MB), not square, and past the family's largest.
+    # The edges' sizes (the last four traces): either side of the plugin's
+    # small-image bound (256x256 pixels; their items all under 1 MiB, in the
+    # sidecar's heap), not square, and past the family's largest.
     "200x200": (200, 200),
     "256x256": (256, 256),
     "257x257": (257, 257),
