@@ -297,7 +297,9 @@ class CoLocated:
         report ring, or sent by the loop with the next report; False where this
         client maps no region (the caller releases them by call)."""
         region = self.region
-        if region is None:
+        # A server that stopped beating (killed, restarted): its leases went
+        # with it, and the caller's call reaches the one that answers now.
+        if region is None or not self.usable(region):
             return False
         self.reports.post(region.token, Report(mm_hashes=list(mm_hashes)))
         return True

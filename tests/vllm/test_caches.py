@@ -287,7 +287,7 @@ def test_an_engine_that_keeps_vllm_alones_lru_reads_a_hit_it_holds_no_more(
     """Where vLLM alone's engine keeps an LRU of items (one API server), the
     plugin's engine keeps that very one in front of the sidecar: an item that
     came inline, or that it read once, is a hit there, with no copy out of the
-    sidecar's shared memory (about 50 MB for a 1920x1080 image), as vLLM
+    sidecar's shared memory (12.7 MB for a 1920x1080 image), as vLLM
     alone's P1 hit costs none; the lease P0 took for the read is given back
     all the same. An item it lacks is read, then kept."""
     p0 = MMCacheProcessorCache(clients(), SCOPE)  # one API server

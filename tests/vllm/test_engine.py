@@ -72,16 +72,12 @@ def test_one_engine_hits_a_repeated_image_and_answers_as_without_the_plugin(
     assert cached["metrics"] == {"vllm:mm_cache_queries": 4, "vllm:mm_cache_hits": 2}
     served = sidecar_metrics(sidecar.metrics_port)
     assert (served["mmcache_queries_total"], served["mmcache_hits_total"]) == (4, 2)
-    # Two images uploaded once each. The two hits went as their keys, and the
-    # engine, which keeps vLLM alone's LRU with one API server, held them
-    # already (they came inline when processed): nothing was read back, and
-    # the leases taken for the reads were given back in the report ring,
-    # with no Release call.
+    # Two images uploaded once each. Their items are small (under 1 MiB) and
+    # this process holds them: the two hits went inline from its own cache,
+    # asked of no one and read from nowhere, and left nothing leased.
     assert served["mmcache_received_bytes_total"] > 0
     assert served["mmcache_sent_bytes_total"] == 0
     assert served["mmcache_leases"] == 0
-    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
-    assert metrics(url, grpc_method="Release").get("grpc_server_started_total", 0) == 0
 
 
 def test_small_images_stay_in_the_engines_process_with_vllm_alones_hits(
@@ -122,6 +118,16 @@ def test_a_small_image_first_then_large_repeats_hit_at_least_as_vllm_alone(
     assert cached["metrics"]["vllm:mm_cache_queries"] == 8  # type: ignore[index]
     served = sidecar_metrics(sidecar.metrics_port)
     assert served["mmcache_items"] == 4  # the probe and the three photos, all shared
+    # The photos' items are over 1 MiB: their repeats were the sidecar's hits
+    # (looked up and leased, each sent as its key), and the engine, which
+    # keeps vLLM alone's LRU with one API server, held them already (they came
+    # inline when processed): nothing was read back, every lease given back
+    # with no Release call (the report ring).
+    assert served["mmcache_hits_total"] >= alone_hits
+    assert served["mmcache_sent_bytes_total"] == 0
+    assert served["mmcache_leases"] == 0
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    assert metrics(url, grpc_method="Release").get("grpc_server_started_total", 0) == 0
 
 
 @dataclass
