@@ -187,20 +187,27 @@ class Lookup:
         for mm_hash, held in zip(mm_hashes, known, strict=True):
             if ledger.is_hit(mm_hash):
                 continue
-            entry = self._own.peek(mm_hash)
-            # An injected item (inject_into_mm_cache gives none) has no prompt
-            # updates to apply: a processor's hit on it would fail the request,
-            # as it would in vLLM alone, so it is processed again instead.
-            if entry is not None and entry[1]:
-                ledger.local[mm_hash] = entry
-                # Not in the sidecar, by its mirror or by its answer just now.
-                if (
-                    (not held or mm_hash in ledger.looked_up)
-                    and self._p0.known.undescribed is None
-                    and self._p0.shareable(mm_hash)
-                    and mm_hash not in ledger.kept
-                ):
-                    ledger.unshared.add(mm_hash)
+            # Held here, and not in the sidecar by its mirror or its answer just now.
+            if (
+                self._take_own(ledger, mm_hash)
+                and (not held or mm_hash in ledger.looked_up)
+                and self._p0.known.undescribed is None
+                and self._p0.shareable(mm_hash)
+                and mm_hash not in ledger.kept
+            ):
+                ledger.unshared.add(mm_hash)
+
+    def _take_own(self, ledger: Ledger, mm_hash: str) -> bool:
+        """This process's cache's entry for `mm_hash`, taken for the request
+        (an eviction meanwhile cannot turn the hit into a miss); False where
+        it holds none usable. An injected item (inject_into_mm_cache gives
+        none) has no prompt updates to apply: a processor's hit on it would
+        fail the request, as it would in vLLM alone, so it is processed again."""
+        entry = self._own.peek(mm_hash)
+        if entry is None or not entry[1]:
+            return False
+        ledger.local[mm_hash] = entry
+        return True
 
     def _fill(self, ledger: Ledger, mm_hashes: list[str], keys: list[str]) -> None:
         """The sidecar's hits this process's cache lacks are read into it, as
@@ -269,25 +276,20 @@ class Lookup:
         processor-only cache sends its hits (and, with one API server, the
         engine keeps it: _receiver.py). Counted on the sidecar as an own hit
         (the report ring); its touch rides this process's next batch."""
+        return self._small(key) and self._take_own(ledger, mm_hash)
+
+    def _small(self, key: str) -> bool:
+        """Under the inline bound by the mirror's size (none is where no hit goes inline)."""
         if not self._inline_bytes:
             return False
         size = self._p0.sync.client.mirror.size_of(key)
-        if size is None or size >= self._inline_bytes:
-            return False
-        entry = self._own.peek(mm_hash)
-        if entry is None or not entry[1]:  # (an injected item has no updates: processed)
-            return False
-        ledger.local[mm_hash] = entry
-        return True
+        return size is not None and size < self._inline_bytes
 
     def _goes_inline(self, mm_hash: str, key: str) -> bool:
         """Whether a hit on `mm_hash` would go inline, judged before the lookup:
         not in this process's cache (so read into it), and small by the
         mirror's size. Where every hit of a call would, it takes no leases."""
-        if not self._inline_bytes or self._own.is_cached_item(mm_hash):
-            return False
-        size = self._p0.sync.client.mirror.size_of(key)
-        return size is not None and size < self._inline_bytes
+        return not self._own.is_cached_item(mm_hash) and self._small(key)
 
     def _look_up(
         self, ledger: Ledger, mm_hashes: list[str], keys: list[str], ask: list[int], claim: bool
